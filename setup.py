@@ -1,0 +1,35 @@
+"""Install the RLHF system (package ``rlhf``).
+
+CPU development: ``pip install torch==2.13.0 -e ".[test]"`` (install the CPU
+torch build first, or in the same pip call, so no CUDA build is pulled).
+GPU clusters: add the ``gpu`` extra or use the Docker image.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="rlhf",
+    version="0.1.0",
+    description="PPO-based RLHF on Megatron-Core with per-task meshes, fused "
+    "generation/inference and fused actor/critic pipeline schedules",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlhf", "rlhf.*"]),
+    py_modules=["pretrain_rlhf"],
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "megatron-core>=0.16.1",
+        "numpy",
+        "mpi4py",
+        "mpich",
+        "safetensors",
+        "tokenizers",
+        "tqdm",
+        "tensorboard",
+        "pyarrow",
+        "matplotlib",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "transformers"],
+        "gpu": ["transformer-engine", "flash-attn"],
+    },
+)
