@@ -1,0 +1,213 @@
+"""Schedule generators: serial 1F1B, greedy fused, and list-scheduled starts.
+
+Every generator returns per-stage lists of subtask ids (see problem.py); the
+caller turns them into Actions.  They emit compute subtasks only.
+
+* :func:`one_f_one_b` - one model stage's 1F1B sequence with ``warmup``
+  forwards before the first backward (standard: ``pp - stage - 1``).
+* :func:`serial_1f1b` - each model alone with 1F1B, one after the other.
+* :func:`greedy_fused` - RLHFuse's greedy: every model keeps its own 1F1B
+  sequence per stage; a free stage starts the ready head of the *larger* model
+  first (more work per stage), else the other's (bidirectional 1F1B).
+* :func:`list_schedule` - the general event-driven list scheduler both use:
+  when a stage is free it starts the best ready candidate under a priority key
+  (never idles while something is ready).  With ``sequences`` the candidates
+  are the heads of fixed per-(stage, model) sequences; otherwise each model
+  offers its next F (if fewer than ``limit`` micro-batches are in flight on
+  that stage and the memory cap allows) and its next B.
+* :func:`start_pool` - the set of starting schedules for the annealer.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .problem import Problem
+from .simulate import simulate
+
+
+def one_f_one_b(pb: Problem, model: int, pipeline: int, stage: int, warmup: int | None = None) -> list:
+    """Ids of one model stage's subtasks in 1F1B order (micro-batches in order)."""
+    m = pb.models[model]
+    nb = m.microbatches
+    w = m.pp - stage - 1 if warmup is None else warmup
+    w = max(0, min(w, nb))
+    f = [pb.node_id_fast(model, pipeline, b, stage, True) for b in range(nb)]
+    b_ = [pb.node_id_fast(model, pipeline, b, stage, False) for b in range(nb)]
+    out = f[:w]
+    for i in range(nb - w):
+        out += [f[w + i], b_[i]]
+    return out + b_[nb - w:]
+
+
+def _model_stage_map(pb: Problem) -> list:
+    """``at[s][i] = (pipeline, model stage)`` of model ``i`` on fused stage ``s``."""
+    at = [[None] * len(pb.models) for _ in range(pb.stages)]
+    for i, m in enumerate(pb.models):
+        for p in range(m.pipelines):
+            for j in range(m.pp):
+                at[m.fused_stage(p, j, pb.stages)][i] = (p, j)
+    return at
+
+
+def per_model_1f1b(pb: Problem, extra: Sequence[int] | None = None) -> list:
+    """``seq[s][i]``: model i's 1F1B sequence on fused stage s, with ``extra[i]``
+    additional warm-up forwards."""
+    extra = extra or [0] * len(pb.models)
+    at = _model_stage_map(pb)
+    return [[one_f_one_b(pb, i, p, j, pb.models[i].pp - j - 1 + extra[i])
+             for i, (p, j) in enumerate(row)] for row in at]
+
+
+def serial_1f1b(pb: Problem) -> list:
+    """Per stage: model 0's 1F1B, then model 1's, ... (the non-fused baseline)."""
+    return [sum(row, []) for row in per_model_1f1b(pb)]
+
+
+def model_alone(pb: Problem, model: int) -> Problem:
+    return Problem(pb.stages, (pb.models[model],), pb.comm, pb.mem_cap, pb.time_unit, pb.mem_unit)
+
+
+def serial_1f1b_makespan(pb: Problem) -> float:
+    """Sum over models of each model's 1F1B makespan alone (training steps run
+    one after the other, each ending with its flush).  For uniform stages each
+    term is ``(m + pp - 1) * (f + b)``."""
+    return sum(simulate(sub, serial_1f1b(sub)).makespan
+               for sub in (model_alone(pb, i) for i in range(len(pb.models))))
+
+
+def model_size_order(pb: Problem) -> list:
+    """Model indices, the largest (most work per stage) first."""
+    return sorted(range(len(pb.models)),
+                  key=lambda i: (-(sum(pb.models[i].fwd) + sum(pb.models[i].bwd)) / pb.models[i].pp, i))
+
+
+def greedy_fused(pb: Problem) -> list:
+    """RLHFuse greedy: bidirectional 1F1B, the larger model first when both are ready."""
+    rank = {i: r for r, i in enumerate(model_size_order(pb))}
+    model = pb.arrays.model
+    return list_schedule(pb, key=lambda v: rank[model[v]], sequences=per_model_1f1b(pb))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A dynamic list-scheduling rule: ``extra[i]`` warm-up forwards beyond
+    1F1B for model i (``None``: unbounded), ``order``: model priority (first
+    wins), ``b_first``: a ready B beats a ready F of the same model."""
+
+    extra: tuple
+    order: tuple
+    b_first: bool = True
+
+    def key(self, pb: Problem) -> Callable[[int], tuple]:
+        rank = {i: r for r, i in enumerate(self.order)}
+        model, is_fwd, tail = pb.arrays.model, pb.arrays.is_fwd, pb.arrays.tail
+        b_first = self.b_first
+        return lambda v: (rank[model[v]], is_fwd[v] == b_first, -tail[v])
+
+
+def list_schedule(pb: Problem, key: Callable[[int], object], sequences=None,
+                  limits=None, mem_cap: float | None = None) -> list | None:
+    """Event-driven list scheduling; returns per-stage orders or None if stuck.
+
+    ``sequences[s][i]``: fixed order of model i on stage s (heads only are
+    candidates).  Otherwise ``limits[i][j]`` caps F-minus-B in flight for model
+    i at model stage j (None = unbounded) and ``mem_cap`` caps live memory.
+    """
+    cands = _Candidates(pb, sequences, limits, mem_cap)
+    arr = pb.arrays
+    end = [-1.0] * pb.num_nodes
+    orders = [[] for _ in range(pb.stages)]
+    idle = set(range(pb.stages))
+    events: list = []
+    t = 0.0
+    while True:
+        for s in sorted(idle):
+            ready = [v for v in cands.heads(s) if _ready(arr, end, v, t)]
+            if ready:
+                v = min(ready, key=key)
+                cands.take(s, v)
+                orders[s].append(v)
+                idle.discard(s)
+                heapq.heappush(events, (t + arr.dur[v], s, v))
+        if not events:
+            break
+        t = events[0][0]
+        while events and events[0][0] <= t:
+            _, s, v = heapq.heappop(events)
+            if s < 0:
+                continue  # a wake-up: a dependency's communication arrived
+            end[v] = t
+            idle.add(s)
+            nxt = v + 1
+            if nxt < len(end) and arr.pred[nxt] == v and arr.lag[nxt] > 0:
+                heapq.heappush(events, (t + arr.lag[nxt], -1, -1))
+    done = sum(len(o) for o in orders)
+    return orders if done == pb.num_nodes else None
+
+
+def _ready(arr, end, v: int, t: float) -> bool:
+    p = arr.pred[v]
+    return p < 0 or (end[p] >= 0.0 and end[p] + arr.lag[v] <= t + 1e-12)
+
+
+class _Candidates:
+    """The subtasks a stage may start next (heads of its queues)."""
+
+    def __init__(self, pb: Problem, sequences, limits, mem_cap):
+        self.pb, self.fixed = pb, sequences is not None
+        at = _model_stage_map(pb)
+        nm = len(pb.models)
+        if self.fixed:
+            self.queues = [[list(q) for q in row] for row in sequences]
+        else:
+            self.queues = []
+            for row in at:
+                qs = []
+                for i, (p, j) in enumerate(row):
+                    nb = pb.models[i].microbatches
+                    qs.append([pb.node_id_fast(i, p, b, j, True) for b in range(nb)])
+                    qs.append([pb.node_id_fast(i, p, b, j, False) for b in range(nb)])
+                self.queues.append(qs)
+            limits = limits or [[None] * m.pp for m in pb.models]
+            self.limit = [[limits[i][at[s][i][1]] for i in range(nm)] for s in range(pb.stages)]
+            self.inflight = [[0] * nm for _ in range(pb.stages)]
+        self.ptr = [[0] * len(q) for q in self.queues]
+        self.live = [0.0] * pb.stages
+        self.cap = mem_cap
+
+    def heads(self, s: int) -> list:
+        out = []
+        arr = self.pb.arrays
+        for qi, q in enumerate(self.queues[s]):
+            k = self.ptr[s][qi]
+            if k >= len(q):
+                continue
+            v = q[k]
+            if not self.fixed and arr.is_fwd[v]:
+                i = qi // 2
+                lim = self.limit[s][i]
+                if lim is not None and self.inflight[s][i] >= lim:
+                    continue
+            if arr.is_fwd[v] and self.cap is not None and self.live[s] + arr.mem[v] > self.cap + 1e-9:
+                continue
+            out.append(v)
+        return out
+
+    def take(self, s: int, v: int) -> None:
+        arr = self.pb.arrays
+        for qi, q in enumerate(self.queues[s]):
+            k = self.ptr[s][qi]
+            if k < len(q) and q[k] == v:
+                self.ptr[s][qi] += 1
+                break
+        self.live[s] += arr.mem[v]
+        if not self.fixed:
+            self.inflight[s][arr.model[v]] += 1 if arr.is_fwd[v] else -1
+
+
+def rule_schedule(pb: Problem, rule: Rule, mem_cap: float | None = None) -> list | None:
+    limits = [[None if e is None else m.pp - j + e for j in range(m.pp)]
+              for m, e in zip(pb.models, rule.extra)]
+    return list_schedule(pb, rule.key(pb), limits=limits, mem_cap=mem_cap)
