@@ -32,7 +32,7 @@ rows, and results are gathered back::
 """
 from __future__ import annotations
 
-import math
+import functools
 from typing import Tuple
 
 import torch
@@ -42,9 +42,10 @@ import torch
 DEFAULT_BLOCK = 64
 
 
+@functools.lru_cache(maxsize=64)
 def _suffix_coefficients(factor: float, size: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
     """Within-block matrix M^T ([size, size], M[i, j] = factor^(j-i) for j >= i)
-    and carry vector p ([size], p[i] = factor^(size-i))."""
+    and carry vector p ([size], p[i] = factor^(size-i)). Cached: read-only."""
     idx = torch.arange(size, dtype=torch.float64)
     expo = idx[None, :] - idx[:, None]  # expo[i, j] = j - i
     base = torch.tensor(factor, dtype=torch.float64)
@@ -71,37 +72,41 @@ def discounted_suffix_sum(x: torch.Tensor, factor: float, block: int = DEFAULT_B
     if length <= block:
         mat_t, _ = _suffix_coefficients(factor, length, x.dtype)
         return x @ mat_t
-    n_blocks = math.ceil(length / block)
-    padded = torch.nn.functional.pad(x, (0, n_blocks * block - length))
+    n_blocks = -(-length // block)
+    if n_blocks * block != length:  # callers on the hot path pre-pad (no copy)
+        x = torch.nn.functional.pad(x, (0, n_blocks * block - length))
     mat_t, carry_coef = _suffix_coefficients(factor, block, x.dtype)
-    local = (padded.view(batch * n_blocks, block) @ mat_t).view(batch, n_blocks, block)
+    local = (x.reshape(batch * n_blocks, block) @ mat_t).view(batch, n_blocks, block)
     # Full value at each block start: same recurrence, one level up.
-    heads = discounted_suffix_sum(local[:, :, 0].contiguous(), factor ** block, block)
+    heads = discounted_suffix_sum(local[:, :, 0].contiguous(), factor**block, block)
     next_head = torch.nn.functional.pad(heads[:, 1:], (0, 1))  # [B, n]; 0 after the last block
     out = local.addcmul_(next_head.unsqueeze(-1), carry_coef)  # local + next_head * c^(K-i)
     return out.view(batch, n_blocks * block)[:, :length]
 
 
+def _padded_width(length: int, block: int) -> int:
+    """Compacted row width: at least T + 1 (column T is the masked tokens' slot,
+    read back as 0) and a multiple of ``block`` so the scan needs no padding copy."""
+    return -(-(length + 1) // block) * block
+
+
 def _compaction_index(mask: torch.Tensor) -> torch.Tensor:
-    """Destination column of each token after compaction ([B, T] int64).
-    Valid tokens go to cumsum(mask) - 1; masked tokens to the dump column T."""
-    valid = mask > 0
-    dest = torch.cumsum(valid, dim=1) - 1
-    return torch.where(valid, dest, torch.full_like(dest, mask.shape[1]))
+    """dest [B, T] int64: destination column of each token after compaction. Valid tokens go to cumsum(mask) - 1, masked ones to column T."""
+    valid = mask if mask.dtype == torch.bool else mask > 0
+    slot = mask.shape[1]
+    # dest = valid ? cumsum - 1 : T, written as in-place arithmetic (cheaper than masked_fill).
+    dest = valid.long().cumsum_(1).sub_(1 + slot)
+    return dest.mul_(valid).add_(slot)
 
 
-def _compact(x: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
-    """Move valid tokens to the front of each row; zeros elsewhere ([B, T])."""
+def _compact(x: torch.Tensor, dest: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Move valid tokens to the front of each row: [B, T] -> [B, width], width > T,
+    zeros from column T on (column T first collects the masked tokens, then is cleared)."""
     batch, length = x.shape
-    out = x.new_zeros(batch, length + 1)  # last column collects masked tokens
-    out.scatter_(1, dest, x)
-    return out[:, :length]
-
-
-def _expand(x: torch.Tensor, dest: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``_compact``: put results back in place; 0 at masked tokens."""
-    gathered = x.gather(1, dest.clamp(max=x.shape[1] - 1))
-    return torch.where(mask > 0, gathered, torch.zeros((), dtype=x.dtype))
+    out = torch.zeros(batch, width, dtype=dtype)
+    out.scatter_(1, dest, x.to(dtype))
+    out[:, length] = 0
+    return out
 
 
 def _check_inputs(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, **scalars: float) -> None:
@@ -144,14 +149,17 @@ def compute_gae(
     """
     _check_inputs(rewards, values, mask, gamma=gamma, lam=lam)
     dtype = _work_dtype(rewards)
+    width = _padded_width(rewards.shape[1], block)
     dest = _compaction_index(mask)
-    rew = _compact(rewards.to(dtype), dest)
-    val = _compact(values.to(dtype), dest)
-    next_val = torch.nn.functional.pad(val[:, 1:], (0, 1))  # zeros past each row's end
-    delta = rew + gamma * next_val - val
+    # In-place ops below: fresh [B, T] buffers cost page faults on CPU.
+    delta = _compact(rewards, dest, width, dtype)
+    val = _compact(values, dest, width + 1, dtype)
+    # Compacted rows are zero from each row's valid length on, so delta and the
+    # advantage are 0 there, and masked tokens (dest = T) read back 0.
+    delta.add_(val[:, 1:], alpha=gamma).sub_(val[:, :-1])
     adv = discounted_suffix_sum(delta, gamma * lam, block)
-    advantages = _expand(adv, dest, mask)
-    returns = _expand(adv + val, dest, mask)
+    advantages = adv.gather(1, dest)
+    returns = adv.add_(val[:, :-1]).gather(1, dest)
     return advantages, returns
 
 
@@ -168,5 +176,5 @@ def discounted_returns(
     """
     _check_inputs(rewards, rewards, mask, gamma=gamma)
     dest = _compaction_index(mask)
-    rew = _compact(rewards.to(_work_dtype(rewards)), dest)
-    return _expand(discounted_suffix_sum(rew, gamma, block), dest, mask)
+    rew = _compact(rewards, dest, _padded_width(rewards.shape[1], block), _work_dtype(rewards))
+    return discounted_suffix_sum(rew, gamma, block).gather(1, dest)
