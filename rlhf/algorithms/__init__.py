@@ -1,0 +1,66 @@
+"""RLHF algorithms: pure tensor code, no process groups (see docs/algorithms.md).
+
+- gae: matrix-form GAE and discounted returns (blocked, masked by compaction)
+- kl: KL estimators k1/k2/k3, fixed/adaptive KL controllers, per-token rewards
+- losses: PPO clipped policy / value losses, entropy, masked statistics
+- estimators: advantage-estimator registry (gae, grpo, reinforce++)
+- balancing: token-balanced DP mini-batches (Karmarkar-Karp, LPT)
+"""
+from rlhf.algorithms.balancing import balanced_minibatches, karmarkar_karp, lpt_partition, partition_loads
+from rlhf.algorithms.estimators import (
+    AdvantageConfig,
+    AdvantageInputs,
+    advantage_estimators,
+    compute_advantages,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
+from rlhf.algorithms.gae import compute_gae, discounted_returns, discounted_suffix_sum
+from rlhf.algorithms.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLConfig,
+    kl_estimate,
+    make_kl_controller,
+    token_rewards,
+)
+from rlhf.algorithms.losses import (
+    aggregate_loss,
+    entropy_from_logits,
+    entropy_loss,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    policy_loss,
+    value_loss,
+)
+
+__all__ = [
+    "AdaptiveKLController",
+    "AdvantageConfig",
+    "AdvantageInputs",
+    "FixedKLController",
+    "KLConfig",
+    "advantage_estimators",
+    "aggregate_loss",
+    "balanced_minibatches",
+    "compute_advantages",
+    "compute_gae",
+    "discounted_returns",
+    "discounted_suffix_sum",
+    "entropy_from_logits",
+    "entropy_loss",
+    "get_advantage_estimator",
+    "karmarkar_karp",
+    "kl_estimate",
+    "lpt_partition",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "partition_loads",
+    "policy_loss",
+    "register_advantage_estimator",
+    "token_rewards",
+    "value_loss",
+]

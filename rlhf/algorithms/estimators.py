@@ -1,0 +1,148 @@
+"""Advantage estimators, registered by name with one signature (owns the
+registry and the GAE / GRPO / REINFORCE++ estimators).
+
+    @register_advantage_estimator("name")
+    def fn(inputs: AdvantageInputs, config: AdvantageConfig) -> (advantages, returns)
+
+Callers never branch on a name: ``compute_advantages(config.estimator, ...)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from rlhf.algorithms.gae import compute_gae, discounted_returns
+from rlhf.algorithms.losses import masked_whiten
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """Estimator settings.
+
+    estimator: registered name ("gae", "grpo", "reinforce++").
+    gamma, lam: discount and GAE lambda in [0, 1].
+    whiten: whiten GAE advantages over the batch's valid tokens.
+    norm_by_std: GRPO divides by the group std (False = Dr. GRPO style).
+    eps: added to standard deviations.
+    """
+
+    estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True
+    norm_by_std: bool = True
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("gamma", "lam"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"AdvantageConfig.{name}={value} must lie in [0, 1]")
+        if self.eps <= 0:
+            raise ValueError(f"AdvantageConfig.eps={self.eps} must be > 0")
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Per-batch inputs; an estimator uses the fields it needs.
+
+    token_rewards: [B, T] per-token rewards (KL penalty + score at the last token).
+    mask: [B, T] 0/1 valid response tokens.
+    values: [B, T] critic values (GAE only).
+    scores: [B] sequence scores (GRPO).
+    group_index: [B] int64 prompt id of each sample (GRPO: n samples per prompt).
+    """
+
+    token_rewards: torch.Tensor
+    mask: torch.Tensor
+    values: Optional[torch.Tensor] = None
+    scores: Optional[torch.Tensor] = None
+    group_index: Optional[torch.Tensor] = None
+
+    def require(self, estimator: str, *names: str) -> None:
+        missing = [name for name in names if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"advantage estimator {estimator!r} needs AdvantageInputs fields {missing}")
+
+
+Estimator = Callable[[AdvantageInputs, AdvantageConfig], Tuple[torch.Tensor, torch.Tensor]]
+_ESTIMATORS: Dict[str, Estimator] = {}
+
+
+def register_advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator registering ``fn(inputs, config) -> (advantages, returns)`` as ``name``."""
+
+    def wrap(fn: Estimator) -> Estimator:
+        if name in _ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_advantage_estimator(name: str) -> Estimator:
+    """Registered estimator; KeyError lists the names that exist."""
+    if name not in _ESTIMATORS:
+        raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(_ESTIMATORS)}")
+    return _ESTIMATORS[name]
+
+
+def advantage_estimators() -> Tuple[str, ...]:
+    """Names of the registered estimators, sorted."""
+    return tuple(sorted(_ESTIMATORS))
+
+
+def compute_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Run ``config.estimator``: ([B, T] advantages, [B, T] returns), 0 at masked tokens."""
+    return get_advantage_estimator(config.estimator)(inputs, config)
+
+
+@register_advantage_estimator("gae")
+def gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE (matrix form) on the critic's values; returns are the critic targets."""
+    inputs.require("gae", "values")
+    advantages, returns = compute_gae(inputs.token_rewards, inputs.values, inputs.mask, config.gamma, config.lam)
+    if config.whiten:
+        advantages = masked_whiten(advantages, inputs.mask)
+    return advantages, returns
+
+
+def group_statistics(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and unbiased std of its group's scores ([B] each).
+
+    Groups of one sample get mean 0 and std 1 (their score passes through)."""
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    count = torch.zeros(groups.shape[0], dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, torch.ones_like(scores)
+    )
+    total = torch.zeros_like(count).index_add_(0, inverse, scores)
+    mean = (total / count)[inverse]
+    sq = torch.zeros_like(count).index_add_(0, inverse, (scores - mean).square())
+    std = (sq / (count - 1).clamp(min=1)).sqrt()[inverse]
+    single = count[inverse] == 1
+    return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
+
+
+@register_advantage_estimator("grpo")
+def grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: (score - group mean) / (group std + eps), same value on every valid
+    token of the sample; no critic. Returns equal the advantages."""
+    inputs.require("grpo", "scores", "group_index")
+    scores = inputs.scores.float()
+    mean, std = group_statistics(scores, inputs.group_index)
+    normalised = scores - mean
+    if config.norm_by_std:
+        normalised = normalised / (std + config.eps)
+    advantages = torch.where(inputs.mask > 0, normalised.unsqueeze(1), torch.zeros((), device=scores.device))
+    return advantages, advantages
+
+
+@register_advantage_estimator("reinforce++")
+def reinforce_pp_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns of the per-token rewards (KL penalty
+    included), whitened over all valid tokens of the batch; no critic."""
+    returns = discounted_returns(inputs.token_rewards, inputs.mask, config.gamma)
+    return masked_whiten(returns, inputs.mask, eps=config.eps), returns

@@ -1,0 +1,175 @@
+"""PPO losses and their metrics (owns masked statistics, advantage whitening,
+loss aggregation, the clipped policy and value losses and entropy).
+
+All inputs are [B, T] per-token tensors with a 0/1 ``mask`` of valid response
+tokens; every metric is returned as a 0-dim tensor (no host sync here).
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from rlhf.algorithms.kl import kl_estimate
+
+Metrics = Dict[str, torch.Tensor]
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Sum of ``x`` over valid entries (masked entries may hold inf/nan)."""
+    kept = torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of ``x`` over valid entries; 0 where there are none."""
+    count = (mask > 0).sum() if dim is None else (mask > 0).sum(dim)
+    return masked_sum(x, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over all valid entries (0-dim)."""
+    count = (mask > 0).sum()
+    centered = x - masked_mean(x, mask)
+    total = masked_sum(centered.square(), mask)
+    return total / (count - 1 if unbiased else count).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over valid entries; 0 at masked entries.
+
+    Args:
+        x: [B, T]; mask: [B, T] 0/1.
+        shift_mean: False keeps the mean (only rescales), as some PPO variants do.
+    Returns:
+        [B, T] whitened tensor.
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask > 0, whitened, torch.zeros((), dtype=whitened.dtype, device=x.device))
+
+
+def _token_mean(loss, mask, denominator):
+    return masked_sum(loss, mask) / (denominator if denominator is not None else (mask > 0).sum().clamp(min=1))
+
+
+def _seq_mean(per_seq, mask, denominator):
+    return per_seq.sum() / (denominator if denominator is not None else mask.shape[0])
+
+
+LOSS_AGGREGATIONS: Dict[str, Callable[..., torch.Tensor]] = {
+    "token-mean": _token_mean,
+    "seq-mean-token-mean": lambda loss, mask, d: _seq_mean(masked_mean(loss, mask, dim=1), mask, d),
+    "seq-mean-token-sum": lambda loss, mask, d: _seq_mean(masked_sum(loss, mask, dim=1), mask, d),
+}
+
+
+def aggregate_loss(
+    loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", denominator: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar.
+
+    Modes: "token-mean" (sum over valid tokens / token count), "seq-mean-token-mean"
+    (mean over sequences of each sequence's token mean), "seq-mean-token-sum".
+    ``denominator`` replaces the local token (or sequence) count, e.g. with the
+    global count of a data-parallel mini-batch so that ranks with different
+    token loads contribute in proportion to their tokens.
+    """
+    if mode not in LOSS_AGGREGATIONS:
+        raise KeyError(f"unknown loss aggregation {mode!r}; known: {sorted(LOSS_AGGREGATIONS)}")
+    return LOSS_AGGREGATIONS[mode](loss, mask, denominator)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+    agg: str = "token-mean",
+) -> Tuple[torch.Tensor, Metrics]:
+    """PPO clipped surrogate loss, optionally dual-clipped (Ye et al. 2020).
+
+    loss_t = max(-A r, -A clip(r, 1 - eps, 1 + eps_high)), r = exp(logp - old_logp);
+    with dual_clip = c > 1, tokens with A < 0 are further capped at -c A.
+
+    Args:
+        logprobs: [B, T] current policy log-probs (with grad).
+        old_logprobs: [B, T] log-probs at sampling time.
+        advantages: [B, T].
+        mask: [B, T] 0/1 valid tokens.
+        clip_eps, clip_eps_high: lower / upper clip range (high defaults to low).
+        dual_clip: constant c > 1, or None.
+        agg: aggregation mode (``aggregate_loss``).
+    Returns:
+        (loss 0-dim, metrics: clipfrac, dual_clipfrac, approx_kl, ratio_mean).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1 (or None to disable)")
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + eps_high)
+    losses = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(losses, dtype=torch.bool)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (losses > cap)
+        losses = torch.where(advantages < 0, torch.minimum(losses, cap), losses)
+    metrics = {
+        "clipfrac": masked_mean((clipped > unclipped).float(), mask).detach(),
+        "dual_clipfrac": masked_mean(dual_clipped.float(), mask).detach(),
+        # KL(old || new) with the k3 estimator on tokens sampled from the old policy.
+        "approx_kl": masked_mean(kl_estimate(old_logprobs, logprobs, "k3"), mask).detach(),
+        "ratio_mean": masked_mean(ratio, mask).detach(),
+    }
+    return aggregate_loss(losses, mask, agg), metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: Optional[float] = 0.2,
+    agg: str = "token-mean",
+) -> Tuple[torch.Tensor, Metrics]:
+    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), with
+    V_clip = V_old + clip(V - V_old, -eps, eps); ``clip_eps=None`` disables clipping.
+
+    Args:
+        values: [B, T] current critic values (with grad); old_values: [B, T] at
+            sampling time; returns: [B, T] targets; mask: [B, T] 0/1.
+    Returns:
+        (loss 0-dim, metrics: vf_clipfrac, value_mean).
+    """
+    unclipped = (values - returns).square()
+    if clip_eps is None:
+        losses, clipfrac = unclipped, torch.zeros((), device=values.device)
+    else:
+        clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        clipped = (clipped_values - returns).square()
+        losses = torch.maximum(unclipped, clipped)
+        clipfrac = masked_mean((clipped > unclipped).float(), mask).detach()
+    metrics = {"vf_clipfrac": clipfrac, "value_mean": masked_mean(values, mask).detach()}
+    return 0.5 * aggregate_loss(losses, mask, agg), metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: [B, T, V] -> [B, T] (nats)."""
+    logits = logits.float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    # where(): a -inf logit (banned token) has p = 0 and contributes 0, not nan.
+    plogp = torch.where(log_probs > -torch.inf, log_probs.exp() * log_probs, torch.zeros((), device=logits.device))
+    return -plogp.sum(dim=-1)
+
+
+def entropy_loss(logits: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """Aggregated entropy of [B, T, V] logits over valid tokens (subtract
+    ``coef * entropy_loss`` from the policy loss to encourage exploration)."""
+    return aggregate_loss(entropy_from_logits(logits), mask, agg)
