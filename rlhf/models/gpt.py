@@ -1,0 +1,132 @@
+"""Build megatron-core GPTModel stages for a task: LM (actor/reference) or value (critic/reward).
+
+Each model is built for one rank of one task with that task's explicit
+process-group collection, so models with different (dp, pp, tp) coexist in
+one set of processes. Only megatron's local (non-TransformerEngine) layer spec
+is used on CPU; the TE spec is taken on GPU when TE is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlhf import platform
+from rlhf.models.config import ModelConfig
+from rlhf.parallel.groups import TaskGroups
+
+ROLES = ("lm", "value")
+
+
+def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = torch.float32):
+    """megatron TransformerConfig for ``cfg`` sharded tp x pp (no fusions, no dropout)."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_kv_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=cfg.qkv_bias,
+        init_method_std=cfg.init_std,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+    )
+
+
+def _layer_spec():
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if platform.has_accelerator():
+        try:
+            return specs.get_gpt_layer_with_transformer_engine_spec()
+        except (ImportError, AssertionError):
+            pass
+    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+class ValueHead(torch.nn.Module):
+    """hidden -> one scalar per token, replicated on every TP rank.
+
+    Drop-in for GPTModel's output layer: same call signature and (out, bias)
+    return. Each TP rank holds the full hidden state, so no collective is
+    needed and gradients w.r.t. the hidden state are already complete.
+    """
+
+    def __init__(self, hidden_size: int, init_std: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size))
+        torch.nn.init.normal_(self.weight, std=init_std)
+        # Replicated across TP: counted once in grad norms, copied whole by resharding.
+        self.weight.tensor_model_parallel = False
+        self.sequence_parallel = False
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return F.linear(hidden, self.weight), None
+
+
+def build_model(cfg: ModelConfig, role: str, groups: TaskGroups, seed: int = 1234,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """This rank's stage of a ``role`` model for the task described by ``groups``.
+
+    Ranks of one stage share the seed, so with CPU initialisation every TP rank
+    draws the same full weights and keeps its slice.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    if role not in ROLES:
+        raise ValueError(f"unknown model role {role!r}; valid: {ROLES}")
+    platform.setup_megatron()
+    s = groups.mesh.strategy
+    platform.seed_model_parallel_rng(seed + 1000 * groups.coord.pp)
+    model = GPTModel(
+        config=transformer_config(cfg, s.tp, s.pp, dtype),
+        transformer_layer_spec=_layer_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_seq_len,
+        pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rope_theta),
+        pg_collection=groups.pg_collection,
+    )
+    if role == "value" and groups.is_last_stage:
+        model.output_layer = ValueHead(cfg.hidden_size, cfg.init_std).to(dtype)
+    return model.to(platform.device())
+
+
+def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor: torch.Tensor | None = None):
+    """Run one pipeline stage.
+
+    input_ids: [b, s] token ids (every stage needs them for the shape; only the
+    first stage embeds them). input_tensor: [s, b, h] hidden states from the
+    previous stage (None on the first stage). Returns [s, b, h] hidden states,
+    or on the last stage [b, s, V/tp] logits (LM) / [b, s] values (value model).
+    """
+    model.set_input_tensor(input_tensor)
+    b, s = input_ids.shape
+    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, -1)
+    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    if isinstance(model.output_layer if model.post_process else None, ValueHead):
+        return out.squeeze(-1)
+    return out

@@ -1,0 +1,148 @@
+"""Per-task process groups: a megatron ProcessGroupCollection for every task.
+
+`build_task_groups` is collective: every rank calls it with the same
+placement and creates every group in the same order (``new_group`` is
+collective), cached by rank set so tasks with identical sub-meshes share
+communicators. A rank outside a task's mesh gets ``None`` for that task.
+
+Reversed pipelines: ``new_group`` orders members by global rank, so
+``group.rank()`` is the sorted index. megatron derives a stage's layers from
+``pg_collection.pp.rank()/size()`` only, so the collection gets a thin view
+reporting the logical stage; our own p2p code uses the mesh's peer ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from rlhf.parallel.mesh import TASKS, Coord, ParallelStrategy, TaskMesh
+from rlhf.parallel.placement import Placement
+
+
+class LogicalStageGroup:
+    """A pipeline group whose rank() is the logical stage of a reversed pipeline."""
+
+    def __init__(self, group: dist.ProcessGroup, stage: int):
+        self._group = group
+        self._stage = stage
+
+    def rank(self) -> int:
+        return self._stage
+
+    def size(self) -> int:
+        return self._group.size()
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+
+@dataclass
+class TaskGroups:
+    """What one rank needs to run one task: its mesh, coordinate and groups."""
+
+    mesh: TaskMesh
+    coord: Coord
+    pg_collection: object  # megatron ProcessGroupCollection
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    mesh_group: dist.ProcessGroup
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.mesh.strategy.pp - 1
+
+    @property
+    def tp_rank(self) -> int:
+        """The TP shard index megatron uses (the rank within the sorted TP group)."""
+        return self.tp.rank()
+
+    def peer(self, stage_offset: int) -> int:
+        """Global rank of the same (dp, tp) position ``stage_offset`` stages away."""
+        return self.mesh.rank(self.coord.pp + stage_offset, self.coord.dp, self.coord.tp)
+
+
+class _GroupCache:
+    """Process-wide communicators, one per rank set (creation is collective)."""
+
+    def __init__(self):
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def get(self, ranks, create: bool = True) -> dist.ProcessGroup:
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            if not create:
+                raise RuntimeError(f"no process group for ranks {list(key)}; call build_task_groups first")
+            self._groups[key] = dist.new_group(list(key))
+        return self._groups[key]
+
+
+_CACHE = _GroupCache()
+
+
+def _rank_sets(mesh: TaskMesh) -> dict[str, list[list[int]]]:
+    s = mesh.strategy
+    return {
+        "tp": [mesh.tp_ranks(p, d) for p in range(s.pp) for d in range(s.dp)],
+        "dp": [mesh.dp_ranks(p, t) for p in range(s.pp) for t in range(s.tp)],
+        "pp": [mesh.pp_ranks(d, t) for d in range(s.dp) for t in range(s.tp)],
+        "mp": [mesh.mp_ranks(d) for d in range(s.dp)],
+        "tp_dp": [[mesh.rank(p, d, t) for d in range(s.dp) for t in range(s.tp)] for p in range(s.pp)],
+        "mesh": [list(mesh.ranks)],
+    }
+
+
+def build_task_groups(placement: Placement, rank: int | None = None) -> dict[str, TaskGroups | None]:
+    """Create all groups (collective) and return this rank's TaskGroups per task."""
+    rank = dist.get_rank() if rank is None else rank
+    cache = _CACHE
+    singletons = [cache.get([r]) for r in range(placement.world_size)]
+    result: dict[str, TaskGroups | None] = {}
+    for task in TASKS:
+        mesh = placement[task]
+        mine: dict[str, dist.ProcessGroup] = {}
+        for kind, sets in _rank_sets(mesh).items():
+            for ranks in sets:
+                group = cache.get(ranks)
+                if rank in ranks:
+                    mine[kind] = group
+        coord = mesh.coord(rank)
+        result[task] = None if coord is None else _task_groups(mesh, coord, mine, singletons[rank])
+    return result
+
+
+def local_groups(task: str = "local") -> TaskGroups:
+    """Groups for an unsharded model on this rank alone (a one-rank mesh).
+
+    Uses the one-rank communicator made by `build_task_groups`, so no
+    collective call happens here.
+    """
+    rank = dist.get_rank()
+    mesh = TaskMesh(task, (rank,), ParallelStrategy())
+    single = _CACHE.get([rank], create=False)
+    mine = {kind: single for kind in ("tp", "dp", "pp", "mp", "tp_dp", "mesh")}
+    return _task_groups(mesh, Coord(0, 0, 0), mine, single)
+
+
+def _task_groups(mesh: TaskMesh, coord: Coord, mine: dict, single) -> TaskGroups:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pp_view = LogicalStageGroup(mine["pp"], coord.pp) if mesh.reverse_pp else mine["pp"]
+    pgc = ProcessGroupCollection(
+        tp=mine["tp"], pp=pp_view, cp=single, tp_cp=mine["tp"], hcp=None,
+        embd=None, pos_embd=None, mp=mine["mp"], dp=mine["dp"], dp_cp=mine["dp"],
+        tp_dp_cp=mine["tp_dp"], intra_dp_cp=mine["dp"], ep=single, expt_tp=single,
+        tp_ep=mine["tp"], tp_ep_pp=None, expt_dp=single, intra_expt_dp=single,
+        intra_dist_opt=mine["mesh"],
+    )
+    return TaskGroups(
+        mesh=mesh, coord=coord, pg_collection=pgc, tp=mine["tp"], dp=mine["dp"],
+        pp=mine["pp"], mp=mine["mp"], mesh_group=mine["mesh"],
+    )

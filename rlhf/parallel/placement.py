@@ -1,0 +1,140 @@
+"""Placement: one TaskMesh per task, parsed from a plan and validated.
+
+A plan (JSON/YAML file or the equivalent flags) maps each task to its ranks
+and degrees::
+
+    {"actor_train":  {"ranks": "0-3", "tp": 2, "pp": 2},
+     "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": true},
+     "actor_gen":    {"tp": 2, "dp": 2},
+     "reward_inf":   {"ranks": [0, 1]}}
+
+Omitted ranks mean the whole world; omitted degrees are 1, except that dp
+defaults to whatever fills the mesh (``len(ranks) / (pp * tp)``). Tasks left
+out of the plan run on the whole world with dp only.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf.parallel.mesh import TASKS, ParallelStrategy, PlacementError, TaskMesh
+
+TASK_MODEL = {
+    "actor_gen": "actor",
+    "ref_inf": "reference",
+    "reward_inf": "reward",
+    "critic_inf": "critic",
+    "actor_train": "actor",
+    "critic_train": "critic",
+}
+"""Which model each task runs."""
+
+
+def parse_ranks(spec, task: str) -> tuple[int, ...]:
+    """Ranks from a list ``[0, 1]`` or a string ``"0-3"`` / ``"0,2,4-5"``."""
+    if isinstance(spec, (list, tuple)):
+        return tuple(int(r) for r in spec)
+    ranks: list[int] = []
+    try:
+        for part in str(spec).split(","):
+            lo, _, hi = part.strip().partition("-")
+            ranks.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise PlacementError(f"{task}: cannot parse ranks {spec!r}; use e.g. '0-3' or '0,2,4-5' or a list") from None
+    return tuple(ranks)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The mesh of every task, validated against the world size."""
+
+    meshes: dict[str, TaskMesh]
+    world_size: int
+
+    def __post_init__(self):
+        for task, mesh in self.meshes.items():
+            if task not in TASKS:
+                raise PlacementError(f"unknown task {task!r}; valid tasks: {', '.join(TASKS)}")
+            outside = [r for r in mesh.ranks if not 0 <= r < self.world_size]
+            if outside:
+                raise PlacementError(
+                    f"{task}: rank(s) {outside} are outside the world of {self.world_size} ranks "
+                    f"(valid: 0..{self.world_size - 1})"
+                )
+
+    def __getitem__(self, task: str) -> TaskMesh:
+        return self.meshes[task]
+
+    @classmethod
+    def from_plan(cls, plan: dict, world_size: int) -> "Placement":
+        """Build from a plan dict (see module docstring)."""
+        unknown = set(plan) - set(TASKS)
+        if unknown:
+            raise PlacementError(f"unknown task(s) {sorted(unknown)} in plan; valid tasks: {', '.join(TASKS)}")
+        meshes = {task: _mesh_from_entry(task, plan.get(task, {}), world_size) for task in TASKS}
+        return cls(meshes=meshes, world_size=world_size)
+
+    @classmethod
+    def from_file(cls, path: str | Path, world_size: int) -> "Placement":
+        """Build from a JSON or YAML plan file."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                plan = yaml.safe_load(text)
+            else:
+                plan = json.loads(text)
+        except (OSError, ValueError) as exc:
+            raise PlacementError(f"placement file {path}: {exc}") from None
+        if not isinstance(plan, dict):
+            raise PlacementError(f"placement file {path}: expected a mapping of task -> mesh")
+        return cls.from_plan(plan, world_size)
+
+    def validate_models(self, model_configs: dict) -> None:
+        """Check each task's strategy against the model it runs (heads, layers, vocab)."""
+        for task, mesh in self.meshes.items():
+            cfg = model_configs.get(TASK_MODEL[task])
+            if cfg is not None:
+                check_strategy_fits_model(task, mesh.strategy, cfg)
+
+
+def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
+    if not isinstance(entry, dict):
+        raise PlacementError(f"{task}: expected a mapping with ranks/dp/pp/tp, got {entry!r}")
+    allowed = {"ranks", "dp", "pp", "tp", "reverse_pp"}
+    extra = set(entry) - allowed
+    if extra:
+        raise PlacementError(f"{task}: unknown key(s) {sorted(extra)}; allowed: {sorted(allowed)}")
+    ranks = parse_ranks(entry["ranks"], task) if "ranks" in entry else tuple(range(world_size))
+    tp, pp = int(entry.get("tp", 1)), int(entry.get("pp", 1))
+    if "dp" in entry:
+        dp = int(entry["dp"])
+    else:
+        if tp < 1 or pp < 1 or len(ranks) % (tp * pp):
+            raise PlacementError(
+                f"{task}: pp*tp = {pp}*{tp} does not divide the mesh size {len(ranks)}; "
+                "choose pp and tp whose product divides the number of ranks"
+            )
+        dp = len(ranks) // (tp * pp)
+    return TaskMesh(task, ranks, ParallelStrategy(dp=dp, pp=pp, tp=tp), bool(entry.get("reverse_pp", False)))
+
+
+def check_strategy_fits_model(task: str, strategy: ParallelStrategy, cfg) -> None:
+    """Raise PlacementError if ``strategy`` cannot shard the model ``cfg``."""
+    tp, pp = strategy.tp, strategy.pp
+    rules = [
+        (cfg.num_attention_heads % tp == 0,
+         f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}"),
+        (cfg.num_kv_heads % tp == 0, f"tp={tp} does not divide the KV heads (num_kv_heads={cfg.num_kv_heads})"),
+        (cfg.ffn_hidden_size % tp == 0, f"tp={tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}"),
+        (cfg.vocab_size % tp == 0, f"tp={tp} does not divide vocab_size={cfg.vocab_size}"),
+        (pp <= cfg.num_layers, f"pp={pp} is larger than num_layers={cfg.num_layers}"),
+        (cfg.num_layers % pp == 0, f"pp={pp} does not divide num_layers={cfg.num_layers}"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise PlacementError(f"{task}: {message}")

@@ -1,0 +1,229 @@
+"""Move a model's weights between (mesh, strategy) layouts with point-to-point collectives.
+
+Vocabulary: a *global name* is a parameter's name in the unsharded model
+(``decoder.layers.{global layer}.…``); its *full* tensor is the unsharded one.
+megatron splits a TP-parallel parameter along ``partition_dim`` into ``tp``
+slices; with ``partition_stride`` k (SwiGLU's fc1 has k=2: [gate; up]) the full
+dimension is k blocks, each split into tp parts, and a rank keeps its part of
+every block::
+
+    full fc1 rows:  [ gate_0 gate_1 | up_0 up_1 ]      (tp=2, k=2)
+    tp rank 0:      [ gate_0 | up_0 ]    tp rank 1: [ gate_1 | up_1 ]
+
+Fused QKV is laid out per query group, so its TP slices are contiguous along
+dim 0 (stride 1) and need no special case. Non-TP parameters (norms, the value
+head) are copied whole.
+
+Resharding computes, on every participating rank, the same plan of transfers
+(parameter, source rank, destination rank, overlapping ranges) and posts the
+matching isend/irecv pairs, tagged by parameter index, so every pair of ranks
+sees messages in one global order (no deadlock, no file round trip).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlhf.parallel.groups import TaskGroups
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(model: torch.nn.Module, name: str) -> str:
+    """The unsharded model's name for local parameter ``name`` of a pipeline stage."""
+    m = _LAYER.match(name)
+    if not m:
+        return name
+    layer = model.decoder.layers[int(m.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+
+
+def named_global_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """This stage's parameters keyed by global name."""
+    return {global_name(model, n): p for n, p in model.named_parameters()}
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How one parameter is split across TP ranks."""
+
+    tp: int
+    dim: int = 0
+    stride: int = 1
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, param: torch.Tensor, tp: int) -> "ShardSpec":
+        if not getattr(param, "tensor_model_parallel", False):
+            return cls(tp=tp, parallel=False)
+        return cls(tp=tp, dim=param.partition_dim, stride=getattr(param, "partition_stride", 1))
+
+    def with_tp(self, tp: int) -> "ShardSpec":
+        return ShardSpec(tp=tp, dim=self.dim, stride=self.stride, parallel=self.parallel)
+
+    def full_size(self, local: torch.Tensor) -> int:
+        return local.shape[self.dim] * (self.tp if self.parallel else 1)
+
+
+def shard_ranges(spec: ShardSpec, full_size: int, tp_rank: int) -> list[tuple[int, int, int]]:
+    """(start in full tensor, start in local shard, length) pieces of TP rank ``tp_rank``."""
+    if not spec.parallel or spec.tp == 1:
+        return [(0, 0, full_size)]
+    block = full_size // spec.stride
+    part = block // spec.tp
+    return [(j * block + tp_rank * part, j * part, part) for j in range(spec.stride)]
+
+
+def full_to_shard(full: torch.Tensor, spec: ShardSpec, tp_rank: int) -> torch.Tensor:
+    """Slice a full tensor down to TP rank ``tp_rank``'s shard."""
+    pieces = [full.narrow(spec.dim, s, n) for s, _, n in shard_ranges(spec, full.shape[spec.dim], tp_rank)]
+    return torch.cat(pieces, dim=spec.dim)
+
+
+def shards_to_full(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """Reassemble the full tensor from the shards of all TP ranks (in TP order)."""
+    if not spec.parallel or len(shards) == 1:
+        return shards[0]
+    k = spec.stride
+    blocks = [list(s.chunk(k, dim=spec.dim)) for s in shards]
+    return torch.cat([blocks[t][j] for j in range(k) for t in range(len(shards))], dim=spec.dim)
+
+
+def _overlaps(src: ShardSpec, src_rank: int, dst: ShardSpec, dst_rank: int, full_size: int):
+    """Pieces (src local start, dst local start, length) that src shard sends to dst shard."""
+    out = []
+    for s_full, s_loc, s_len in shard_ranges(src, full_size, src_rank):
+        for d_full, d_loc, d_len in shard_ranges(dst, full_size, dst_rank):
+            lo, hi = max(s_full, d_full), min(s_full + s_len, d_full + d_len)
+            if lo < hi:
+                out.append((s_loc + lo - s_full, d_loc + lo - d_full, hi - lo))
+    return out
+
+
+def owning_stage(name: str, num_layers: int, pp: int) -> int:
+    """Pipeline stage holding global parameter ``name`` when ``num_layers`` are split over ``pp``."""
+    m = _LAYER.match(name)
+    if m:
+        return int(m.group(1)) // (num_layers // pp)
+    return 0 if name.startswith("embedding.") else pp - 1
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One layout of the model as every rank sees it."""
+
+    groups: TaskGroups | None
+    model: torch.nn.Module | None
+
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        return named_global_parameters(self.model) if self.model is not None else {}
+
+
+def _source_rank(src_mesh, stage: int, src_tp: int, dst_rank: int) -> int:
+    """The src replica that serves ``dst_rank``: itself when colocated, else spread by rank."""
+    candidates = [src_mesh.rank(stage, d, src_tp) for d in range(src_mesh.strategy.dp)]
+    return dst_rank if dst_rank in candidates else candidates[dst_rank % len(candidates)]
+
+
+def _pieces(t: torch.Tensor, dim: int, ranges, which: int) -> list[torch.Tensor]:
+    return [t.narrow(dim, r[which], r[2]) for r in ranges]
+
+
+@torch.no_grad()
+def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> None:
+    """Copy weights of the model laid out on ``src_mesh`` into the one on ``dst_mesh``.
+
+    ``src`` / ``dst`` are this rank's ``(TaskGroups, model)`` in each layout, or
+    ``(None, None)`` where the rank is not in that mesh. Every rank of either
+    mesh must call this; others need not. Each destination shard receives only
+    the overlapping ranges from one source replica per source TP shard.
+    """
+    me = dist.get_rank()
+    src_side, dst_side = _Side(*src), _Side(*dst)
+    s_tp, d_tp = src_mesh.strategy.tp, dst_mesh.strategy.tp
+    s_pp, d_pp = src_mesh.strategy.pp, dst_mesh.strategy.pp
+    requests, unpack = [], []
+
+    for name, param in src_side.params().items():  # what this rank sends
+        my_tp = src_side.groups.tp_rank
+        spec = ShardSpec.of(param, s_tp)
+        full = spec.full_size(param)
+        stage = owning_stage(name, num_layers, d_pp)
+        for dst_rank in (dst_mesh.rank(stage, d, t) for d in range(dst_mesh.strategy.dp) for t in range(d_tp)):
+            src_tp = my_tp if spec.parallel else dst_mesh.coord(dst_rank).tp % s_tp
+            if src_tp != my_tp or dst_rank == me:
+                continue
+            if _source_rank(src_mesh, owning_stage(name, num_layers, s_pp), src_tp, dst_rank) != me:
+                continue
+            dst_tp = dst_mesh.coord(dst_rank).tp
+            ranges = _overlaps(spec, my_tp, spec.with_tp(d_tp), dst_tp, full)
+            if ranges:
+                payload = torch.cat(_pieces(param.data, spec.dim, ranges, 0), dim=spec.dim).contiguous()
+                requests.append(dist.isend(payload, dst_rank, tag=_tag(name)))
+
+    for name, param in dst_side.params().items():  # what this rank receives
+        my_tp = dst_side.groups.tp_rank
+        spec = ShardSpec.of(param, d_tp)
+        full = spec.full_size(param)
+        src_stage = owning_stage(name, num_layers, s_pp)
+        src_tps = range(s_tp) if spec.parallel else [dst_mesh.coord(me).tp % s_tp]
+        for src_tp in src_tps:
+            ranges = _overlaps(spec.with_tp(s_tp), src_tp, spec, my_tp, full)
+            if not ranges:
+                continue
+            src_rank = _source_rank(src_mesh, src_stage, src_tp, me)
+            if src_rank == me:
+                local = src_side.params()[name]
+                for s_loc, d_loc, n in ranges:
+                    param.data.narrow(spec.dim, d_loc, n).copy_(local.data.narrow(spec.dim, s_loc, n))
+                continue
+            shape = list(param.shape)
+            shape[spec.dim] = sum(r[2] for r in ranges)
+            buffer = torch.empty(shape, dtype=param.dtype, device=param.device)
+            requests.append(dist.irecv(buffer, src_rank, tag=_tag(name)))
+            unpack.append((param, spec.dim, ranges, buffer))
+
+    for request in requests:
+        request.wait()
+    for param, dim, ranges, buffer in unpack:
+        offset = 0
+        for _, d_loc, n in ranges:
+            param.data.narrow(dim, d_loc, n).copy_(buffer.narrow(dim, offset, n))
+            offset += n
+
+
+def _tag(name: str) -> int:
+    """Message tag for a parameter: the same on sender and receiver, distinct per name."""
+    return zlib.crc32(name.encode()) & 0x7FFFFFF
+
+
+@torch.no_grad()
+def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str, torch.Tensor]) -> None:
+    """Fill this stage's shards from a full (unsharded) state dict keyed by global name."""
+    tp = groups.mesh.strategy.tp
+    for name, param in named_global_parameters(model).items():
+        if name not in full:
+            raise KeyError(f"full state dict has no tensor {name!r} needed by this stage")
+        param.data.copy_(full_to_shard(full[name], ShardSpec.of(param, tp), groups.tp_rank))
+
+
+@torch.no_grad()
+def gather_tp_full_weights(model: torch.nn.Module, groups: TaskGroups, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors of this stage's parameters (or their gradients), all-gathered over TP."""
+    tp = groups.mesh.strategy.tp
+    out = {}
+    for name, param in named_global_parameters(model).items():
+        local = (param.grad if grads else param.data).contiguous()
+        spec = ShardSpec.of(param, tp)
+        if not spec.parallel or tp == 1:
+            out[name] = local.clone()
+            continue
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        dist.all_gather(shards, local, group=groups.tp)
+        out[name] = shards_to_full(shards, spec)
+    return out

@@ -1,0 +1,137 @@
+"""Device and backend selection, and the CPU adaptation of megatron-core.
+
+This is the only module that names CUDA. Everything else asks it for the
+device (`device()`), the collective backend (`backend()`) and calls
+`setup_megatron()` once per process before building models.
+
+megatron-core assumes CUDA in a handful of places that our CPU runs reach:
+
+* ``torch.cuda.current_device()`` as the ``device=`` of scratch tensors
+  (global memory buffer, rotary embeddings, attention masks);
+* ``torch.cuda.synchronize()`` around collectives;
+* the default causal softmax mask, built with ``device="cuda"``;
+* its RNG tracker, which saves and restores the CUDA generator with
+  ``torch.cuda.get_rng_state`` / ``manual_seed`` and its own
+  ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``;
+* ``tensor.type()`` strings checked against ``torch.cuda.FloatTensor`` in its
+  DDP / optimizer code.
+
+When CUDA is unavailable, `setup_megatron()` points exactly these at their CPU
+equivalents (the CPU generator plays the part of the device generator). When
+CUDA is available it changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_MEGATRON_READY = False
+
+
+def has_accelerator() -> bool:
+    """True when a CUDA device can be used."""
+    return torch.cuda.is_available()
+
+
+def device() -> torch.device:
+    """The device this process computes on (its local GPU, or the CPU)."""
+    if has_accelerator():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    """Collective backend: NCCL on GPUs, gloo on CPU."""
+    return "nccl" if has_accelerator() else "gloo"
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Initialise torch.distributed from the torchrun environment (idempotent).
+
+    Selects the local GPU first when there is one. A missing torchrun
+    environment is treated as a single-process world.
+    """
+    if dist.is_initialized():
+        return
+    if has_accelerator():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def synchronize() -> None:
+    """Wait for queued device work (no-op on CPU)."""
+    if has_accelerator():
+        torch.cuda.synchronize()
+
+
+def setup_megatron() -> None:
+    """Process-wide megatron-core setup; adapts it to CPU when needed.
+
+    megatron's global parallel state is deliberately left uninitialised: every
+    model receives an explicit process-group collection. Only the global memory
+    buffer (a scratch allocator) is created here.
+    """
+    global _MEGATRON_READY
+    if _MEGATRON_READY:
+        return
+    if not has_accelerator():
+        _adapt_megatron_to_cpu()
+    from megatron.core import parallel_state
+
+    if parallel_state.get_global_memory_buffer.__globals__["_GLOBAL_MEMORY_BUFFER"] is None:
+        parallel_state._set_global_memory_buffer()
+    _MEGATRON_READY = True
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed the default and megatron's tracked generators identically on all ranks.
+
+    Models are built with ``use_cpu_initialization``: every TP rank draws the
+    full weight and keeps its slice, so all ranks building a model must share
+    the seed (tp_rank=0 for the tracker too).
+    """
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True
+    )
+
+
+def _adapt_megatron_to_cpu() -> None:
+    """Point megatron's CUDA-only calls at CPU equivalents (CUDA absent only)."""
+    from functools import lru_cache
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cpu = torch.device("cpu")
+    torch.cuda.current_device = lambda: cpu
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    fused_softmax.get_default_causal_mask = lru_cache(maxsize=8)(
+        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    )
+    # megatron's DDP/optimizer compare tensor.type() with these names.
+    torch.cuda.FloatTensor = torch.FloatTensor
+    torch.cuda.HalfTensor = torch.HalfTensor
+    torch.cuda.BFloat16Tensor = torch.BFloat16Tensor

@@ -1,0 +1,139 @@
+"""4-rank scenario for the foundation tests: meshes, sharded models, resharding.
+
+Every check compares a sharded computation against an unsharded model with
+the same weights, built on each rank from one seed. Returns max abs errors.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlhf.models import ModelConfig
+from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups, local_groups
+from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights, reshard
+from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
+
+CFG = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                  num_kv_heads=2, vocab_size=256, max_seq_len=64, qkv_bias=True)
+PLAN = {
+    "actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
+    "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
+    "actor_gen": {"ranks": "0-3", "tp": 2, "dp": 2},
+    "reward_inf": {"ranks": [0, 1]},
+    "ref_inf": {"ranks": [2, 3]},
+}
+
+
+def _lm_loss(logits_or_lp, ids, tp_group=None):
+    if tp_group is None:  # reference: plain log-softmax over the full vocabulary
+        lp = torch.log_softmax(logits_or_lp[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    else:
+        lp = vocab_parallel_log_probs(logits_or_lp[:, :-1], ids[:, 1:], tp_group)
+    return -lp.mean()
+
+
+def _max_err(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _gather_logits(logits, groups):
+    parts = [torch.empty_like(logits) for _ in range(groups.mesh.strategy.tp)]
+    dist.all_gather(parts, logits.contiguous(), group=groups.tp)
+    return torch.cat(parts, dim=-1)
+
+
+def _pipeline_step(model, groups, ids, loss_fn):
+    """One micro-batch forward+backward through a pipeline; returns the loss on the last stage."""
+    x = None
+    if not groups.is_first_stage:
+        x = recv_forward((ids.shape[1], ids.shape[0], CFG.hidden_size), torch.float32, "cpu", groups.peer(-1))
+    out = stage_forward(model, ids, x)
+    loss = None
+    if groups.is_last_stage:
+        loss = loss_fn(out)
+        loss.backward()
+    else:
+        send_forward(out, groups.peer(+1))
+        out.backward(recv_backward(out, groups.peer(+1)))
+    if x is not None:
+        send_backward(x.grad, groups.peer(-1))
+    return loss
+
+
+def run():
+    rank = dist.get_rank()
+    placement = Placement.from_plan(PLAN, dist.get_world_size())
+    placement.validate_models({"actor": CFG, "critic": CFG, "reward": CFG, "reference": CFG})
+    groups = build_task_groups(placement)
+    local = local_groups()
+    torch.manual_seed(0)
+    ids = torch.randint(0, CFG.vocab_size, (4, 16))
+    targets = torch.randn(4, 16)
+    results = {}
+
+    ref_lm = build_model(CFG, "lm", local, seed=7)
+    full_lm = gather_tp_full_weights(ref_lm, local)
+    ref_loss = _lm_loss(stage_forward(ref_lm, ids), ids)
+    ref_loss.backward()
+    ref_lm_grads = gather_tp_full_weights(ref_lm, local, grads=True)
+    ref_val = build_model(CFG, "value", local, seed=8)
+    full_val = gather_tp_full_weights(ref_val, local)
+
+    # actor_train TP2 x PP2: pipeline forward/backward, loss and gradients.
+    g = groups["actor_train"]
+    actor = build_model(CFG, "lm", g, seed=99)
+    load_full_weights(actor, g, full_lm)
+    loss = _pipeline_step(actor, g, ids, lambda logits: _lm_loss(logits, ids, g.tp))
+    if loss is not None:
+        results["actor_train_loss"] = abs(loss.item() - ref_loss.item())
+    grads = gather_tp_full_weights(actor, g, grads=True)
+    results["actor_train_grad"] = _max_err(grads, ref_lm_grads)
+
+    # critic_train PP2 x DP2, reversed: each replica trains on its half, grads averaged over DP.
+    g = groups["critic_train"]
+    critic = build_model(CFG, "value", g, seed=98)
+    load_full_weights(critic, g, full_val)
+    half = slice(2 * g.coord.dp, 2 * g.coord.dp + 2)
+    loss = _pipeline_step(critic, g, ids[half], lambda v: F.mse_loss(v, targets[half]))
+    for p in critic.parameters():
+        dist.all_reduce(p.grad, group=g.dp)
+        p.grad /= g.mesh.strategy.dp
+    ref_val.zero_grad()
+    ref_half_loss = F.mse_loss(stage_forward(ref_val, ids[half]), targets[half])
+    F.mse_loss(stage_forward(ref_val, ids), targets).backward()
+    if loss is not None:
+        results["critic_train_loss"] = abs(loss.item() - ref_half_loss.item())
+    results["critic_train_grad"] = _max_err(gather_tp_full_weights(critic, g, grads=True),
+                                            gather_tp_full_weights(ref_val, local, grads=True))
+    results["critic_first_stage_ranks"] = g.mesh.pp_ranks(0, 0)
+
+    # reward_inf TP1 on ranks {0, 1}: values and loss of an unsharded copy.
+    g = groups["reward_inf"]
+    if g is not None:
+        reward = build_model(CFG, "value", g, seed=97)
+        load_full_weights(reward, g, full_val)
+        values = stage_forward(reward, ids)
+        F.mse_loss(values, targets).backward()
+        with torch.no_grad():
+            results["reward_inf_values"] = (values - stage_forward(ref_val, ids)).abs().max().item()
+
+    # actor_gen TP2 x DP2, resharded from actor_train (TP2 x PP2); ref_inf TP1 on {2, 3}.
+    for task in ("actor_gen", "ref_inf"):
+        g = groups[task]
+        target = build_model(CFG, "lm", g, seed=55) if g is not None else None
+        reshard(placement["actor_train"], (groups["actor_train"], actor), placement[task], (g, target),
+                CFG.num_layers)
+        if g is not None:
+            part = slice(2 * g.coord.dp, 2 * g.coord.dp + 2)
+            logits = _gather_logits(stage_forward(target, ids[part]), g)
+            with torch.no_grad():
+                ref_logits = stage_forward(ref_lm, ids[part])
+            results[f"{task}_logits"] = (logits - ref_logits).abs().max().item()
+            loss = _lm_loss(stage_forward(target, ids[part]), ids[part], g.tp)
+            loss.backward()
+            results[f"{task}_loss"] = abs(loss.item() - _lm_loss(ref_logits, ids[part]).item())
+    results["rank"] = rank
+    return results

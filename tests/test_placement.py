@@ -1,0 +1,73 @@
+"""Invalid placements fail fast with a message naming the task and the rule."""
+
+import json
+
+import pytest
+
+from rlhf.models import ModelConfig
+from rlhf.parallel import ParallelStrategy, Placement, PlacementError, TaskMesh
+
+CFG = ModelConfig(num_layers=4, num_attention_heads=4, num_kv_heads=2, hidden_size=64, vocab_size=256)
+MODELS = {"actor": CFG, "critic": CFG, "reward": CFG, "reference": CFG}
+
+
+def _place(plan, world=4):
+    placement = Placement.from_plan(plan, world)
+    placement.validate_models(MODELS)
+    return placement
+
+
+@pytest.mark.parametrize("plan, message", [
+    ({"actor_train": {"ranks": "0-3", "dp": 1, "pp": 2, "tp": 1}}, r"actor_train: dp\*pp\*tp = 1\*2\*1 = 2 but the mesh has 4"),
+    ({"critic_train": {"ranks": "0-2", "tp": 2}}, r"critic_train: pp\*tp = 1\*2 does not divide the mesh size 3"),
+    ({"actor_gen": {"tp": 4, "ranks": "0-3"}}, r"actor_gen: tp=4 does not divide the KV heads \(num_kv_heads=2\)"),
+    ({"ref_inf": {"pp": 8, "ranks": "0-7"}}, r"ref_inf: rank\(s\) \[4, 5, 6, 7\] are outside the world of 4 ranks"),
+    ({"reward_inf": {"ranks": [0, 1, 1]}}, r"reward_inf: rank\(s\) \[1\] appear twice"),
+    ({"critic_inf": {"ranks": "0-1", "dp": 3}}, r"critic_inf: dp\*pp\*tp = 3\*1\*1 = 3 but the mesh has 2"),
+    ({"actor_training": {}}, r"unknown task\(s\) \['actor_training'\]"),
+    ({"actor_train": {"ranks": "0-3", "tpp": 2}}, r"actor_train: unknown key\(s\) \['tpp'\]"),
+    ({"actor_train": {"ranks": "a-b"}}, r"actor_train: cannot parse ranks 'a-b'"),
+    ({"actor_train": {"ranks": [1, 0], "tp": 2}}, r"actor_train: TP group \[1, 0\] must list its ranks in ascending order"),
+])
+def test_invalid_placement_names_task_and_rule(plan, message):
+    with pytest.raises(PlacementError, match=message):
+        _place(plan)
+
+
+def test_tp_not_dividing_attention_heads():
+    cfg = ModelConfig(num_layers=4, num_attention_heads=6, num_kv_heads=6, hidden_size=48, vocab_size=256)
+    placement = Placement.from_plan({"actor_train": {"tp": 4}}, 4)
+    with pytest.raises(PlacementError, match=r"actor_train: tp=4 does not divide num_attention_heads=6"):
+        placement.validate_models({"actor": cfg})
+
+
+def test_pp_larger_than_layers():
+    with pytest.raises(PlacementError, match=r"critic_train: pp=8 is larger than num_layers=4"):
+        Placement.from_plan({"critic_train": {"pp": 8}}, 8).validate_models(MODELS)
+
+
+def test_valid_placement_layout_and_reverse_pipeline():
+    placement = _place({
+        "actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
+        "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
+        "reward_inf": {"ranks": [0, 1]},
+    })
+    actor, critic = placement["actor_train"], placement["critic_train"]
+    assert actor.strategy == ParallelStrategy(dp=1, pp=2, tp=2)
+    assert [actor.tp_ranks(p, 0) for p in range(2)] == [[0, 1], [2, 3]]
+    # reversed: logical stage 0 on the last ranks, so actor stage 0 shares ranks with critic's last stage
+    assert critic.pp_ranks(dp=0, tp=0) == [2, 0] and critic.pp_ranks(dp=1, tp=0) == [3, 1]
+    assert critic.coord(0).pp == 1 and critic.coord(3).pp == 0 and critic.coord(3).dp == 1
+    assert placement["reward_inf"].strategy.dp == 2 and placement["ref_inf"].ranks == (0, 1, 2, 3)
+    assert TaskMesh("x", (5, 6), ParallelStrategy(dp=2)).coord(4) is None
+
+
+def test_placement_file_json_and_yaml(tmp_path):
+    plan = {"actor_train": {"ranks": "0-1", "tp": 2}}
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    (tmp_path / "p.yaml").write_text("actor_train:\n  ranks: 0-1\n  tp: 2\n")
+    for name in ("p.json", "p.yaml"):
+        assert Placement.from_file(tmp_path / name, 2)["actor_train"].strategy.tp == 2
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PlacementError, match="placement file .*bad.json"):
+        Placement.from_file(tmp_path / "bad.json", 2)
