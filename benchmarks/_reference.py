@@ -4,16 +4,21 @@ vectorised over the batch and extended to skip inner-masked tokens.
 Used by tests/test_gae.py (exactness) and benchmarks/gae.py (speed, memory).
 Not part of the library: ``rlhf.algorithms.compute_gae`` is the implementation.
 """
-from typing import Tuple
+from typing import Tuple, Union
 
 import torch
+
+Scalar = Union[float, torch.Tensor]
 
 
 @torch.no_grad()
 def gae_loop(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: Scalar, lam: Scalar
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """[B, T] inputs -> (advantages, returns) [B, T]; 0 at masked tokens.
+
+    gamma and lam are floats or [B] tensors (one setting per row, so a test can
+    check many settings with one pass of the loop).
 
     A masked token keeps the running (next value, next advantage) of the next
     valid token untouched, so the recursion skips it.
