@@ -304,7 +304,9 @@ def _two_rank_worker(rank, init_file, root):
             assert "same.safetensors written by two ranks" in str(e), str(e)
         dist.barrier(group)
         assert latest_iteration(root) == 1 and list_checkpoints(root) == [1]
-        assert [n for n in os.listdir(root) if n.startswith(".tmp_iter")] == []
+        left = [(n, os.listdir(os.path.join(root, n))) for n in os.listdir(root) if n.startswith(".tmp_iter")]
+        assert left == [], left
+        dist.barrier(group)  # rank 0 starts a solo save next; finish looking first
 
         # a corrupt shard of the *other* rank is caught by rank 0's full check
         if rank == 0:
