@@ -333,3 +333,18 @@ def _two_rank_worker(rank, init_file, root):
 def test_two_gloo_ranks(tmp_path):
     root = str(tmp_path / "ckpt")
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"), root), nprocs=2, join=True)
+
+
+def test_failure_after_rename_is_reported(tmp_path, monkeypatch):
+    save(tmp_path, 1)
+
+    def no_latest(root, iteration):
+        raise OSError("read-only file system (simulated)")
+
+    monkeypatch.setattr(storage, "_write_latest", no_latest)
+    with pytest.raises(CheckpointError, match="iter_0000002 was written but 'latest' was not updated"):
+        save(tmp_path, 2)
+    monkeypatch.undo()
+    assert latest_iteration(tmp_path) == 1  # the commit record still names 1
+    assert load_checkpoint(tmp_path).iteration == 1
+    assert load_checkpoint(tmp_path, 2).iteration == 2  # complete, loadable by number

@@ -308,7 +308,10 @@ def _commit(root: str, iteration: int, tmp: str, entries: list[dict], state: Map
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep_last is not None:
-        prune_checkpoints(root, keep_last)
+        try:
+            prune_checkpoints(root, keep_last)
+        except OSError as e:  # the new checkpoint is committed; retention can catch up next time
+            logger.warning("retention keep_last=%d in %s failed: %s", keep_last, root, e)
     return final
 
 
@@ -383,9 +386,11 @@ def save_checkpoint(
                 st["iteration"] = iteration
                 result = ("ok", _commit(root, iteration, tmp, entries, st, world, keep_last))
             except Exception as e:  # noqa: BLE001 -- reported to every rank
+                renamed = not os.path.exists(tmp)  # failed after the rename into place
                 shutil.rmtree(tmp, ignore_errors=True)
-                result = ("error", f"checkpoint {iteration} in {root} not committed: "
-                                   f"{type(e).__name__}: {e}")
+                what = (f"{checkpoint_path(root, iteration)} was written but '{LATEST}' was not "
+                        f"updated" if renamed else f"checkpoint {iteration} in {root} not committed")
+                result = ("error", f"{what}: {type(e).__name__}: {e}")
     status, value = _broadcast(result, group)
     if status != "ok":
         raise CheckpointError(value)
