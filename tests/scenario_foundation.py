@@ -14,7 +14,7 @@ from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
 from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights, reshard
-from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
+from rlhf.pipeline.microbatch import pipeline_forward_backward
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=256, max_seq_len=64, qkv_bias=True)
@@ -45,24 +45,6 @@ def _gather_logits(logits, groups):
     return torch.cat(parts, dim=-1)
 
 
-def _pipeline_step(model, groups, ids, loss_fn):
-    """One micro-batch forward+backward through a pipeline; returns the loss on the last stage."""
-    x = None
-    if not groups.is_first_stage:
-        x = recv_forward((ids.shape[1], ids.shape[0], CFG.hidden_size), torch.float32, "cpu", groups.peer(-1))
-    out = stage_forward(model, ids, x)
-    loss = None
-    if groups.is_last_stage:
-        loss = loss_fn(out)
-        loss.backward()
-    else:
-        send_forward(out, groups.peer(+1))
-        out.backward(recv_backward(out, groups.peer(+1)))
-    if x is not None:
-        send_backward(x.grad, groups.peer(-1))
-    return loss
-
-
 def run():
     rank = dist.get_rank()
     placement = Placement.from_plan(PLAN, dist.get_world_size())
@@ -86,7 +68,7 @@ def run():
     g = groups["actor_train"]
     actor = build_model(CFG, "lm", g, seed=99)
     load_full_weights(actor, g, full_lm)
-    loss = _pipeline_step(actor, g, ids, lambda logits: _lm_loss(logits, ids, g.tp))
+    loss = pipeline_forward_backward(actor, g, ids, lambda logits: _lm_loss(logits, ids, g.tp))
     if loss is not None:
         results["actor_train_loss"] = abs(loss.item() - ref_loss.item())
     grads = gather_tp_full_weights(actor, g, grads=True)
@@ -97,7 +79,7 @@ def run():
     critic = build_model(CFG, "value", g, seed=98)
     load_full_weights(critic, g, full_val)
     half = slice(2 * g.coord.dp, 2 * g.coord.dp + 2)
-    loss = _pipeline_step(critic, g, ids[half], lambda v: F.mse_loss(v, targets[half]))
+    loss = pipeline_forward_backward(critic, g, ids[half], lambda v: F.mse_loss(v, targets[half]))
     for p in critic.parameters():
         dist.all_reduce(p.grad, group=g.dp)
         p.grad /= g.mesh.strategy.dp

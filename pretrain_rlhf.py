@@ -1,0 +1,43 @@
+"""Entry point: ``torchrun --nproc-per-node=N pretrain_rlhf.py [flags]`` (see --help)."""
+
+import sys
+import warnings
+
+from rlhf import platform
+from rlhf.arguments import parse_args
+from rlhf.parallel import Placement, PlacementError
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    platform.init_distributed()
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        plan = Placement.from_file(args.placement, world).meshes if args.placement else {}
+        plan = {task: {"ranks": list(m.ranks), "dp": m.strategy.dp, "pp": m.strategy.pp,
+                       "tp": m.strategy.tp, "reverse_pp": m.reverse_pp} for task, m in plan.items()}
+        plan.update(args.plan_overrides)
+        placement = Placement.from_plan(plan, world)
+        placement.validate_models(args.models)
+    except PlacementError as exc:
+        if rank == 0:
+            print(f"pretrain_rlhf.py: invalid placement: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    if rank == 0:
+        print(f"world size {world}; placement:")
+        for task, mesh in placement.meshes.items():
+            reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
+            print(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
+    from rlhf.smoke import run_smoke
+
+    run_smoke(args, placement)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""rlhf.platform: backend choice and the CPU adaptation of megatron-core.
+
+The numerical check that the adaptation is right (TP2 / PP2 losses equal the
+unsharded loss with the same weights) is in test_foundation_distributed.py.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from rlhf import platform
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_cpu_backend_and_device():
+    assert not torch.cuda.is_available()  # this suite runs on the CPU build
+    assert platform.backend() == "gloo"
+    assert platform.device() == torch.device("cpu")
+
+
+def test_cpu_adaptation_makes_megatron_rng_tracker_use_cpu_generator():
+    out = _run("""
+        import torch
+        from rlhf import platform
+        platform.setup_megatron()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        platform.seed_model_parallel_rng(5)
+        before = torch.get_rng_state()
+        with get_cuda_rng_tracker().fork():
+            a = torch.rand(3)
+        assert torch.equal(torch.get_rng_state(), before), "fork must restore the default generator"
+        with get_cuda_rng_tracker().fork():
+            b = torch.rand(3)
+        assert not torch.equal(a, b), "the tracked generator must advance between forks"
+        platform.seed_model_parallel_rng(5)
+        with get_cuda_rng_tracker().fork():
+            assert torch.equal(torch.rand(3), a), "reseeding must reproduce the tracked stream"
+        print(torch.cuda.current_device())
+    """)
+    assert out == "cpu"
+
+
+def test_no_adaptation_when_an_accelerator_is_present():
+    out = _run("""
+        import torch
+        from rlhf import platform
+        platform.has_accelerator = lambda: True
+        original = torch.cuda.current_device
+        platform.setup_megatron()
+        print(torch.cuda.current_device is original)
+    """)
+    assert out == "True"
