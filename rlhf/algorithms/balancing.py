@@ -10,10 +10,13 @@ micro-batches). Partitioning is host-side integer work on lengths.
 Methods: Karmarkar-Karp largest differencing ("kk", k-way: repeatedly merge the
 two partial solutions with the largest spread, pairing heaviest with lightest)
 and longest-processing-time first ("lpt", greedy: heaviest sample to the
-lightest rank).
+lightest rank). Both finish with swap refinement: while swapping one sample of
+the heaviest rank with one of the lightest lowers the heavier of the two, do the
+best such swap (sample counts stay as they are).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 from typing import Callable, Dict, List, Sequence
@@ -68,7 +71,42 @@ def karmarkar_karp(weights: Sequence[int], k: int, equal_size: bool = False) -> 
         merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second))]
         merged.sort(key=lambda part: -part[0])
         heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), next(counter), merged))
-    return [sorted(indices) for _, indices in heap[0][2]]
+    return _refine_by_swaps(weights, [indices for _, indices in heap[0][2]])
+
+
+def _best_swap(weights: List[int], heavy: List[int], light: List[int], gap: int):
+    """(i, j) in heavy x light whose swap shrinks ``gap`` the most, or None.
+    Moving d = w_i - w_j with 0 < d < gap leaves the pair |gap - 2d| apart."""
+    light_sorted = sorted(light, key=lambda j: weights[j])
+    light_weights = [weights[j] for j in light_sorted]
+    best, best_gap = None, gap
+    for i in heavy:
+        target = weights[i] - gap / 2  # ideal w_j
+        pos = bisect.bisect_left(light_weights, target)
+        for q in (pos - 1, pos):
+            if 0 <= q < len(light_sorted):
+                d = weights[i] - light_weights[q]
+                if 0 < d < gap and abs(gap - 2 * d) < best_gap:
+                    best, best_gap = (i, light_sorted[q]), abs(gap - 2 * d)
+    return best
+
+
+def _refine_by_swaps(weights: List[int], parts: Partition, max_rounds: int = 1000) -> Partition:
+    """Swap samples between the heaviest and the lightest part while that
+    strictly lowers their spread; returns parts with sorted indices."""
+    parts = [list(part) for part in parts]
+    loads = [sum(weights[i] for i in part) for part in parts]
+    for _ in range(max_rounds):
+        hi = max(range(len(parts)), key=loads.__getitem__)
+        lo = min(range(len(parts)), key=loads.__getitem__)
+        swap = _best_swap(weights, parts[hi], parts[lo], loads[hi] - loads[lo])
+        if swap is None:
+            break
+        i, j = swap
+        parts[hi][parts[hi].index(i)], parts[lo][parts[lo].index(j)] = j, i
+        loads[hi] += weights[j] - weights[i]
+        loads[lo] += weights[i] - weights[j]
+    return [sorted(part) for part in parts]
 
 
 def lpt_partition(weights: Sequence[int], k: int, equal_size: bool = False) -> Partition:
@@ -84,7 +122,7 @@ def lpt_partition(weights: Sequence[int], k: int, equal_size: bool = False) -> P
         parts[rank].append(i)
         if len(parts[rank]) < capacity:
             heapq.heappush(heap, (load + weights[i], rank))
-    return [sorted(part) for part in parts]
+    return _refine_by_swaps(weights, parts)
 
 
 PARTITIONERS: Dict[str, Callable[[Sequence[int], int, bool], Partition]] = {
