@@ -1,0 +1,20 @@
+"""Generation engine: paged KV cache with prefix sharing, continuous batching,
+sampling, a TP-sharded decoder on the actor's resharded weights, sample migration.
+
+Layers (each only calls the one below): `Scheduler` -> `KVManager` ->
+`BlockPool` -> `TPDecoder`; `Engine` ties them together. See docs/engine.md.
+"""
+
+from rlhf.engine.block_pool import BlockPool
+from rlhf.engine.engine import Engine, EngineStats
+from rlhf.engine.kv_manager import KVManager
+from rlhf.engine.migration import MigratedSequence, recv_sequence, send_sequence
+from rlhf.engine.scheduler import Scheduler, SchedulerOutput
+from rlhf.engine.types import (CapacityError, EngineConfig, EngineConfigError, NeverFitsError, OutOfBlocksError,
+                               Request, SampleResult, SamplingParams)
+
+__all__ = [
+    "BlockPool", "CapacityError", "Engine", "EngineConfig", "EngineConfigError", "EngineStats", "KVManager",
+    "MigratedSequence", "NeverFitsError", "OutOfBlocksError", "Request", "SampleResult", "SamplingParams",
+    "Scheduler", "SchedulerOutput", "recv_sequence", "send_sequence",
+]

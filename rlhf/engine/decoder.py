@@ -1,0 +1,162 @@
+"""Model runner: a TP-sharded decoder forward over the paged KV cache (tensors only).
+
+It reads the parameters of the actor_gen model (a megatron GPTModel built by
+`build_model` and filled by resharding from the training layout) by
+reference, so a later reshard into that model is seen without reloading. Per
+TP rank it computes, on flat tokens ``[T]``:
+
+    embedding (vocab slice; out-of-slice ids masked; all-reduce over TP)
+    per layer: RMSNorm -> fused QKV (local heads) -> RoPE -> write K/V to cache
+               -> paged attention -> proj (row parallel; all-reduce) -> +residual
+               RMSNorm -> fc1 [gate; up] -> silu(gate) * up -> fc2 (all-reduce) -> +residual
+    final RMSNorm and output layer on the rows that need logits -> all-gather over TP
+
+which is the math of megatron's local layer spec, so the logits match
+`rlhf.models.gpt.stage_forward` on the same tokens. PP is not supported (the
+generation mesh is TP x DP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlhf.engine.attention import AttentionMeta, make_attention
+from rlhf.models.config import ModelConfig
+from rlhf.parallel.reshard import named_global_parameters
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch (all tensors on the model's device).
+
+    input_ids / positions / slots: [T]; logits_rows: [S] flat indices of the
+    tokens whose next-token logits are needed; copies: (src, dst) KV blocks to
+    copy before the step (copy on write).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    logits_rows: torch.Tensor
+    attn: AttentionMeta
+    copies: list[tuple[int, int]]
+
+
+class _Layer:
+    """References to one layer's local weight shards."""
+
+    def __init__(self, p: dict[str, torch.Tensor], i: int):
+        pre = f"decoder.layers.{i}."
+        self.norm1 = p[pre + "input_layernorm.weight"]
+        self.qkv = p[pre + "self_attention.linear_qkv.weight"]
+        self.qkv_bias = p.get(pre + "self_attention.linear_qkv.bias")
+        self.proj = p[pre + "self_attention.linear_proj.weight"]
+        self.norm2 = p[pre + "pre_mlp_layernorm.weight"]
+        self.fc1 = p[pre + "mlp.linear_fc1.weight"]
+        self.fc2 = p[pre + "mlp.linear_fc2.weight"]
+
+
+class TPDecoder:
+    """This TP rank's share of the decoder plus its slice of the KV cache."""
+
+    def __init__(self, model: torch.nn.Module, tp_group, cfg: ModelConfig, num_blocks: int,
+                 block_size: int, max_len: int, attention_backend: str = "auto"):
+        if not (model.pre_process and model.post_process):
+            raise ValueError("the generation decoder needs a whole model (pp=1); got a pipeline stage")
+        self.cfg, self.group = cfg, tp_group
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        p = {n: t.data for n, t in named_global_parameters(model).items()}
+        self.embed, self.out = p["embedding.word_embeddings.weight"], p["output_layer.weight"]
+        self.final_norm = p["decoder.final_layernorm.weight"]
+        self.layers = [_Layer(p, i) for i in range(cfg.num_layers)]
+        self.kv_heads = cfg.num_kv_heads // self.tp
+        self.q_per_kv = cfg.num_attention_heads // cfg.num_kv_heads
+        dev, dtype = self.embed.device, self.embed.dtype
+        # [layers, k/v, blocks, block_size, local kv heads, head_dim]
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, self.kv_heads, cfg.head_dim,
+                                    device=dev, dtype=dtype)
+        with torch.no_grad():
+            emb = model.rotary_pos_emb.get_emb(max_len).reshape(max_len, -1).to(dev)  # megatron's own freqs
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        self.attention = make_attention(attention_backend, block_size)
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of K and V one block holds on this rank, over all layers."""
+        return self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        v_local = self.embed.shape[0]
+        local = ids - self.tp_rank * v_local
+        outside = (local < 0) | (local >= v_local)
+        x = F.embedding(local.clamp(0, v_local - 1), self.embed)
+        return self._all_reduce(x.masked_fill(outside[:, None], 0.0))
+
+    def _rope(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Non-interleaved (rotate-half) RoPE; t: [T, heads, head_dim]."""
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+    def _attention(self, layer: _Layer, i: int, h: torch.Tensor, inp: StepInputs) -> torch.Tensor:
+        T, hd = h.shape[0], self.cfg.head_dim
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(T, self.kv_heads, self.q_per_kv + 2, hd)
+        q = self._rope(qkv[:, :, :self.q_per_kv].reshape(T, -1, hd), inp.positions)
+        k = self._rope(qkv[:, :, self.q_per_kv], inp.positions)
+        k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        k_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, k)
+        v_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, qkv[:, :, self.q_per_kv + 1])
+        o = self.attention(q, k_cache, v_cache, inp.attn, self.scale)
+        return self._all_reduce(F.linear(o.reshape(T, -1), layer.proj))
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.fc1).chunk(2, dim=-1)
+        return self._all_reduce(F.linear(F.silu(gate) * up, layer.fc2))
+
+    @torch.no_grad()
+    def forward(self, inp: StepInputs) -> torch.Tensor:
+        """Full-vocabulary logits [S, V] (float32) for ``inp.logits_rows``; fills the KV cache."""
+        self.copy_blocks(inp.copies)
+        eps = self.cfg.norm_eps
+        x = self._embed(inp.input_ids)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer, i, F.rms_norm(x, x.shape[-1:], layer.norm1, eps), inp)
+            x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.norm2, eps))
+        x = F.rms_norm(x[inp.logits_rows], x.shape[-1:], self.final_norm, eps)
+        logits = F.linear(x, self.out).float()
+        if self.tp == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp)]
+        dist.all_gather(parts, logits.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer (copy on write)."""
+        for src, dst in copies:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+
+    def read_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """K/V of the first ``num_tokens`` positions held in ``blocks``: [L, 2, n, kv_heads, hd]."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return self.kv_cache[:, :, idx].flatten(2, 3)[:, :, :num_tokens].clone()
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Inverse of `read_blocks`."""
+        bs, n = self.kv_cache.shape[3], kv.shape[2]
+        for j, block in enumerate(blocks):
+            chunk = kv[:, :, j * bs:min(n, (j + 1) * bs)]
+            self.kv_cache[:, :, block, :chunk.shape[2]].copy_(chunk)

@@ -1,0 +1,275 @@
+"""The generation engine: requests in, finished samples out.
+
+Ties the layers together, top to bottom: `Scheduler` (policy, budget,
+preemption) -> `KVManager` (block tables) -> `BlockPool` (ref counts, free
+queue, prefix map) -> `TPDecoder` (tensors only). One `step()`:
+
+    schedule -> build flat step inputs -> decoder forward (logits of rows that sample)
+    -> advance num_computed, register full blocks -> fork the n samples of a
+       prompt whose prefill just ended -> sample -> finish / keep running
+
+Every TP rank of the generation mesh runs the same engine on the same
+requests; decisions depend only on tokens, so the ranks stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlhf.engine.attention import AttentionMeta
+from rlhf.engine.decoder import StepInputs, TPDecoder
+from rlhf.engine.kv_manager import KVManager, blocks_for
+from rlhf.engine.migration import MigratedSequence
+from rlhf.engine.sampler import sample
+from rlhf.engine.scheduler import Scheduler, SchedulerOutput
+from rlhf.engine.sequence import Sequence, Status, make_generator
+from rlhf.engine.types import (EngineConfig, NeverFitsError, OutOfBlocksError, Request, SampleResult)
+from rlhf.models.config import ModelConfig
+
+
+@dataclass
+class EngineStats:
+    """Counters (plain ints, no device syncs) and per-step history."""
+
+    steps: int = 0
+    generated_tokens: int = 0
+    computed_tokens: int = 0
+    elapsed_s: float = 0.0
+    preemptions: int = 0
+    peak_blocks_used: int = 0
+    batch_sizes: list[int] = field(default_factory=list)  # running sequences per step
+    blocks_used: list[int] = field(default_factory=list)  # after each step
+    finish_times: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+
+class Engine:
+    """Paged-KV, continuously batched generation with the actor's TP-sharded weights.
+
+    ``model``: this rank's actor_gen GPTModel (pp=1), filled by `reshard`;
+    ``groups``: its TaskGroups (TP group used for the forward's collectives).
+    """
+
+    def __init__(self, model: torch.nn.Module, groups, model_cfg: ModelConfig,
+                 config: EngineConfig = EngineConfig()):
+        self.config = config
+        self.max_len = config.max_model_len or model_cfg.max_seq_len
+        self.kv = KVManager(config.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_tokens_per_step, config.max_num_seqs,
+                                   config.continuous_batching, config.prefix_sharing)
+        self.decoder = TPDecoder(model, groups.tp if groups is not None else None, model_cfg, config.num_blocks,
+                                 config.block_size, self.max_len, config.attention_backend)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._seqs: dict[tuple[str, int], Sequence] = {}
+        self._finished: dict[tuple[str, int], SampleResult] = {}
+        self._t0: float | None = None
+
+    # ---- requests -----------------------------------------------------------------
+
+    def check_fits(self, request: Request) -> None:
+        """Raise `NeverFitsError` when no amount of waiting lets ``request`` run."""
+        p = len(request.prompt)
+        if p + 1 > self.max_len:
+            raise NeverFitsError(f"request {request.request_id!r}: prompt of {p} tokens leaves no room to "
+                                 f"generate within max_model_len={self.max_len}; shorten the prompt")
+        need = blocks_for(min(p + request.params.max_new_tokens, self.max_len), self.config.block_size)
+        if need > self.config.num_blocks:
+            raise NeverFitsError(f"request {request.request_id!r} needs {need} KV blocks but the pool has "
+                                 f"{self.config.num_blocks}; raise num_blocks or lower max_new_tokens")
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``'s n samples (one prefill for all of them with prefix sharing)."""
+        self.check_fits(request)
+        n = request.params.n
+        share = self.config.prefix_sharing and n > 1
+        for i in range(1 if share else n):
+            seq = self._new_sequence(request.request_id, i, request.prompt, request.params)
+            seq.pending_forks = list(range(1, n)) if share else []
+            self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id, index, prompt, params) -> Sequence:
+        key = (request_id, index)
+        if key in self._seqs or key in self._finished:
+            raise ValueError(f"sample {index} of request {request_id!r} already exists in this engine")
+        seq = Sequence(next(self._ids), request_id, index, len(prompt), list(prompt), params,
+                       make_generator(params.seed + index))
+        self._seqs[key] = seq
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    def generate(self, requests) -> list[SampleResult]:
+        """Run ``requests`` to completion; results in request order, then sample index."""
+        for r in requests:
+            self.add_request(r)
+        while self.has_unfinished():
+            self.step()
+        return [self._finished.pop((r.request_id, i)) for r in requests for i in range(r.params.n)]
+
+    # ---- one step -----------------------------------------------------------------
+
+    def step(self) -> list[SampleResult]:
+        """Schedule, run the decoder once, sample; returns the samples that finished."""
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if not out.scheduled:
+            return []
+        inputs, samplers = self._prepare(out)
+        logits = self.decoder.forward(inputs)
+        for seq, n in out.scheduled:
+            seq.num_computed += n
+            if self.config.prefix_sharing:
+                self.kv.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
+        rows = self._fork(samplers)
+        finished = self._sample(logits, samplers, rows)
+        self._record(out)
+        return finished
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
+        """Flatten the scheduled token ranges into one batch (see attention.AttentionMeta)."""
+        ids, pos, slots, q_starts, q_lens, ctx_lens, tables, rows, samplers = ([] for _ in range(9))
+        for seq, n in out.scheduled:
+            start = seq.num_computed
+            q_starts.append(len(ids))
+            ids.extend(seq.tokens[start:start + n])
+            pos.extend(range(start, start + n))
+            slots.extend(self.kv.slots(seq.seq_id, start, start + n))
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+            tables.append(self.kv.tables[seq.seq_id])
+            if start + n == len(seq.tokens):  # every token computed: sample the next one
+                rows.append(len(ids) - 1)
+                samplers.append(seq)
+        dev = self.decoder.device
+        width = max(len(t) for t in tables)
+        decode = [i for i, n in enumerate(q_lens) if n == 1]
+        meta = AttentionMeta(
+            q_starts, q_lens, ctx_lens,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            decode_rows=decode, prefill_rows=[i for i, n in enumerate(q_lens) if n > 1],
+            decode_ctx=torch.tensor([ctx_lens[i] for i in decode], dtype=torch.int32, device=dev),
+            decode_tokens=torch.tensor([q_starts[i] for i in decode], dtype=torch.long, device=dev))
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        return StepInputs(t(ids), t(pos), t(slots), t(rows), meta, out.copies), samplers
+
+    def _fork(self, samplers: list[Sequence]) -> list[int]:
+        """Fork pending samples off parents whose prompt just finished; logits row per sampler."""
+        rows = list(range(len(samplers)))
+        for row, parent in enumerate(list(samplers)):
+            for index in parent.pending_forks:
+                child = self._new_sequence(parent.request_id, index, parent.tokens, parent.params)
+                child.prompt_len, child.num_computed = parent.prompt_len, parent.num_computed
+                self.kv.fork(parent.seq_id, child.seq_id)
+                self.scheduler.add_running(child)
+                samplers.append(child)
+                rows.append(row)
+            parent.pending_forks = []
+        return rows
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[SampleResult]:
+        if not seqs:
+            return []
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        tokens, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        # .tolist(): the scheduler needs the new ids on the host (stop checks, next inputs)
+        finished = []
+        for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            self.stats.generated_tokens += 1
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.stop_token_ids:
+            return "stop"
+        if len(seq.output) >= seq.params.max_new_tokens:
+            return "length"
+        if len(seq.tokens) >= self.max_len:
+            return "context"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> SampleResult:
+        self.scheduler.finish(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        del self._seqs[seq.key]
+        now = time.perf_counter() - self._t0
+        self.stats.finish_times[seq.key] = now
+        result = SampleResult(seq.request_id, seq.sample_index, tuple(seq.tokens[:seq.prompt_len]),
+                              tuple(seq.output), tuple(seq.logprobs), reason, now)
+        self._finished[seq.key] = result
+        return result
+
+    def _record(self, out: SchedulerOutput) -> None:
+        s, pool = self.stats, self.kv.pool
+        s.steps += 1
+        s.computed_tokens += out.num_tokens
+        s.elapsed_s = time.perf_counter() - self._t0
+        s.batch_sizes.append(len(out.scheduled))
+        s.blocks_used.append(pool.num_used)
+        s.peak_blocks_used = max(s.peak_blocks_used, pool.num_used)
+
+    # ---- instrumentation ------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Current running/waiting counts, KV blocks used/free and throughput."""
+        pool = self.kv.pool
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "blocks_used": pool.num_used, "blocks_free": pool.num_free,
+                "kv_bytes_used": pool.num_used * self.decoder.kv_bytes_per_block(),
+                "tokens_per_s": self.stats.tokens_per_s, "preemptions": self.stats.preemptions}
+
+    # ---- migration ------------------------------------------------------------------
+
+    def export_sequence(self, request_id: str, sample_index: int, with_kv: bool = True) -> MigratedSequence:
+        """Remove an unfinished sample from this engine and return its state."""
+        seq = self._seqs.get((request_id, sample_index))
+        if seq is None:
+            raise KeyError(f"no unfinished sample {sample_index} of request {request_id!r} in this engine")
+        if seq.pending_forks:
+            raise ValueError(f"request {request_id!r} is still prefilling its prompt for its other samples; "
+                             "export it after its first token")
+        kv = None
+        if with_kv and seq.num_computed:
+            kv = self.decoder.read_blocks(self.kv.tables[seq.seq_id], seq.num_computed)
+        state = MigratedSequence(request_id, sample_index, seq.prompt_len, list(seq.tokens), list(seq.logprobs),
+                                 seq.params, seq.generator.get_state(), seq.num_computed if kv is not None else 0,
+                                 kv)
+        self.scheduler.finish(seq)
+        del self._seqs[seq.key]
+        return state
+
+    def import_sequence(self, state: MigratedSequence) -> None:
+        """Continue a migrated sample here. Raises `OutOfBlocksError` (retry later) if its K/V do not fit now."""
+        prompt = state.tokens[:state.prompt_len]
+        seq = self._new_sequence(state.request_id, state.sample_index, prompt, state.params)
+        seq.tokens, seq.logprobs = list(state.tokens), list(state.logprobs)
+        seq.generator.set_state(state.generator_state)
+        if state.kv is None:
+            self.scheduler.add(seq)
+            return
+        if self.kv.allocate_slots(seq.seq_id, 0, state.num_computed) is None:
+            self.kv.free(seq.seq_id)
+            del self._seqs[seq.key]
+            raise OutOfBlocksError(f"{blocks_for(state.num_computed, self.config.block_size)} KV blocks needed "
+                                   f"for sample {state.sample_index} of {state.request_id!r}, "
+                                   f"{self.kv.pool.num_free} free; retry after some samples finish")
+        self.decoder.write_blocks(self.kv.tables[seq.seq_id], state.kv.to(self.decoder.device))
+        seq.num_computed = state.num_computed
+        if self.config.prefix_sharing:
+            self.kv.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
+        self.scheduler.add_running(seq)

@@ -1,0 +1,129 @@
+"""Public data types of the generation engine: config, requests, results, errors.
+
+Everything here is plain data; the live objects (model, process groups) are
+passed to `Engine` separately (STYLE 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class EngineConfigError(ValueError):
+    """An invalid engine or sampling configuration; the message names the field."""
+
+
+class CapacityError(RuntimeError):
+    """The KV cache cannot hold what was asked for."""
+
+
+class OutOfBlocksError(CapacityError):
+    """Not enough free KV blocks *now*; retry after some sequences finish."""
+
+
+class NeverFitsError(CapacityError):
+    """The request can never fit (longer than the context or than the whole pool)."""
+
+
+def _check(cond: bool, name: str, value, constraint: str) -> None:
+    if not cond:
+        raise EngineConfigError(f"{name}={value!r} is invalid: must be {constraint}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and policies of one engine instance.
+
+    ``num_blocks`` x ``block_size`` tokens of KV cache are preallocated per
+    layer. ``max_tokens_per_step`` is the per-step token budget shared by
+    prefill chunks and decodes. ``max_model_len`` defaults to the model's
+    ``max_seq_len``. ``continuous_batching=False`` admits new sequences only
+    when the running batch is empty (static batching, for comparison).
+    ``prefix_sharing=False`` makes every sample prefill its own prompt.
+    """
+
+    num_blocks: int = 256
+    block_size: int = 16
+    max_tokens_per_step: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    continuous_batching: bool = True
+    prefix_sharing: bool = True
+    attention_backend: str = "auto"  # "auto" | "torch" | "flash"
+
+    def __post_init__(self):
+        _check(self.num_blocks >= 1, "num_blocks", self.num_blocks, ">= 1")
+        _check(self.block_size >= 1, "block_size", self.block_size, ">= 1")
+        _check(self.max_tokens_per_step >= 1, "max_tokens_per_step", self.max_tokens_per_step, ">= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
+               ">= 2 or None (use the model's max_seq_len)")
+        _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
+               self.attention_backend, "one of 'auto', 'torch', 'flash'")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's continuations.
+
+    ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable
+    those filters. ``seed`` seeds a per-sample ``torch.Generator`` (sample i
+    of a request uses ``seed + i``), so results do not depend on batching.
+    ``logprobs_of="raw"`` returns log-softmax of the raw logits (temperature 1,
+    no filtering), which is what the training model computes for the same
+    tokens; ``"sampling"`` returns the log-prob under the distribution that
+    was actually sampled from (temperature and top-k/top-p applied).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    logprobs_of: str = "raw"
+
+    def __post_init__(self):
+        _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1")
+        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 is greedy)")
+        _check(self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 disables)")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(self.n >= 1, "n", self.n, ">= 1")
+        _check(self.logprobs_of in ("raw", "sampling"), "logprobs_of", self.logprobs_of, "'raw' or 'sampling'")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to continue ``params.n`` times."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        _check(len(self.prompt) >= 1, "prompt", "()", "at least one token")
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One finished sample: generated ids, their log-probs, why it stopped.
+
+    ``finish_reason`` is ``"stop"`` (a stop token, included in ``tokens``),
+    ``"length"`` (max_new_tokens) or ``"context"`` (max_model_len reached).
+    ``finish_time`` is seconds since the engine started generating.
+    """
+
+    request_id: str
+    sample_index: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    finish_time: float
