@@ -1,0 +1,328 @@
+"""Hugging Face <-> ours: configs, tensor names and layouts of LLaMA / Qwen2 checkpoints.
+
+This module owns the mapping between an HF safetensors checkpoint
+(``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and their ``*ForSequenceClassification``)
+and our unsharded model in *global naming* (see :mod:`rlhf.parallel.reshard`).
+Per layer ``i`` (``h = model.layers.i.``, ``o = decoder.layers.i.``)::
+
+    h input_layernorm.weight           -> o input_layernorm.weight
+    h self_attn.{q,k,v}_proj.{w,b}     -> o self_attention.linear_qkv.{weight,bias}  (fused, below)
+    h self_attn.o_proj.weight          -> o self_attention.linear_proj.weight
+    h post_attention_layernorm.weight  -> o pre_mlp_layernorm.weight
+    h mlp.{gate,up}_proj.weight        -> o mlp.linear_fc1.weight                    ([gate; up])
+    h mlp.down_proj.weight             -> o mlp.linear_fc2.weight
+    model.embed_tokens.weight -> embedding.word_embeddings.weight
+    model.norm.weight         -> decoder.final_layernorm.weight
+    lm_head.weight (or the embedding when tied) / score.weight -> output_layer.weight
+
+Fused QKV rows are grouped per KV head (G groups, q_per_group = heads / G)::
+
+    [ q(g0 heads) k(g0) v(g0) | q(g1 heads) k(g1) v(g1) | ... ]
+
+HF and megatron (``rotary_interleaved=False``) both apply RoPE with
+``rotate_half`` on the projection rows as stored, so no row permutation is
+needed (checked against transformers' logits in the tests).
+
+Reading goes through ``safetensors.safe_open`` and fetches only the HF tensors
+behind the requested global names, so a pipeline stage reads only its layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from rlhf.models.config import ModelConfig
+
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
+KINDS = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
+SUPPORTED_ARCHITECTURES = tuple(f + k for f in FAMILIES.values() for k in KINDS.values())
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class HFConversionError(ValueError):
+    """An HF checkpoint cannot be converted; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class HFModelInfo:
+    """What an HF directory holds: our config, its model family and head kind."""
+
+    config: ModelConfig
+    family: str  # "llama" | "qwen2"
+    kind: str  # "causal_lm" | "sequence_classification"
+
+    @property
+    def architecture(self) -> str:
+        return FAMILIES[self.family] + KINDS[self.kind]
+
+
+# --------------------------------------------------------------------------- configs
+def _parse_architecture(raw: dict, path: str) -> tuple[str, str]:
+    archs = raw.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise HFConversionError(f"{path}: unsupported architectures {archs}; supported: "
+                                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    for family, prefix in FAMILIES.items():
+        for kind, suffix in KINDS.items():
+            if archs[0] == prefix + suffix:
+                return family, kind
+    raise AssertionError("unreachable")
+
+
+def _rope_theta(raw: dict, path: str) -> float:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise HFConversionError(f"{path}: rope_type {rope_type!r} is not supported (only 'default' RoPE)")
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if theta != int(theta):
+        raise HFConversionError(f"{path}: rope_theta={theta} must be a whole number (megatron's rotary_base)")
+    return theta
+
+
+def _check_unsupported(raw: dict, family: str, path: str) -> None:
+    if raw.get("hidden_act", "silu") != "silu":
+        raise HFConversionError(f"{path}: hidden_act={raw['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
+    if raw.get("mlp_bias"):
+        raise HFConversionError(f"{path}: mlp_bias=true is not supported")
+    if family == "llama" and raw.get("attention_bias"):
+        raise HFConversionError(f"{path}: Llama attention_bias=true (bias on o_proj too) is not supported")
+    if raw.get("use_sliding_window"):
+        raise HFConversionError(f"{path}: use_sliding_window=true is not supported")
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    if head_dim * heads != raw["hidden_size"]:
+        raise HFConversionError(f"{path}: head_dim={head_dim} x heads={heads} != hidden_size={raw['hidden_size']}")
+    labels = raw.get("num_labels") or len(raw.get("id2label") or {0: 0})
+    if raw["architectures"][0].endswith(KINDS["sequence_classification"]) and labels != 1:
+        raise HFConversionError(f"{path}: a value head needs num_labels=1, got {labels}")
+
+
+def read_hf_config(hf_dir: str) -> HFModelInfo:
+    """Parse ``<hf_dir>/config.json`` into our :class:`ModelConfig` (raises on anything unsupported)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFConversionError(f"{hf_dir}: no config.json; expected a Hugging Face model directory")
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    family, kind = _parse_architecture(raw, path)
+    _check_unsupported(raw, family, path)
+    cfg = ModelConfig(
+        num_layers=raw["num_hidden_layers"],
+        hidden_size=raw["hidden_size"],
+        ffn_hidden_size=raw["intermediate_size"],
+        num_attention_heads=raw["num_attention_heads"],
+        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        vocab_size=raw["vocab_size"],
+        max_seq_len=raw.get("max_position_embeddings", 2048),
+        rope_theta=_rope_theta(raw, path),
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        qkv_bias=family == "qwen2",
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        init_std=raw.get("initializer_range", 0.02),
+    )
+    return HFModelInfo(cfg, family, kind)
+
+
+def hf_config_dict(cfg: ModelConfig, kind: str = "causal_lm", family: str | None = None,
+                   dtype: torch.dtype = torch.float32) -> dict:
+    """config.json content for ``cfg``; family defaults to qwen2 with QKV bias, else llama."""
+    family = family or ("qwen2" if cfg.qkv_bias else "llama")
+    if family not in FAMILIES or kind not in KINDS:
+        raise HFConversionError(f"family={family!r} / kind={kind!r}; valid: {sorted(FAMILIES)} / {sorted(KINDS)}")
+    if family == "llama" and cfg.qkv_bias:
+        raise HFConversionError("a model with qkv_bias exports as family 'qwen2' (Llama has no QKV-only bias)")
+    if family == "qwen2" and not cfg.qkv_bias:
+        raise HFConversionError("Qwen2 always has QKV bias; export a model without qkv_bias as 'llama'")
+    out = {
+        "architectures": [FAMILIES[family] + KINDS[kind]], "model_type": family,
+        "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+        "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if family == "qwen2":
+        out["use_sliding_window"] = False
+    else:
+        out["attention_bias"] = False
+    if kind == "sequence_classification":
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    return out
+
+
+# --------------------------------------------------------------------------- names and layouts
+def _layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
+    h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+    attn = h + "self_attn."
+    out = {
+        o + "input_layernorm.weight": [h + "input_layernorm.weight"],
+        o + "self_attention.linear_qkv.weight": [attn + f"{x}_proj.weight" for x in "qkv"],
+        o + "self_attention.linear_proj.weight": [attn + "o_proj.weight"],
+        o + "pre_mlp_layernorm.weight": [h + "post_attention_layernorm.weight"],
+        o + "mlp.linear_fc1.weight": [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"],
+        o + "mlp.linear_fc2.weight": [h + "mlp.down_proj.weight"],
+    }
+    if cfg.qkv_bias:
+        out[o + "self_attention.linear_qkv.bias"] = [attn + f"{x}_proj.bias" for x in "qkv"]
+    return out
+
+
+def hf_sources(cfg: ModelConfig, head: str | None) -> dict[str, list[str]]:
+    """Global name -> the HF tensor names it is built from.
+
+    ``head``: "lm_head", "tied" (output layer = embedding), "score" (value head
+    of a sequence classifier) or None (no output layer: a new value head).
+    """
+    out = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"]}
+    for i in range(cfg.num_layers):
+        out.update(_layer_sources(cfg, i))
+    out["decoder.final_layernorm.weight"] = ["model.norm.weight"]
+    heads = {"lm_head": "lm_head.weight", "tied": "model.embed_tokens.weight", "score": "score.weight"}
+    if head is not None:
+        out["output_layer.weight"] = [heads[head]]
+    return out
+
+
+def _qkv_groups(cfg: ModelConfig) -> tuple[int, int]:
+    return cfg.num_kv_heads, cfg.num_attention_heads // cfg.num_kv_heads * cfg.head_dim
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """HF q/k/v ([rows, ...] weights or biases) -> megatron's per-group fused QKV."""
+    groups, q_rows = _qkv_groups(cfg)
+    rest = q.shape[1:]
+    parts = (q.reshape(groups, q_rows, *rest), k.reshape(groups, cfg.head_dim, *rest),
+             v.reshape(groups, cfg.head_dim, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    groups, q_rows = _qkv_groups(cfg)
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, q_rows + 2 * cfg.head_dim, *rest).split(
+        [q_rows, cfg.head_dim, cfg.head_dim], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def _combine(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    if ".linear_qkv." in name:
+        return fuse_qkv(*parts, cfg)
+    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+
+
+def _split(name: str, full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    if ".linear_qkv." in name:
+        return list(split_qkv(full, cfg))
+    if name.endswith("mlp.linear_fc1.weight"):
+        return [t.contiguous() for t in full.chunk(2, dim=0)]
+    return [full]
+
+
+# --------------------------------------------------------------------------- reading
+def _weight_files(hf_dir: str) -> dict[str, str]:
+    """HF tensor name -> safetensors file path (single file or sharded index)."""
+    single, index = os.path.join(hf_dir, WEIGHTS_FILE), os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return {k: single for k in f.keys()}
+    raise HFConversionError(f"{hf_dir}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors checkpoints "
+                            f"are supported; re-save with save_pretrained(safe_serialization=True))")
+
+
+def head_source(info: HFModelInfo, role: str) -> str | None:
+    """Which HF tensor initialises our output layer for ``role`` ("lm" or "value")."""
+    if role == "lm":
+        if info.kind != "causal_lm":
+            raise HFConversionError(f"an LM needs a *ForCausalLM checkpoint, got {info.architecture}")
+        return "tied" if info.config.tie_embeddings else "lm_head"
+    if role == "value":
+        return "score" if info.kind == "sequence_classification" else None
+    raise HFConversionError(f"unknown role {role!r}; valid: 'lm', 'value'")
+
+
+def read_hf_state(hf_dir: str, info: HFModelInfo, role: str = "lm",
+                  names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Full tensors by global name, reading only the HF tensors behind ``names`` (default: all).
+
+    With role "value" and a causal-LM checkpoint there is no ``output_layer.weight``
+    (the value head is new); requesting it is skipped.
+    """
+    from safetensors import safe_open
+
+    sources = hf_sources(info.config, head_source(info, role))
+    wanted = list(sources) if names is None else [n for n in names if n in sources]
+    files = _weight_files(hf_dir)
+    needed = {s for n in wanted for s in sources[n]}
+    missing = sorted(needed - set(files))
+    if missing:
+        raise HFConversionError(f"{hf_dir}: missing tensor(s) {missing[:5]} for {info.architecture}")
+    loaded: dict[str, torch.Tensor] = {}
+    for path in sorted({files[s] for s in needed}):
+        with safe_open(path, framework="pt") as f:
+            for s in needed:
+                if files[s] == path:
+                    loaded[s] = f.get_tensor(s)
+    return {n: _combine(n, [loaded[s] for s in sources[n]], info.config) for n in wanted}
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, groups, hf_dir: str, role: str = "lm") -> HFModelInfo:
+    """Fill this rank's stage (any tp/pp) from an HF directory, reading only its own tensors.
+
+    A value model built from a causal LM keeps its freshly initialised head.
+    """
+    from rlhf.parallel.reshard import load_full_weights, named_global_parameters
+
+    info = read_hf_config(hf_dir)
+    tp = groups.mesh.strategy.tp
+    if info.config.vocab_size % tp:
+        raise HFConversionError(f"vocab_size={info.config.vocab_size} is not divisible by tp={tp}")
+    params = named_global_parameters(model)
+    full = read_hf_state(hf_dir, info, role, params)
+    for name in set(params) - set(full):  # the new value head: not TP-sharded, keep as is
+        full[name] = params[name].data
+    load_full_weights(model, groups, full)
+    return info
+
+
+# --------------------------------------------------------------------------- writing
+def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig, kind: str = "causal_lm") -> dict[str, torch.Tensor]:
+    """Our full state dict (global names) -> HF tensors (tied output layer omitted)."""
+    head = "score" if kind == "sequence_classification" else ("tied" if cfg.tie_embeddings else "lm_head")
+    out = {}
+    for name, srcs in hf_sources(cfg, head).items():
+        if name not in full:
+            raise HFConversionError(f"our state dict lacks {name!r}")
+        if name == "output_layer.weight" and head == "tied":
+            continue
+        out.update(zip(srcs, _split(name, full[name], cfg)))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kind: str = "causal_lm",
+              family: str | None = None) -> str:
+    """Write ``config.json`` + ``model.safetensors`` loadable by transformers; returns ``out_dir``."""
+    from safetensors.torch import save_file
+
+    tensors = to_hf_state(full, cfg, kind)
+    dtype = next(iter(tensors.values())).dtype
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf_config_dict(cfg, kind, family, dtype), f, indent=2, sort_keys=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    return out_dir

@@ -1,0 +1,277 @@
+"""RLHF training state on disk: model weights, AdamW states, schedulers, data position, RNG.
+
+Layout-free format on top of :mod:`rlhf.checkpoint.storage` (atomic, verified).
+Every tensor is stored FULL (unsharded) under its global name, one file per
+(model, pipeline stage of the saving layout)::
+
+    iter_0000042/
+      actor_stage0of2.safetensors     stage 0's params + "exp_avg/<n>", "exp_avg_sq/<n>", "step/<n>"
+      actor_stage0of2_meta.json       {"config", "role", "pp", "param_groups", "scheduler"}
+      actor_stage1of2.safetensors
+      actor_stage1of2_meta.json
+      rng_rank{r}.json                per-rank RNG of the saving job
+      state.json                      {"iteration", "data_position", "extra"}
+
+Saving: the TP ranks of data-parallel replica 0 all-gather each stage's
+parameters and optimizer moments (sharded exactly like the parameter); the
+replica's TP rank 0 writes them. Loading into any (tp, pp, dp): a rank finds
+each of its parameters' files with ``owning_stage(name, num_layers, saved pp)``,
+reads just those tensors (``safe_open``) and slices them with ``full_to_shard``.
+``groups=None`` means an unsharded model in a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf.checkpoint import storage
+from rlhf.models.config import ModelConfig
+from rlhf.parallel.reshard import ShardSpec, full_to_shard, named_global_parameters, owning_stage, shards_to_full
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class ModelSlot:
+    """One model of the RLHF state as this rank holds it (``model=None``: not on this rank)."""
+
+    config: ModelConfig
+    role: str = "lm"
+    model: Optional[torch.nn.Module] = None
+    groups: Any = None  # TaskGroups, or None for an unsharded single-process model
+    optimizer: Optional[torch.optim.Optimizer] = None
+    scheduler: Any = None  # anything with state_dict() / load_state_dict()
+
+
+@dataclass
+class LoadedRlhfState:
+    """What :func:`load_rlhf_state` returns besides filling the slots in place."""
+
+    iteration: int
+    path: str
+    data_position: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+
+def _layout(slot: ModelSlot) -> tuple[int, int, int, int, int]:
+    """(tp, tp_rank, pp, stage, dp_rank) of this rank in the slot's layout."""
+    g = slot.groups
+    if g is None:
+        return 1, 0, 1, 0, 0
+    return g.mesh.strategy.tp, g.tp_rank, g.mesh.strategy.pp, g.coord.pp, g.coord.dp
+
+
+def shard_name(model_name: str, stage: int, pp: int) -> str:
+    return f"{model_name}_stage{stage}of{pp}"
+
+
+def _gather_full(local: torch.Tensor, spec: ShardSpec, slot: ModelSlot) -> torch.Tensor:
+    """The full tensor of a TP-sharded ``local`` (collective over the slot's TP group)."""
+    if not spec.parallel or spec.tp == 1:
+        return local.detach().clone()
+    shards = [torch.empty_like(local) for _ in range(spec.tp)]
+    dist.all_gather(shards, local.detach().contiguous(), group=slot.groups.tp)
+    return shards_to_full(shards, spec)
+
+
+def _stage_tensors(slot: ModelSlot) -> dict[str, torch.Tensor]:
+    """Full params and AdamW moments of this rank's stage (TP ranks of one replica call together)."""
+    tp = _layout(slot)[0]
+    state = slot.optimizer.state if slot.optimizer is not None else {}
+    out = {}
+    for name, param in named_global_parameters(slot.model).items():
+        spec = ShardSpec.of(param, tp)
+        out[name] = _gather_full(param.data, spec, slot)
+        st = state.get(param, {})
+        for key in MOMENTS:
+            if key in st:
+                out[f"{key}/{name}"] = _gather_full(st[key], spec, slot)
+        if "step" in st:
+            out[f"step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
+    return out
+
+
+def _meta(slot: ModelSlot, pp: int) -> dict:
+    groups = []
+    if slot.optimizer is not None:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in slot.optimizer.param_groups]
+    return {"config": slot.config.to_dict(), "role": slot.role, "pp": pp, "param_groups": groups,
+            "scheduler": slot.scheduler.state_dict() if slot.scheduler is not None else None}
+
+
+def stage_files(model_name: str, slot: ModelSlot, tensors: dict, stage: int = 0, pp: int = 1):
+    """(shards, json_files) entries of one stage, as :func:`storage.save_checkpoint` takes them."""
+    name = shard_name(model_name, stage, pp)
+    return {name: tensors}, {name + "_meta": _meta(slot, pp)}
+
+
+def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *,
+                    data_position: Optional[dict] = None, extra: Optional[dict] = None,
+                    group=None, keep_last: Optional[int] = None) -> str:
+    """Save every model's weights + optimizer + scheduler, the data position and RNG (collective).
+
+    Every rank of ``group`` (all ranks holding any model; ``None``: this process
+    alone) calls this with the same slot names. Returns the checkpoint directory.
+    """
+    shards, json_files = {}, {}
+    for model_name, slot in slots.items():
+        if slot.model is None:
+            continue
+        tp, tp_rank, pp, stage, dp_rank = _layout(slot)
+        if dp_rank != 0:
+            continue
+        tensors = _stage_tensors(slot)
+        if tp_rank == 0:
+            s, j = stage_files(model_name, slot, tensors, stage, pp)
+            shards.update(s)
+            json_files.update(j)
+    rank = dist.get_rank(group) if group is not None else 0
+    hooks = [h for h in [storage.accelerator_rng_hook()] if h is not None]
+    json_files[f"rng_rank{rank}"] = storage.capture_rng_state(hooks)
+    state = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
+    return storage.save_checkpoint(root, iteration, shards=shards, state=state, json_files=json_files,
+                                   group=group, keep_last=keep_last)
+
+
+# --------------------------------------------------------------------------- loading
+def _saved_models(manifest: dict) -> dict[str, int]:
+    """model name -> saved pp, from the ``*_stage0of{pp}_meta.json`` files."""
+    out = {}
+    for entry in manifest["files"]:
+        name = entry["name"]
+        if name.endswith("_meta.json") and "_stage0of" in name:
+            model, pp = name[: -len("_meta.json")].rsplit("_stage0of", 1)
+            out[model] = int(pp)
+    return out
+
+
+def _read_stage_tensors(path: str, model_name: str, pp: int, num_layers: int,
+                        keys: list[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """Read ``keys`` ((param global name, stored key)) from the files of their owning stages."""
+    from safetensors import safe_open
+
+    by_file: dict[str, list[str]] = {}
+    for name, key in keys:
+        fname = shard_name(model_name, owning_stage(name, num_layers, pp), pp) + storage.TENSOR_EXT
+        by_file.setdefault(fname, []).append(key)
+    storage.verify_checkpoint(path, sorted(by_file))
+    out = {}
+    for fname, wanted in by_file.items():
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            present = set(f.keys())
+            out.update({k: f.get_tensor(k) for k in wanted if k in present})
+    return out
+
+
+def read_full_state(root: str, model_name: str, iteration: Optional[int] = None,
+                    names=None) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
+    """(config, role, full weights by global name) of one saved model, in this process alone.
+
+    ``names`` limits what is read (default: every weight of the model).
+    """
+    it = storage.resolve_checkpoint(root, iteration)
+    path = storage.checkpoint_path(root, it)
+    meta = _model_meta(path, model_name)
+    cfg = ModelConfig.from_dict(meta["config"])
+    if names is None:
+        names = _all_names(path, model_name, meta["pp"])
+    full = _read_stage_tensors(path, model_name, meta["pp"], cfg.num_layers, [(n, n) for n in names])
+    return cfg, meta["role"], full
+
+
+def saved_model_config(root: str, model_name: str, iteration: Optional[int] = None) -> tuple[ModelConfig, str]:
+    """(config, role) of a model in a checkpoint (``latest`` by default), without reading tensors."""
+    path = storage.checkpoint_path(root, storage.resolve_checkpoint(root, iteration))
+    meta = _model_meta(path, model_name)
+    return ModelConfig.from_dict(meta["config"]), meta["role"]
+
+
+def _model_meta(path: str, model_name: str) -> dict:
+    manifest = storage.verify_checkpoint(path, [])
+    saved = _saved_models(manifest)
+    if model_name not in saved:
+        raise storage.CheckpointError(f"checkpoint {path}: no model {model_name!r} (models: {sorted(saved)})")
+    return storage._load_json(path, shard_name(model_name, 0, saved[model_name]) + "_meta.json")
+
+
+def _all_names(path: str, model_name: str, pp: int) -> list[str]:
+    from safetensors import safe_open
+
+    names = []
+    for stage in range(pp):
+        with safe_open(os.path.join(path, shard_name(model_name, stage, pp) + storage.TENSOR_EXT), "pt") as f:
+            names += [k for k in f.keys() if "/" not in k]
+    return names
+
+
+@torch.no_grad()
+def _load_slot(path: str, model_name: str, slot: ModelSlot) -> None:
+    """Fill one slot's weights, optimizer moments and scheduler from checkpoint ``path``."""
+    meta = _model_meta(path, model_name)
+    saved_cfg = ModelConfig.from_dict(meta["config"])
+    if saved_cfg != slot.config:
+        raise storage.CheckpointError(f"checkpoint {path}: model {model_name!r} was saved with {saved_cfg}, "
+                                      f"the model to load into has {slot.config}")
+    tp, tp_rank = _layout(slot)[:2]
+    params = named_global_parameters(slot.model)
+    keys = [(n, n) for n in params]
+    if slot.optimizer is not None:
+        keys += [(n, f"{k}/{n}") for n in params for k in (*MOMENTS, "step")]
+    full = _read_stage_tensors(path, model_name, meta["pp"], saved_cfg.num_layers, keys)
+    for name, param in params.items():
+        param.data.copy_(full_to_shard(full[name], ShardSpec.of(param, tp), tp_rank))
+    if slot.optimizer is not None:
+        _load_optimizer(slot, params, full, meta["param_groups"], tp, tp_rank)
+    if slot.scheduler is not None and meta["scheduler"] is not None:
+        slot.scheduler.load_state_dict(meta["scheduler"])
+
+
+def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: list, tp: int, tp_rank: int) -> None:
+    """Rebuild the optimizer's state_dict for this layout and load it."""
+    opt = slot.optimizer
+    if len(saved_groups) != len(opt.param_groups):
+        raise storage.CheckpointError(f"optimizer has {len(opt.param_groups)} param groups, "
+                                      f"the checkpoint {len(saved_groups)}")
+    by_param = {id(p): n for n, p in params.items()}
+    state, groups, index = {}, [], 0
+    for saved, group in zip(saved_groups, opt.param_groups):
+        ids = []
+        for p in group["params"]:
+            name = by_param[id(p)]
+            if f"step/{name}" in full:
+                spec = ShardSpec.of(p, tp)
+                state[index] = {"step": full[f"step/{name}"]}
+                state[index].update({k: full_to_shard(full[f"{k}/{name}"], spec, tp_rank) for k in MOMENTS})
+            ids.append(index)
+            index += 1
+        groups.append(dict(saved, params=ids))
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Optional[int] = None, *,
+                    group=None, restore_rng: bool = True, fallback: bool = False) -> LoadedRlhfState:
+    """Load into ``slots`` (any layout), returning iteration, data position and extra state.
+
+    Collective over ``group``. Only verified checkpoints are read; ``iteration=None``
+    takes ``latest`` (``fallback=True``: the newest complete one if that is broken).
+    RNG is restored for this rank when the checkpoint has ``rng_rank{rank}``.
+    """
+    it = storage.resolve_checkpoint(root, iteration, fallback=fallback, group=group)
+    path = storage.checkpoint_path(root, it)
+    for model_name, slot in slots.items():
+        if slot.model is not None:
+            _load_slot(path, model_name, slot)
+    state = storage._load_json(path, storage.STATE)
+    rank = dist.get_rank(group) if group is not None else 0
+    rng_file = f"rng_rank{rank}.json"
+    if restore_rng and os.path.isfile(os.path.join(path, rng_file)):
+        storage.verify_checkpoint(path, [rng_file])
+        hooks = [h for h in [storage.accelerator_rng_hook()] if h is not None]
+        storage.restore_rng_state(storage._load_json(path, rng_file), hooks)
+    return LoadedRlhfState(iteration=it, path=path, data_position=state.get("data_position", {}),
+                           extra=state.get("extra", {}))

@@ -1,0 +1,126 @@
+"""HF interop: tiny random Llama / Qwen2 checkpoints -> our model at TP2 and PP2 -> HF again.
+
+transformers is the oracle: our logits (and per-token values of a sequence
+classifier) must match its to 1e-4 in fp32, and exporting the sharded model
+back must reproduce the original safetensors exactly.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dist_launcher import launch
+from rlhf.checkpoint.hf import HFConversionError, fuse_qkv, read_hf_config, split_qkv
+from rlhf.models import ModelConfig
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import convert_checkpoint  # noqa: E402
+
+TOL = 1e-4
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _hf_models():
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen2ForSequenceClassification)
+
+    return {
+        "llama": (LlamaForCausalLM, LlamaConfig(rope_theta=5000.0, rms_norm_eps=1e-5, **SHAPE), "lm"),
+        "qwen2_tied": (Qwen2ForCausalLM, Qwen2Config(tie_word_embeddings=True, rope_theta=1e6, **SHAPE), "lm"),
+        "qwen2_score": (Qwen2ForSequenceClassification, Qwen2Config(num_labels=1, pad_token_id=0, **SHAPE), "value"),
+        "llama_newhead": (LlamaForCausalLM, LlamaConfig(**SHAPE), "value"),
+    }
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("interop")
+    torch.manual_seed(0)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 12))
+    cases = []
+    for i, (name, (cls, cfg, role)) in enumerate(_hf_models().items()):
+        torch.manual_seed(100 + i)
+        model = cls(cfg).eval()
+        with torch.no_grad():  # larger weights than the default init, so mismatches show
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        path = str(root / name)
+        model.save_pretrained(path)
+        with torch.no_grad():
+            if role == "lm":
+                expected = model(ids).logits
+            elif name == "qwen2_score":  # per-token scores: the head on every position
+                expected = model.score(model.model(ids).last_hidden_state).squeeze(-1)
+            else:
+                expected = None
+        cases.append({"name": name, "dir": path, "role": role, "expected": expected})
+    results = launch(2, "scenario_interop:run", cases=cases, ids=ids, out_root=str(root / "ours"))
+    return cases, results
+
+
+def _errs(results, key, field):
+    return [r[key][field] for r in results if field in r[key]]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen2_score"])
+def test_logits_match_transformers(setup, name, layout):
+    _, results = setup
+    errs = _errs(results, f"{name}/{layout}", "err")
+    assert len(errs) == (2 if layout == "tp2" else 1)  # the last-stage ranks report
+    assert max(errs) < TOL
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_value_model_from_causal_lm_keeps_new_head(setup, layout):
+    _, results = setup
+    assert _errs(results, f"llama_newhead/{layout}", "head_kept") and all(
+        _errs(results, f"llama_newhead/{layout}", "head_kept"))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen2_score"])
+def test_export_back_is_identical(setup, tmp_path, name, layout):
+    cases, results = setup
+    case = next(c for c in cases if c["name"] == name)
+    out = convert_checkpoint.ours_to_hf(results[0][f"{name}/{layout}"]["root"], str(tmp_path / "hf"))
+    original, exported = load_file(os.path.join(case["dir"], "model.safetensors")), \
+        load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert read_hf_config(out) == read_hf_config(case["dir"])
+
+
+def test_exported_dir_loads_in_transformers(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cases, results = setup
+    out = convert_checkpoint.ours_to_hf(results[0]["qwen2_tied/pp2"]["root"], str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert model.config.tie_word_embeddings
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, 5))
+    original = AutoModelForCausalLM.from_pretrained(cases[1]["dir"]).eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, original(ids).logits)
+
+
+def test_qkv_fuse_split_roundtrip():
+    cfg = ModelConfig(hidden_size=64, num_attention_heads=8, num_kv_heads=2)
+    q, k, v = torch.randn(64, 64), torch.randn(16, 64), torch.randn(16, 64)
+    fused = fuse_qkv(q, k, v, cfg)
+    # group 0 = q heads 0-3 (rows 0-31), then k head 0, then v head 0
+    assert torch.equal(fused[:32], q[:32]) and torch.equal(fused[32:40], k[:8]) and torch.equal(fused[40:48], v[:8])
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, cfg), (q, k, v)))
+
+
+def test_unsupported_checkpoints_are_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(HFConversionError, match="unsupported architectures.*LlamaForCausalLM"):
+        read_hf_config(str(tmp_path))
+    assert convert_checkpoint.main(["hf-to-ours", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    with pytest.raises(HFConversionError, match="no config.json"):
+        read_hf_config(str(tmp_path / "missing"))
