@@ -92,15 +92,25 @@ def make_inputs(length: int, seed: int = 0):
 
 
 def time_ms(fn, repeats: int) -> tuple[float, float]:
-    """(min, median) wall time in ms. The min is the run least disturbed by
-    other load on a shared machine; ratios use it for both methods."""
-    fn()  # warm-up
+    """(min, median) wall time in ms of ``repeats`` calls after a warm-up."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
     return 1e3 * min(times), 1e3 * statistics.median(times)
+
+
+def time_side_by_side(loop, matrix, rounds: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Alternate one loop call and ten matrix calls per round, so both see the
+    same background load; (min, median) ms of each. Ratios use the minima: the
+    runs least disturbed by other processes on a shared machine."""
+    loop_times, matrix_times = [], []
+    for _ in range(rounds):
+        loop_times.append(time_ms(loop, 1)[0])
+        matrix_times.append(time_ms(matrix, 10)[0])
+    return (min(loop_times), statistics.median(loop_times)), (min(matrix_times), statistics.median(matrix_times))
 
 
 def peak_mib(fn) -> float:
@@ -114,8 +124,7 @@ def compare(length: int) -> None:
     loop = lambda: gae_loop(rewards, values, mask, GAMMA, LAM)  # noqa: E731
     matrix = lambda: compute_gae(rewards, values, mask, GAMMA, LAM)  # noqa: E731
     err = (loop()[0] - matrix()[0]).abs().max() / loop()[0].abs().max()
-    loop_ms, loop_med = time_ms(loop, 3 if length > 4096 else 7)
-    matrix_ms, matrix_med = time_ms(matrix, 50)
+    (loop_ms, loop_med), (matrix_ms, matrix_med) = time_side_by_side(loop, matrix, 4 if length > 4096 else 8)
     loop_mem, matrix_mem = peak_mib(loop), peak_mib(matrix)
     print(
         f"{length:>6} | {loop_ms:8.2f} ({loop_med:8.2f}) | {matrix_ms:6.3f} ({matrix_med:6.3f}) | "
@@ -124,12 +133,12 @@ def compare(length: int) -> None:
 
 
 def sweep_blocks() -> None:
-    print("\nmatrix time (ms, min of 50) by block size K")
+    print("\nmatrix time (ms, min of 30) by block size K")
     blocks = (16, 32, 64, 128, 256)
     print("     T | " + " | ".join(f"K={k:<5}" for k in blocks))
     for length in (1024, 4096, 16384):
         rewards, values, mask = make_inputs(length)
-        row = [time_ms(lambda: compute_gae(rewards, values, mask, GAMMA, LAM, block=k), 50)[0] for k in blocks]
+        row = [time_ms(lambda: compute_gae(rewards, values, mask, GAMMA, LAM, block=k), 30)[0] for k in blocks]
         print(f"{length:>6} | " + " | ".join(f"{ms:7.3f}" for ms in row))
 
 
@@ -144,9 +153,11 @@ def main() -> None:
         f"{torch.get_num_threads()} threads, allocator: {allocator}"
     )
     print(f"B={BATCH}, gamma={GAMMA}, lam={LAM}, block={DEFAULT_BLOCK}; memory = peak tensor bytes per call")
+    print("load average (1 min) at the start: %.2f" % os.getloadavg()[0])
     print("     T | loop ms min (median) | matrix ms min (median) |  ratio  | loop MiB | matrix MiB | max rel err")
     for length in (1024, 4096, 16384):
         compare(length)
+    print("load average (1 min) at the end: %.2f on %d cores" % (os.getloadavg()[0], os.cpu_count()))
     if args.sweep_blocks:
         sweep_blocks()
 

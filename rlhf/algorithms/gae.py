@@ -37,9 +37,9 @@ from typing import Tuple
 
 import torch
 
-# Block size along time. Chosen by benchmarks/gae.py on a 2-core CPU (B=64,
-# T in 1k..16k): 32..128 are within noise of each other; 64 is the middle.
-DEFAULT_BLOCK = 64
+# Block size along time, from `benchmarks/gae.py --sweep-blocks` on a 2-core CPU
+# (B=64): K=16..128 are within 10% at T <= 4096; K=32 is fastest at T=16384.
+DEFAULT_BLOCK = 32
 
 
 @functools.lru_cache(maxsize=64)
