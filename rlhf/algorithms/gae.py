@@ -43,7 +43,9 @@ DEFAULT_BLOCK = 32
 
 
 @functools.lru_cache(maxsize=64)
-def _suffix_coefficients(factor: float, size: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+def _suffix_coefficients(
+    factor: float, size: int, dtype: torch.dtype, device: torch.device
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Within-block matrix M^T ([size, size], M[i, j] = factor^(j-i) for j >= i)
     and carry vector p ([size], p[i] = factor^(size-i)). Cached: read-only."""
     idx = torch.arange(size, dtype=torch.float64)
@@ -51,7 +53,7 @@ def _suffix_coefficients(factor: float, size: int, dtype: torch.dtype) -> Tuple[
     base = torch.tensor(factor, dtype=torch.float64)
     mat = torch.where(expo >= 0, base.pow(expo.clamp(min=0)), torch.zeros((), dtype=torch.float64))
     carry = base.pow(size - idx)
-    return mat.t().to(dtype).contiguous(), carry.to(dtype)
+    return mat.t().contiguous().to(device=device, dtype=dtype), carry.to(device=device, dtype=dtype)
 
 
 def discounted_suffix_sum(x: torch.Tensor, factor: float, block: int = DEFAULT_BLOCK) -> torch.Tensor:
@@ -70,12 +72,12 @@ def discounted_suffix_sum(x: torch.Tensor, factor: float, block: int = DEFAULT_B
         raise ValueError(f"block={block} must be >= 2")
     batch, length = x.shape
     if length <= block:
-        mat_t, _ = _suffix_coefficients(factor, length, x.dtype)
+        mat_t, _ = _suffix_coefficients(factor, length, x.dtype, x.device)
         return x @ mat_t
     n_blocks = -(-length // block)
     if n_blocks * block != length:  # callers on the hot path pre-pad (no copy)
         x = torch.nn.functional.pad(x, (0, n_blocks * block - length))
-    mat_t, carry_coef = _suffix_coefficients(factor, block, x.dtype)
+    mat_t, carry_coef = _suffix_coefficients(factor, block, x.dtype, x.device)
     local = (x.reshape(batch * n_blocks, block) @ mat_t).view(batch, n_blocks, block)
     # Full value at each block start: same recurrence, one level up.
     heads = discounted_suffix_sum(local[:, :, 0].contiguous(), factor**block, block)
@@ -91,7 +93,8 @@ def _padded_width(length: int, block: int) -> int:
 
 
 def _compaction_index(mask: torch.Tensor) -> torch.Tensor:
-    """dest [B, T] int64: destination column of each token after compaction. Valid tokens go to cumsum(mask) - 1, masked ones to column T."""
+    """dest [B, T] int64: destination column of each token after compaction.
+    Valid tokens go to cumsum(mask) - 1, masked ones to column T."""
     valid = mask if mask.dtype == torch.bool else mask > 0
     slot = mask.shape[1]
     # dest = valid ? cumsum - 1 : T, written as in-place arithmetic (cheaper than masked_fill).
@@ -103,7 +106,7 @@ def _compact(x: torch.Tensor, dest: torch.Tensor, width: int, dtype: torch.dtype
     """Move valid tokens to the front of each row: [B, T] -> [B, width], width > T,
     zeros from column T on (column T first collects the masked tokens, then is cleared)."""
     batch, length = x.shape
-    out = torch.zeros(batch, width, dtype=dtype)
+    out = torch.zeros(batch, width, dtype=dtype, device=x.device)
     out.scatter_(1, dest, x.to(dtype))
     out[:, length] = 0
     return out
