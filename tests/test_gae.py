@@ -68,7 +68,8 @@ def test_masked_tokens_do_not_change_valid_results():
     # Same valid tokens, no holes: compaction done by hand gives the same values.
     row = 0
     valid = mask[row]
-    dense_adv, _ = compute_gae(rewards[row, valid][None], values[row, valid][None], torch.ones(1, int(valid.sum())), 0.99, 0.95)
+    dense = [t[row, valid][None] for t in (rewards, values)]
+    dense_adv, _ = compute_gae(*dense, torch.ones(1, int(valid.sum())), 0.99, 0.95)
     torch.testing.assert_close(adv[row, valid], dense_adv[0])
 
 

@@ -89,7 +89,8 @@ def test_aggregation_modes():
     torch.testing.assert_close(aggregate_loss(loss, mask, "token-mean"), torch.tensor(10.0 / 4))
     torch.testing.assert_close(aggregate_loss(loss, mask, "seq-mean-token-mean"), torch.tensor((2.0 + 4.0) / 2))
     torch.testing.assert_close(aggregate_loss(loss, mask, "seq-mean-token-sum"), torch.tensor((6.0 + 4.0) / 2))
-    torch.testing.assert_close(aggregate_loss(loss, mask, "token-mean", denominator=torch.tensor(8.0)), torch.tensor(10.0 / 8))
+    global_count = torch.tensor(8.0)  # e.g. tokens of the whole DP mini-batch
+    torch.testing.assert_close(aggregate_loss(loss, mask, "token-mean", denominator=global_count), torch.tensor(10.0 / 8))
     with pytest.raises(KeyError, match="token-mean"):
         aggregate_loss(loss, mask, "sum")
 
