@@ -1,0 +1,68 @@
+"""RLHF-state checkpoints: layout changes (TP2xPP2 / reversed PP2xDP2 -> TP1) and crash safety."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dist_launcher import TESTS_DIR, launch
+from rlhf.checkpoint import CheckpointError
+from rlhf.checkpoint.rlhf_state import load_rlhf_state, read_full_state
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("rlhf_state"))
+    return root, launch(4, "scenario_rlhf_state:run", root=root)
+
+
+def test_state_is_restored_on_every_rank(results):
+    _, res = results
+    for r in res:
+        assert r["iteration"] == 5 and r["data_position"] == {"epoch": 1, "index": 17}
+        assert r["rng"], "per-rank RNG not restored"
+
+
+@pytest.mark.parametrize("model,ranks", [("actor", [0, 1]), ("critic", [2])])
+def test_tp1_load_has_identical_weights_and_optimizer(results, model, ranks):
+    _, res = results
+    assert [i for i, r in enumerate(res) if model in r] == ranks
+    for i in ranks:
+        assert res[i][model] == {"weights": True, "moments": True, "step": True, "scheduler": True, "names": True}
+
+
+def test_files_one_per_saved_stage(results):
+    root, res = results
+    files = set(res[0]["files"])
+    for model in ("actor", "critic"):
+        assert {f"{model}_stage{s}of2.safetensors" for s in range(2)} <= files
+    assert {f"rng_rank{r}.json" for r in range(4)} <= files
+    cfg, role, full = read_full_state(root, "critic")
+    assert role == "value" and full["output_layer.weight"].shape == (1, cfg.hidden_size)
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path):
+    from scenario_rlhf_state import tiny_slot
+
+    root = str(tmp_path)
+    code = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import scenario_rlhf_state as s; s.save_then_die({root!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    partial = [n for n in os.listdir(root) if n.startswith(".tmp_iter_0000002")]
+    assert partial and "actor_stage0of1.safetensors" in os.listdir(os.path.join(root, partial[0]))
+
+    slot, expected = tiny_slot(seed=5), tiny_slot(seed=1)
+    state = load_rlhf_state(root, {"actor": slot}, restore_rng=False)
+    assert state.iteration == 1 and state.data_position == {"index": 1}
+    for (n, p), q in zip(slot.model.named_parameters(), expected.model.parameters()):
+        assert torch.equal(p, q), n
+        assert torch.equal(slot.optimizer.state[p]["exp_avg"], expected.optimizer.state[q]["exp_avg"])
+
+    with pytest.raises(CheckpointError, match="incomplete: directory missing"):
+        load_rlhf_state(root, {"actor": slot}, iteration=2)
+    os.rename(os.path.join(root, partial[0]), os.path.join(root, "iter_0000002"))  # a partial dir in plain sight
+    with pytest.raises(CheckpointError, match="incomplete: manifest missing"):
+        load_rlhf_state(root, {"actor": slot}, iteration=2)
+    assert load_rlhf_state(root, {"actor": slot}, restore_rng=False).iteration == 1
