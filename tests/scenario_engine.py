@@ -1,0 +1,238 @@
+"""2-rank scenario for the generation engine (one launch, several checks).
+
+Rank 0: greedy tokens vs HF generate and vs a full-recompute loop on the
+training model, log-probs vs the training model, preemption with a tiny pool,
+and the source side of migration. Rank 1: prefix-sharing block accounting for
+n=8, seeded sampling independent of batching, capacity errors, and the
+destination side of migration. Both: TP2 engine (weights resharded from a
+DP2 training layout) vs a TP1 engine. Every check returns small values; the
+test module asserts.
+"""
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from rlhf.engine import Engine, EngineConfig, NeverFitsError, Request, SamplingParams, recv_sequence, send_sequence
+from rlhf.models import ModelConfig
+from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups, local_groups
+from rlhf.parallel.reshard import reshard
+
+CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                  vocab_size=256, max_seq_len=96, qkv_bias=True)
+HF_CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                     vocab_size=256, max_seq_len=96, rope_theta=10000.0, norm_eps=1e-6)
+PLAN = {"actor_train": {"ranks": "0-1", "dp": 2}, "actor_gen": {"ranks": "0-1", "tp": 2}}
+SEED = 21
+GREEDY = SamplingParams(max_new_tokens=14)
+SAMPLED = SamplingParams(max_new_tokens=14, temperature=0.9, top_k=40, top_p=0.9, seed=5)
+
+
+def _prompts(count, lo=3, hi=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (count,), generator=g).tolist()
+    return [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in lens]
+
+
+def _requests(prompts, params, tag="r"):
+    return [Request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)]
+
+
+def _tokens(results):
+    return [list(r.tokens) for r in results]
+
+
+# ---- rank 0 -----------------------------------------------------------------------
+
+
+def hf_llama_full_weights(cfg: ModelConfig, seed: int):
+    """A tiny random HF LlamaForCausalLM and its weights under our global names."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False, attn_implementation="eager")).eval()
+    sd, g, hd = hf.state_dict(), cfg.num_kv_heads, cfg.head_dim
+    full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+            "decoder.final_layernorm.weight": sd["model.norm.weight"], "output_layer.weight": sd["lm_head.weight"]}
+    for i in range(cfg.num_layers):
+        h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
+        # megatron's fused QKV: per KV group, that group's q heads, then its k head, then its v head
+        qkv = torch.cat([q.view(g, -1, cfg.hidden_size), k.view(g, hd, -1), v.view(g, hd, -1)], dim=1)
+        full.update({
+            o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
+            o + "self_attention.linear_qkv.weight": qkv.reshape(-1, cfg.hidden_size),
+            o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
+            o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
+            o + "mlp.linear_fc1.weight": torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]]),
+            o + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"],
+        })
+    return hf, full
+
+
+def check_vs_hf(local) -> dict:
+    from rlhf.parallel.reshard import load_full_weights
+
+    hf, full = hf_llama_full_weights(HF_CFG, seed=3)
+    model = build_model(HF_CFG, "lm", local, seed=1)
+    load_full_weights(model, local, full)
+    prompts = _prompts(4, seed=1)
+    ours = _tokens(Engine(model, local, HF_CFG, EngineConfig(num_blocks=64, block_size=8)).generate(
+        _requests(prompts, GREEDY)))
+    theirs = []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              do_sample=False, max_new_tokens=GREEDY.max_new_tokens,
+                              min_new_tokens=GREEDY.max_new_tokens, pad_token_id=0)
+            theirs.append(out[0, len(p):].tolist())
+    return {"hf_equal": ours == theirs, "hf_len": [len(t) for t in ours]}
+
+
+def naive_greedy(model, prompt, steps):
+    """Full recompute every step with the training model's forward."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(stage_forward(model, torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def training_logprobs(model, prompt, tokens, tp_group):
+    """The training model's log p(token) for each generated token."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        lp = vocab_parallel_log_probs(stage_forward(model, ids)[:, :-1], ids[:, 1:], tp_group)[0]
+    return lp[len(prompt) - 1:]
+
+
+def check_vs_training_model(model, local) -> dict:
+    prompts = _prompts(5, seed=2)
+    # small blocks and a small budget: prompts are prefilled in chunks next to decodes
+    cfg = EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16)
+    results = Engine(model, local, CFG, cfg).generate(_requests(prompts, GREEDY))
+    naive = [naive_greedy(model, p, GREEDY.max_new_tokens) for p in prompts]
+    sampled = Engine(model, local, CFG, cfg).generate(_requests(prompts, SAMPLED))
+    lp_err = max((training_logprobs(model, r.prompt, r.tokens, local.tp) - torch.tensor(r.logprobs)).abs().max().item()
+                 for r in results + sampled)
+    big = Engine(model, local, CFG, EngineConfig(num_blocks=256, block_size=4))
+    unconstrained = _tokens(big.generate(_requests(prompts * 2, GREEDY)))
+    tiny = Engine(model, local, CFG, EngineConfig(num_blocks=12, block_size=4, max_tokens_per_step=32))
+    constrained = _tokens(tiny.generate(_requests(prompts * 2, GREEDY)))
+    return {"naive_equal": _tokens(results) == naive, "logprob_err": lp_err,
+            "finish_reasons": sorted({r.finish_reason for r in results}),
+            "preempt_equal": constrained == unconstrained, "preemptions": tiny.stats.preemptions,
+            "tiny_blocks_free_after": tiny.kv.pool.num_free}
+
+
+# ---- rank 1 -----------------------------------------------------------------------
+
+
+def check_prefix_sharing(model, local) -> dict:
+    prompt = _prompts(1, lo=10, hi=11, seed=3)[0]  # 10 tokens, block size 4: 2 full + 1 partial block
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=9, n=8)
+    out = {}
+    for share in (True, False):
+        eng = Engine(model, local, CFG, EngineConfig(num_blocks=64, block_size=4, prefix_sharing=share))
+        eng.add_request(Request("p", prompt, params))
+        eng.step()  # prefill (+ first token of every sample)
+        after_prefill = eng.kv.pool.num_used
+        refs = sorted(eng.kv.pool.ref_counts, reverse=True)[:3]
+        eng.step()  # first decode: writes position 10 (the partial block)
+        out[share] = {"prefill": after_prefill, "decode": eng.kv.pool.num_used, "refs": refs}
+        while eng.has_unfinished():
+            eng.step()
+        out[share]["tokens"] = _tokens(eng._finished.values())
+        out[share]["free_after"] = eng.kv.pool.num_free
+    return {"blocks_shared": {k: v for k, v in out[True].items() if k != "tokens"},
+            "blocks_unshared": {k: v for k, v in out[False].items() if k != "tokens"},
+            "shared_equal_unshared": sorted(out[True]["tokens"]) == sorted(out[False]["tokens"]),
+            "n8_distinct": len({tuple(t) for t in out[True]["tokens"]})}
+
+
+def check_sampling_and_errors(model, local) -> dict:
+    prompts = _prompts(4, seed=4)
+    alone = _tokens(Engine(model, local, CFG).generate(_requests(prompts[:1], SAMPLED)))
+    crowd = _tokens(Engine(model, local, CFG, EngineConfig(max_tokens_per_step=8)).generate(
+        _requests(prompts, SAMPLED)))
+    stop = Engine(model, local, CFG).generate(
+        [Request("r0", prompts[0], replace(SAMPLED, stop_token_ids=(alone[0][3],)))])[0]
+    eng = Engine(model, local, CFG, EngineConfig(num_blocks=4, block_size=4))
+    errors = []
+    for req in (Request("long", [1] * CFG.max_seq_len), Request("big", [1] * 8, SamplingParams(max_new_tokens=20))):
+        try:
+            eng.add_request(req)
+        except NeverFitsError as e:
+            errors.append(str(e))
+    return {"seeded_equal": alone[0] == crowd[0], "never_fits": len(errors),
+            "stop_reason": stop.finish_reason, "stop_last": list(stop.tokens) == alone[0][:alone[0].index(alone[0][3]) + 1]}
+
+
+# ---- both ranks -------------------------------------------------------------------
+
+
+def check_tp2(groups, placement, local) -> dict:
+    g = groups["actor_gen"]
+    train = build_model(CFG, "lm", groups["actor_train"], seed=SEED)
+    gen = build_model(CFG, "lm", g, seed=999)
+    reshard(placement["actor_train"], (groups["actor_train"], train), placement["actor_gen"], (g, gen),
+            CFG.num_layers)
+    reqs = _requests(_prompts(4, seed=5), GREEDY) + _requests(_prompts(2, seed=6), SAMPLED, tag="s")
+    cfg = EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=24)
+    tp2 = Engine(gen, g, CFG, cfg).generate(reqs)
+    tp1 = Engine(build_model(CFG, "lm", local, seed=SEED), local, CFG, cfg).generate(reqs)
+    return {"tp2_equal": _tokens(tp2) == _tokens(tp1),
+            "tp2_logprob_err": max(abs(a - b) for x, y in zip(tp1, tp2) for a, b in zip(x.logprobs, y.logprobs))}
+
+
+def check_migration(model, local) -> dict:
+    """Rank 0 runs 3 steps, exports two samples (with / without KV) to rank 1, which finishes them."""
+    reqs = _requests(_prompts(3, seed=7), GREEDY) + _requests(_prompts(1, seed=8), SAMPLED, tag="s")
+    cfg = EngineConfig(num_blocks=64, block_size=4)
+    eng = Engine(model, local, CFG, cfg)
+    moved = [("r1", True), ("s0", True), ("r2", False)]
+    if dist.get_rank() == 0:
+        unmoved = {r.request_id: list(r.tokens) for r in Engine(model, local, CFG, cfg).generate(reqs)}
+        for r in reqs:
+            eng.add_request(r)
+        for _ in range(3):
+            eng.step()
+        for rid, with_kv in moved:
+            send_sequence(eng.export_sequence(rid, 0, with_kv=with_kv), dst=1)
+        while eng.has_unfinished():
+            eng.step()
+        return {"unmoved": unmoved, "stayed": {k[0]: list(v.tokens) for k, v in eng._finished.items()}}
+    states = [recv_sequence(src=0) for _ in moved]
+    for state in states:
+        eng.import_sequence(state)
+    running_at_import = len(eng.scheduler.running)
+    while eng.has_unfinished():
+        eng.step()
+    return {"migrated": {k[0]: list(v.tokens) for k, v in eng._finished.items()},
+            "kv_shipped": [s.kv is not None for s in states], "running_at_import": running_at_import}
+
+
+def run():
+    rank = dist.get_rank()
+    placement = Placement.from_plan(PLAN, dist.get_world_size())
+    groups = build_task_groups(placement)
+    local = local_groups()
+    model = build_model(CFG, "lm", local, seed=SEED)
+    out = {"rank": rank}
+    out.update(check_tp2(groups, placement, local))
+    out.update(check_migration(model, local))
+    if rank == 0:
+        out.update(check_vs_training_model(model, local))
+        out.update(check_vs_hf(local))
+    else:
+        out.update(check_prefix_sharing(model, local))
+        out.update(check_sampling_and_errors(model, local))
+    return out
