@@ -49,8 +49,8 @@ def _tokens(results):
 # ---- rank 0 -----------------------------------------------------------------------
 
 
-def hf_llama_full_weights(cfg: ModelConfig, seed: int):
-    """A tiny random HF LlamaForCausalLM and its weights under our global names."""
+def tiny_hf_llama(cfg: ModelConfig, seed: int, out_dir: str):
+    """A tiny random HF LlamaForCausalLM, saved to ``out_dir`` for conversion."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -59,33 +59,22 @@ def hf_llama_full_weights(cfg: ModelConfig, seed: int):
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps, tie_word_embeddings=False, attn_implementation="eager")).eval()
-    sd, g, hd = hf.state_dict(), cfg.num_kv_heads, cfg.head_dim
-    full = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
-            "decoder.final_layernorm.weight": sd["model.norm.weight"], "output_layer.weight": sd["lm_head.weight"]}
-    for i in range(cfg.num_layers):
-        h, o = f"model.layers.{i}.", f"decoder.layers.{i}."
-        q, k, v = (sd[h + f"self_attn.{x}_proj.weight"] for x in "qkv")
-        # megatron's fused QKV: per KV group, that group's q heads, then its k head, then its v head
-        qkv = torch.cat([q.view(g, -1, cfg.hidden_size), k.view(g, hd, -1), v.view(g, hd, -1)], dim=1)
-        full.update({
-            o + "input_layernorm.weight": sd[h + "input_layernorm.weight"],
-            o + "self_attention.linear_qkv.weight": qkv.reshape(-1, cfg.hidden_size),
-            o + "self_attention.linear_proj.weight": sd[h + "self_attn.o_proj.weight"],
-            o + "pre_mlp_layernorm.weight": sd[h + "post_attention_layernorm.weight"],
-            o + "mlp.linear_fc1.weight": torch.cat([sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]]),
-            o + "mlp.linear_fc2.weight": sd[h + "mlp.down_proj.weight"],
-        })
-    return hf, full
+    hf.save_pretrained(out_dir, safe_serialization=True)
+    return hf
 
 
 def check_vs_hf(local) -> dict:
-    from rlhf.parallel.reshard import load_full_weights
+    import tempfile
 
-    hf, full = hf_llama_full_weights(HF_CFG, seed=3)
-    model = build_model(HF_CFG, "lm", local, seed=1)
-    load_full_weights(model, local, full)
+    from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
+
+    with tempfile.TemporaryDirectory() as d:
+        hf = tiny_hf_llama(HF_CFG, seed=3, out_dir=d)
+        cfg = read_hf_config(d).config
+        model = build_model(cfg, "lm", local, seed=1)
+        load_hf_weights(model, local, d)
     prompts = _prompts(4, seed=1)
-    ours = _tokens(Engine(model, local, HF_CFG, EngineConfig(num_blocks=64, block_size=8)).generate(
+    ours = _tokens(Engine(model, local, cfg, EngineConfig(num_blocks=64, block_size=8)).generate(
         _requests(prompts, GREEDY)))
     theirs = []
     with torch.no_grad():
