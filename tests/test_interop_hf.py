@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_launcher import launch
-from rlhf.checkpoint.hf import HFConversionError, fuse_qkv, read_hf_config, split_qkv
+from rlhf.checkpoint.hf import HFConversionError, fuse_qkv, read_hf_config, read_hf_state, split_qkv
 from rlhf.models import ModelConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -124,3 +124,21 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     assert convert_checkpoint.main(["hf-to-ours", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     with pytest.raises(HFConversionError, match="no config.json"):
         read_hf_config(str(tmp_path / "missing"))
+
+
+def test_missing_weights_and_sharded_index(setup, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cases, _ = setup
+    llama = cases[0]["dir"]
+    info = read_hf_config(llama)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text(open(os.path.join(llama, "config.json")).read())
+    with pytest.raises(HFConversionError, match="no model.safetensors"):
+        read_hf_state(str(tmp_path / "empty"), info)
+    sharded = str(tmp_path / "sharded")
+    AutoModelForCausalLM.from_pretrained(llama).save_pretrained(sharded, max_shard_size="40KB")
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    names = ["decoder.layers.1.mlp.linear_fc1.weight", "output_layer.weight"]
+    got, want = read_hf_state(sharded, info, names=names), read_hf_state(llama, info)
+    assert sorted(got) == sorted(names) and all(torch.equal(got[n], want[n]) for n in names)

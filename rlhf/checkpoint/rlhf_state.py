@@ -22,6 +22,7 @@ reads just those tensors (``safe_open``) and slices them with ``full_to_shard``.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
@@ -196,7 +197,14 @@ def _model_meta(path: str, model_name: str) -> dict:
     saved = _saved_models(manifest)
     if model_name not in saved:
         raise storage.CheckpointError(f"checkpoint {path}: no model {model_name!r} (models: {sorted(saved)})")
-    return storage._load_json(path, shard_name(model_name, 0, saved[model_name]) + "_meta.json")
+    return _read_json(path, shard_name(model_name, 0, saved[model_name]) + "_meta.json")
+
+
+def _read_json(path: str, fname: str):
+    """A JSON file of checkpoint ``path``, checked against the manifest first."""
+    storage.verify_checkpoint(path, [fname])
+    with open(os.path.join(path, fname), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _all_names(path: str, model_name: str, pp: int) -> list[str]:
@@ -266,12 +274,11 @@ def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Option
     for model_name, slot in slots.items():
         if slot.model is not None:
             _load_slot(path, model_name, slot)
-    state = storage._load_json(path, storage.STATE)
+    state = _read_json(path, storage.STATE)
     rank = dist.get_rank(group) if group is not None else 0
     rng_file = f"rng_rank{rank}.json"
     if restore_rng and os.path.isfile(os.path.join(path, rng_file)):
-        storage.verify_checkpoint(path, [rng_file])
         hooks = [h for h in [storage.accelerator_rng_hook()] if h is not None]
-        storage.restore_rng_state(storage._load_json(path, rng_file), hooks)
+        storage.restore_rng_state(_read_json(path, rng_file), hooks)
     return LoadedRlhfState(iteration=it, path=path, data_position=state.get("data_position", {}),
                            extra=state.get("extra", {}))
