@@ -10,16 +10,22 @@ import torch
 import torch.distributed as dist
 
 
-def communicate(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
-    """Post all sends and receives at once, then wait for all of them.
+def communicate(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+                tag: int = 0, wait: bool = True) -> list:
+    """Post all sends and receives at once, then (``wait``) wait for all of them.
 
     Posting both directions before waiting lets two stages exchange tensors
-    without either blocking the other.
+    without either blocking the other. With ``wait=False`` the pending
+    requests are returned for the caller to wait on. ``tag`` tells apart
+    messages between the same pair of ranks.
     """
-    requests = [dist.isend(t.contiguous(), peer) for t, peer in sends]
-    requests += [dist.irecv(t, peer) for t, peer in recvs]
+    requests = [dist.isend(t.contiguous(), peer, tag=tag) for t, peer in sends]
+    requests += [dist.irecv(t, peer, tag=tag) for t, peer in recvs]
+    if not wait:
+        return requests
     for request in requests:
         request.wait()
+    return []
 
 
 def send_forward(activation: torch.Tensor, peer: int) -> None:
@@ -40,4 +46,15 @@ def send_backward(grad: torch.Tensor, peer: int) -> None:
 def recv_backward(like: torch.Tensor, peer: int) -> torch.Tensor:
     buffer = torch.empty_like(like)
     communicate([], [(buffer, peer)])
+    return buffer
+
+
+def post_send(tensor: torch.Tensor, peer: int, tag: int) -> list:
+    """Start sending ``tensor`` (kept alive by the request); returns the requests to wait on."""
+    return communicate([(tensor.detach(), peer)], [], tag=tag, wait=False)
+
+
+def recv_into(buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
+    """Receive the message tagged ``tag`` from ``peer`` into ``buffer`` (blocking)."""
+    communicate([], [(buffer, peer)], tag=tag)
     return buffer

@@ -19,6 +19,7 @@ caller turns them into Actions.  They emit compute subtasks only.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -211,3 +212,55 @@ def rule_schedule(pb: Problem, rule: Rule, mem_cap: float | None = None) -> list
     limits = [[None if e is None else m.pp - j + e for j in range(m.pp)]
               for m, e in zip(pb.models, rule.extra)]
     return list_schedule(pb, rule.key(pb), limits=limits, mem_cap=mem_cap)
+
+
+def backfill_schedule(pb: Problem, first: int, extra: int = 0) -> list:
+    """Model ``first`` runs its 1F1B (``extra`` more warm-up forwards) exactly as
+    if alone; every other model's subtasks are then placed, in order of their
+    ready times, into the earliest idle gap of their stage that fits them
+    (conservative backfilling), so the first model is never delayed.
+    Returns per-stage orders sorted by the placed start times."""
+    arr = pb.arrays
+    sub = model_alone(pb, first)
+    seq = [row[0] for row in per_model_1f1b(sub, [extra])]
+    alone = simulate(sub, seq)
+    if not alone.ok:
+        raise ValueError(f"backfill_schedule: 1F1B of model {first} deadlocks")
+    offset = pb.node_id_fast(first, 0, 0, 0, True)
+    busy = [[] for _ in range(pb.stages)]  # sorted (start, end, id) per stage
+    for s, order in enumerate(seq):
+        for v in order:
+            e = alone.end[v]
+            busy[s].append((e - arr.dur[v], e, v + offset))
+    heap = []
+    for i, m in enumerate(pb.models):
+        if i == first:
+            continue
+        for p in range(m.pipelines):
+            for b in range(m.microbatches):
+                v = pb.node_id_fast(i, p, b, 0, True)
+                heapq.heappush(heap, (0.0, -arr.tail[v], v))
+    while heap:
+        ready, _, v = heapq.heappop(heap)
+        s, d = arr.stage[v], arr.dur[v]
+        start = _earliest_gap(busy[s], ready, d)
+        bisect.insort(busy[s], (start, start + d, v))
+        nxt = v + 1
+        if nxt < pb.num_nodes and arr.pred[nxt] == v:
+            heapq.heappush(heap, (start + d + arr.lag[nxt], -arr.tail[nxt], nxt))
+    return [[v for _, _, v in stage] for stage in busy]
+
+
+def _earliest_gap(intervals: list, ready: float, d: float) -> float:
+    """Earliest t >= ready with [t, t+d) free of the sorted ``intervals``."""
+    t = ready
+    k = bisect.bisect_left(intervals, (ready,))
+    if k > 0 and intervals[k - 1][1] > t:
+        t = intervals[k - 1][1]
+    while k < len(intervals):
+        s0, e0, _ = intervals[k]
+        if s0 >= t + d - 1e-12:
+            return t
+        t = max(t, e0)
+        k += 1
+    return t

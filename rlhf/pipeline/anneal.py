@@ -1,0 +1,369 @@
+"""Simulated annealing over per-stage orders (RLHFuse section 5, extended).
+
+State: per fused stage, the order of its subtask ids.  Energy: the makespan
+from :mod:`simulate` (longest path by event walk), plus a small tie-break
+(``tie`` x the mean stage finish time) so that moves which shorten
+non-critical stages are preferred on the makespan plateaus.  Temperature:
+``t0`` (RLHFuse: the greedy makespan) cooled geometrically to ``t_end`` over
+``iters`` proposals.  The best state ever seen is returned, so the result is
+never worse than the start.
+
+Moves, all on one random stage (a proposal that breaks a same-stage F-before-B
+rule is redrawn; one that deadlocks across stages is rejected by simulation):
+
+* ``swap``  - swap two adjacent subtasks (RLHFuse's neighbour);
+* ``shift`` - move one subtask to another position within ``window``;
+* ``cross`` - swap two subtasks of different models within ``window``;
+* ``critical`` - pick an edge ``u -> v`` of the current critical path where
+  ``v`` waited for ``u`` on their stage, and move ``v`` before ``u`` or
+  ``u`` after ``v`` (up to ``window`` places): the job-shop "critical block"
+  neighbourhood; only such moves can shorten the longest path.
+
+Each proposal re-simulates only from the earliest edited position's old
+start time (:func:`simulate.simulate_from`).  With ``mem_cap`` a proposal
+that lifts the edited stage's peak activation memory above the cap is
+rejected, so every state visited respects the cap if the start does.
+
+The memory pass (:func:`anneal_memory`) uses the same moves with energy =
+peak activation memory (max over stages, then mean over stages as a
+tie-break) and rejects any proposal that makes the makespan exceed a limit.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from .problem import Problem
+from .simulate import INF, simulate, simulate_from
+
+MOVES = ("swap", "shift", "cross", "critical")
+
+
+@dataclass(frozen=True)
+class AnnealConfig:
+    """``iters`` proposals; temperature from ``t0`` (None: the start's
+    makespan x ``t0_scale``) down to ``t_end`` (None: t0 x 1e-4);
+    ``move_weights`` for swap/shift/cross; ``window``: the farthest a shift
+    or cross reaches; ``tie``: weight of the mean stage finish time."""
+
+    iters: int = 20000
+    t0: float | None = None
+    t0_scale: float = 1.0
+    t_end: float | None = None
+    move_weights: tuple = (1.0, 2.0, 2.0, 4.0)
+    window: int = 12
+    tie: float = 0.05
+    mem_cap: float | None = None
+
+    def __post_init__(self):
+        if self.iters < 0:
+            raise ValueError(f"AnnealConfig.iters={self.iters} must be >= 0")
+        if len(self.move_weights) != len(MOVES) or sum(self.move_weights) <= 0:
+            raise ValueError(f"AnnealConfig.move_weights={self.move_weights} needs {len(MOVES)} "
+                             "non-negative weights (swap, shift, cross, critical), not all zero")
+        if self.window < 1:
+            raise ValueError(f"AnnealConfig.window={self.window} must be >= 1")
+
+
+@dataclass
+class AnnealStats:
+    evaluations: int = 0
+    accepted: int = 0
+    improved: int = 0
+    seconds: float = 0.0
+    start_energy: float = 0.0
+    best_energy: float = 0.0
+    trace: list = field(default_factory=list)
+
+    @property
+    def evals_per_second(self) -> float:
+        return self.evaluations / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Mover:
+    """Draws a valid-looking edit of one stage (same-stage F-before-B kept)."""
+
+    def __init__(self, pb: Problem, cfg: AnnealConfig, rng: random.Random):
+        arr = pb.arrays
+        self.model, self.is_fwd, self.mem = arr.model, arr.is_fwd, arr.mem
+        # same-stage partner: F(j) <-> B(j) of one chain
+        self.partner = [0] * pb.num_nodes
+        base = 0
+        for m in pb.models:
+            n = 2 * m.pp
+            for c in range(m.pipelines * m.microbatches):
+                for k in range(m.pp):
+                    self.partner[base + k] = base + n - 1 - k
+                    self.partner[base + n - 1 - k] = base + k
+                base += n
+        self.cfg, self.rng = cfg, rng
+        total = sum(cfg.move_weights)
+        acc, self.cum = 0.0, []
+        for w in cfg.move_weights:
+            acc += w / total
+            self.cum.append(acc)
+
+    def propose(self, orders, critical) -> tuple | None:
+        """Returns (stage, first edited position, new stage list) or None.
+        ``critical()`` gives the current critical stage edges (cached)."""
+        rng = self.rng
+        u = rng.random()
+        kind = 0
+        while kind < len(self.cum) - 1 and u >= self.cum[kind]:
+            kind += 1
+        if kind == 3:
+            return self._critical(orders, critical())
+        s = rng.randrange(len(orders))
+        order = orders[s]
+        n = len(order)
+        if n < 2:
+            return None
+        if kind == 0:
+            i = rng.randrange(n - 1)
+            a, b = order[i], order[i + 1]
+            if self.partner[a] == b:
+                return None
+            new = order[:]
+            new[i], new[i + 1] = b, a
+            return s, i, new
+        w = self.cfg.window
+        i = rng.randrange(n)
+        k = min(n - 1, max(0, i + rng.randint(-w, w)))
+        if k == i:
+            return None
+        lo, hi = (i, k) if i < k else (k, i)
+        if kind == 1:
+            v = order[i]
+            seg = order[lo:hi + 1]
+            if self.partner[v] in seg:
+                return None
+            new = order[:]
+            del new[i]
+            new.insert(k, v)
+            return s, lo, new
+        a, b = order[lo], order[hi]
+        if self.model[a] == self.model[b]:
+            return None
+        seg = order[lo:hi + 1]
+        if self.partner[a] in seg or self.partner[b] in seg:
+            return None
+        new = order[:]
+        new[lo], new[hi] = b, a
+        return s, lo, new
+
+
+    def _critical(self, orders, edges) -> tuple | None:
+        if not edges:
+            return None
+        rng = self.rng
+        s, i = edges[rng.randrange(len(edges))]  # order[s][i-1] -> order[s][i]
+        order = orders[s]
+        steps = rng.randint(1, self.cfg.window)
+        if rng.random() < 0.5:  # v = order[i] jumps before earlier ones
+            lo, v = max(0, i - steps), order[i]
+            if self.partner[v] in order[lo:i]:
+                return None
+            new = order[:lo] + [v] + order[lo:i] + order[i + 1:]
+            return s, lo, new
+        hi, u = min(len(order) - 1, i - 1 + steps), order[i - 1]
+        if self.partner[u] in order[i:hi + 1]:
+            return None
+        new = order[:i - 1] + order[i:hi + 1] + [u] + order[hi + 1:]
+        return s, i - 1, new
+
+
+def memory_move(orders, peaks, mem, partner, window: int, rng: random.Random) -> tuple | None:
+    """Edit of a peak stage that lowers its peak: an F from before the first
+    peak position moves past it, or a B from after it moves before it."""
+    top = max(peaks)
+    stages = [s for s, p in enumerate(peaks) if p >= top - 1e-9]
+    s = stages[rng.randrange(len(stages))]
+    order = orders[s]
+    live, k1 = 0.0, 0
+    for k, v in enumerate(order):
+        live += mem[v]
+        if live >= top - 1e-9:
+            k1 = k
+            break
+    n = len(order)
+    if rng.random() < 0.5:
+        i = rng.randint(max(0, k1 - window), k1)
+        v = order[i]
+        if mem[v] <= 0:
+            return None
+        j = rng.randint(k1, min(n - 1, k1 + window))
+        if j <= i or partner[v] in order[i:j + 1]:
+            return None
+        new = order[:i] + order[i + 1:j + 1] + [v] + order[j + 1:]
+        return s, i, new
+    i = rng.randint(min(n - 1, k1 + 1), min(n - 1, k1 + window))
+    v = order[i]
+    if mem[v] >= 0:
+        return None
+    j = rng.randint(max(0, k1 - window), k1)
+    if j >= i or partner[v] in order[j:i]:
+        return None
+    new = order[:j] + [v] + order[j:i] + order[i + 1:]
+    return s, j, new
+
+
+def critical_edges(pb: Problem, orders, end: list, rng: random.Random) -> list:
+    """Stage edges ``(s, i)`` (``orders[s][i-1]`` delayed ``orders[s][i]``) on
+    one critical path, traced back from the last subtask to finish; where both
+    predecessors bind, one is taken at random."""
+    arr = pb.arrays
+    pred, lag, dur = arr.pred, arr.lag, arr.dur
+    stage = arr.stage
+    last = [o[-1] for o in orders if o]
+    v = max(last, key=lambda x: end[x])
+    pos = {}
+    edges = []
+    eps = 1e-9 * max(1.0, end[v])
+    while True:
+        start = end[v] - dur[v]
+        if start <= eps:
+            return edges
+        s = stage[v]
+        if s not in pos:
+            pos[s] = {x: k for k, x in enumerate(orders[s])}
+        k = pos[s][v]
+        p = pred[v]
+        chain_binds = p >= 0 and end[p] + lag[v] >= start - eps
+        stage_binds = k > 0 and end[orders[s][k - 1]] >= start - eps
+        if stage_binds and (not chain_binds or rng.random() < 0.5):
+            edges.append((s, k))
+            v = orders[s][k - 1]
+        elif chain_binds:
+            v = p
+        else:
+            return edges
+
+
+def _peak(order, mem) -> float:
+    live = peak = 0.0
+    for v in order:
+        live += mem[v]
+        if live > peak:
+            peak = live
+    return peak
+
+
+def _energy(res, orders, tie: float) -> float:
+    if not res.ok:
+        return INF
+    end = res.end
+    finish = sum(end[o[-1]] for o in orders if o) / len(orders)
+    return res.makespan + tie * finish
+
+
+def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
+                    target: float | None = None) -> tuple:
+    """Anneal ``orders`` for makespan; returns (best orders, AnnealStats).
+    Stops early once the makespan reaches ``target`` (e.g. the lower bound)."""
+    rng = random.Random(seed)
+    mover = _Mover(pb, cfg, rng)
+    dur, mem = pb.arrays.dur, pb.arrays.mem
+    cur = [list(o) for o in orders]
+    res = simulate(pb, cur)
+    if not res.ok:
+        raise ValueError("anneal_makespan: the starting schedule deadlocks")
+    e_cur = _energy(res, cur, cfg.tie)
+    best, e_best, ms_best = cur, e_cur, res.makespan
+    stats = AnnealStats(start_energy=res.makespan)
+    t0 = cfg.t0 if cfg.t0 is not None else res.makespan * cfg.t0_scale
+    t_end = cfg.t_end if cfg.t_end is not None else t0 * 1e-4
+    cool = (t_end / t0) ** (1.0 / max(1, cfg.iters)) if t0 > 0 else 1.0
+    temp, end = t0, res.end
+    crit = []
+
+    def critical():
+        if not crit:
+            crit.append(critical_edges(pb, cur, end, rng))
+        return crit[0]
+
+    stop = -INF if target is None else target * (1 + 1e-9)
+    tic = time.perf_counter()
+    for _ in range(cfg.iters):
+        if ms_best <= stop:
+            break
+        temp *= cool
+        prop = mover.propose(cur, critical)
+        if prop is None:
+            continue
+        s, pos, new = prop
+        if cfg.mem_cap is not None and _peak(new, mem) > cfg.mem_cap + 1e-9:
+            continue
+        cand = cur[:]
+        cand[s] = new
+        cut = end[cur[s][pos]] - dur[cur[s][pos]]
+        r = simulate_from(pb, cand, end, lambda v: end[v] - dur[v], cut)
+        stats.evaluations += 1
+        e = _energy(r, cand, cfg.tie)
+        d = e - e_cur
+        if d <= 0 or (e < INF and rng.random() < math.exp(-d / temp)):
+            cur, e_cur, end = cand, e, r.end
+            crit.clear()
+            stats.accepted += 1
+            if r.makespan < ms_best - 1e-9 or (r.makespan <= ms_best + 1e-9 and e < e_best):
+                best, e_best, ms_best = cur, e, r.makespan
+                stats.improved += 1
+    stats.seconds = time.perf_counter() - tic
+    stats.best_energy = ms_best
+    return best, stats
+
+
+def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_limit: float) -> tuple:
+    """Anneal for peak activation memory without exceeding ``makespan_limit``."""
+    rng = random.Random(seed)
+    mover = _Mover(pb, cfg, rng)
+    dur, mem = pb.arrays.dur, pb.arrays.mem
+    cur = [list(o) for o in orders]
+    peaks = [_peak(o, mem) for o in cur]
+    res = simulate(pb, cur)
+
+    def energy(pk):
+        return max(pk) + 0.1 * sum(pk) / len(pk)
+
+    e_cur = energy(peaks)
+    best, e_best = cur, e_cur
+    stats = AnnealStats(start_energy=max(peaks))
+    t0 = cfg.t0 if cfg.t0 is not None else max(max(peaks), 1e-9) * cfg.t0_scale
+    t_end = cfg.t_end if cfg.t_end is not None else t0 * 1e-4
+    cool = (t_end / t0) ** (1.0 / max(1, cfg.iters))
+    temp, end = t0, res.end
+    limit = makespan_limit + 1e-9
+    tic = time.perf_counter()
+    for _ in range(cfg.iters):
+        temp *= cool
+        if rng.random() < 0.6:
+            prop = memory_move(cur, peaks, mem, mover.partner, cfg.window, rng)
+        else:
+            prop = mover.propose(cur, list)
+        if prop is None:
+            continue
+        s, pos, new = prop
+        pk = peaks[:]
+        pk[s] = _peak(new, mem)
+        if cfg.mem_cap is not None and pk[s] > cfg.mem_cap + 1e-9:
+            continue
+        e = energy(pk)
+        d = e - e_cur
+        if not (d <= 0 or rng.random() < math.exp(-d / temp)):
+            continue
+        cand = cur[:]
+        cand[s] = new
+        cut = end[cur[s][pos]] - dur[cur[s][pos]]
+        r = simulate_from(pb, cand, end, lambda v: end[v] - dur[v], cut)
+        stats.evaluations += 1
+        if not r.ok or r.makespan > limit:
+            continue
+        cur, e_cur, end, peaks = cand, e, r.end, pk
+        stats.accepted += 1
+        if e < e_best:
+            best, e_best = cur, e
+            stats.improved += 1
+    stats.seconds = time.perf_counter() - tic
+    stats.best_energy = max(_peak(o, mem) for o in best)
+    return best, stats

@@ -1,0 +1,289 @@
+"""Instruction compiler: a fused schedule + the models' placements -> per-rank programs.
+
+This module owns the mapping from fused stages to ranks and the lowering of a
+schedule (DESIGN.md section 4) into instructions.  It is pure: no torch, no
+communication, so a schedule that does not fit the placements (or has a
+cyclic order) is refused before any rank sends a byte.
+
+Fused stages -> ranks.  Model ``m`` with ``K`` pipelines and mesh
+``(pp, dp, tp)`` runs pipeline ``p`` of data copy ``c`` on dp replica
+``d = c*K + p``; its model stage ``j`` lives on ``mesh.rank(j, d, t)`` and on
+fused stage ``m.fused_stage(p, j)``.  Every rank must get the same
+(fused stage, copy, tp) from every model, e.g. actor pp4 "down" on ranks
+0..3 and critic pp4 "up" with ``reverse_pp``::
+
+    rank       0      1      2      3
+    actor     s0     s1     s2     s3      (model stage = fused stage)
+    critic    s3     s2     s1     s0      (model stage = 3 - fused stage)
+
+Lowering.  Each compute action becomes::
+
+    F@j:  [RECV_ACT from j-1]  FORWARD   [SEND_ACT to j+1]
+    B@j:  [RECV_GRAD from j+1] BACKWARD  [SEND_GRAD to j-1]
+
+then ``WAIT_SENDS`` and per model ``REDUCE_GRADS``, ``OPTIMIZER_STEP``.
+Sends are non-blocking and posted right after the producing compute; a
+receive blocks when the consumer reaches it.  Every consumer's compute is
+preceded by its producer's in an acyclic schedule, so no rank waits forever
+(:func:`check_deadlock_free` replays the programs to confirm).  A message's
+tag is the subtask id of its producer, unique per (model, pipeline, mb,
+stage, direction), so messages between one pair of ranks never mix.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .problem import Action, Problem, ProblemError
+from .simulate import simulate
+
+RECV_ACT, FORWARD, SEND_ACT = "RECV_ACT", "FORWARD", "SEND_ACT"
+RECV_GRAD, BACKWARD, SEND_GRAD = "RECV_GRAD", "BACKWARD", "SEND_GRAD"
+WAIT_SENDS, REDUCE_GRADS, OPTIMIZER_STEP = "WAIT_SENDS", "REDUCE_GRADS", "OPTIMIZER_STEP"
+COMPUTE = (FORWARD, BACKWARD)
+SENDS = (SEND_ACT, SEND_GRAD)
+RECVS = (RECV_ACT, RECV_GRAD)
+
+
+class ScheduleError(ValueError):
+    """A schedule that is invalid or does not match the placements (says what differs)."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A problem and its per-fused-stage orders of compute actions."""
+
+    problem: Problem
+    stages: tuple
+    metrics: dict | None = None
+
+    @property
+    def model_names(self) -> tuple:
+        return tuple(m.name for m in self.problem.models)
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction: ``kind`` on micro-batch ``mb`` of ``model`` (pipeline,
+    model ``stage``); ``peer`` (global rank) and ``tag`` for SEND/RECV."""
+
+    kind: str
+    model: str = ""
+    pipeline: int = -1
+    mb: int = -1
+    stage: int = -1
+    peer: int = -1
+    tag: int = -1
+
+    def __str__(self) -> str:
+        if not self.model:
+            return self.kind
+        s = f"{self.kind} {self.model}[p{self.pipeline}]"
+        if self.mb >= 0:
+            s += f".mb{self.mb}@s{self.stage}"
+        return s + (f" peer={self.peer} tag={self.tag}" if self.peer >= 0 else "")
+
+
+# -- schedule file -------------------------------------------------------------
+def _model_stage(pb: Problem, model: str, pipeline: int, fused: int) -> int:
+    m = pb.models[pb.model_index[model]]
+    base = fused if m.direction == "down" else pb.stages - 1 - fused
+    return base - pipeline * m.pp
+
+
+def schedule_from_dict(d: dict) -> Schedule:
+    """Parse the schedule JSON structure (model stage derived from the fused stage)."""
+    if d.get("version", 1) != 1:
+        raise ScheduleError(f"schedule version {d.get('version')!r} is not supported (expected 1)")
+    if "schedule" not in d:
+        raise ScheduleError("schedule JSON lacks 'schedule' (one list of actions per fused stage)")
+    try:
+        pb = Problem.from_dict(d)
+        stages = []
+        for s, entries in enumerate(d["schedule"]):
+            row = []
+            for e in entries:
+                if e.get("model") not in pb.model_index:
+                    raise ScheduleError(f"fused stage {s}: unknown model {e.get('model')!r}")
+                j = _model_stage(pb, e["model"], int(e["pipeline"]), s)
+                if "stage" in e and int(e["stage"]) != j:
+                    raise ScheduleError(f"fused stage {s}: {e} says model stage {e['stage']}, "
+                                        f"but fused stage {s} holds model stage {j}")
+                row.append(Action(e["model"], int(e["pipeline"]), int(e["mb"]), e["op"], j))
+            stages.append(tuple(row))
+    except (ProblemError, KeyError, TypeError) as exc:
+        raise ScheduleError(f"malformed schedule: {exc}") from None
+    return Schedule(pb, tuple(stages), d.get("metrics"))
+
+
+def load_schedule(path: str | Path) -> Schedule:
+    return schedule_from_dict(json.loads(Path(path).read_text()))
+
+
+def make_schedule(pb: Problem, orders, metrics: dict | None = None) -> Schedule:
+    """A Schedule from per-stage subtask-id lists (the search's representation)."""
+    acts = pb.actions
+    return Schedule(pb, tuple(tuple(acts[v] for v in o) for o in orders), metrics)
+
+
+def schedule_to_dict(sched: Schedule) -> dict:
+    d = sched.problem.to_dict()
+    d["schedule"] = [[{"model": a.model, "pipeline": a.pipeline, "mb": a.mb, "op": a.op,
+                       "stage": a.stage} for a in row] for row in sched.stages]
+    if sched.metrics is not None:
+        d["metrics"] = sched.metrics
+    return d
+
+
+# -- validation ------------------------------------------------------------------
+def check_schedule(sched: Schedule) -> list:
+    """Per-stage subtask ids after checking each stage holds exactly its subtasks
+    once and the order is acyclic (raises ScheduleError naming the problem)."""
+    pb = sched.problem
+    if len(sched.stages) != pb.stages:
+        raise ScheduleError(f"schedule has {len(sched.stages)} stage lists, but stages={pb.stages}")
+    expected = [set() for _ in range(pb.stages)]
+    for v, s in enumerate(pb.arrays.stage):
+        expected[s].add(v)
+    orders = []
+    for s, row in enumerate(sched.stages):
+        try:
+            ids = [pb.node_id(a) for a in row]
+        except ProblemError as exc:
+            raise ScheduleError(f"fused stage {s}: {exc}") from None
+        dup = {pb.action(v) for v in ids if ids.count(v) > 1}
+        extra = [pb.action(v) for v in ids if v not in expected[s]]
+        missing = [pb.action(v) for v in sorted(expected[s] - set(ids))]
+        for what, acts in (("repeats", dup), ("holds foreign", extra), ("lacks", missing)):
+            if acts:
+                names = ", ".join(sorted(str(a) for a in acts)[:4])
+                raise ScheduleError(f"fused stage {s} {what} {len(acts)} subtask(s): {names}")
+        orders.append(ids)
+    res = simulate(pb, orders)
+    if not res.ok:
+        waits = "; ".join(f"stage {s} at #{k} ({pb.action(orders[s][k])}) waits for "
+                          f"{pb.action(w)}" for s, k, w in res.stuck)
+        raise ScheduleError(f"cyclic order (would deadlock): {waits}")
+    return orders
+
+
+# -- placements ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """Where a rank sits in the fused pipeline: fused stage, data copy, TP index."""
+
+    fused: int
+    copy: int
+    tp: int
+
+
+def rank_slots(sched: Schedule, placements: dict) -> dict:
+    """``{rank: Slot}`` after checking the placements (``{model name: TaskMesh}``) fit."""
+    pb = sched.problem
+    if set(placements) != set(sched.model_names):
+        raise ScheduleError(f"schedule models {sorted(sched.model_names)} differ from the "
+                            f"placed models {sorted(placements)}")
+    slots, owner = {}, {}
+    for m in pb.models:
+        st = placements[m.name].strategy
+        if st.pp != m.pp:
+            raise ScheduleError(f"model {m.name!r}: schedule pp={m.pp} but placement pp={st.pp}")
+        if st.dp % m.pipelines:
+            raise ScheduleError(f"model {m.name!r}: schedule runs {m.pipelines} pipelines but "
+                                f"placement dp={st.dp} is not a multiple of it")
+        for r in placements[m.name].ranks:
+            c = placements[m.name].coord(r)
+            p, copy = c.dp % m.pipelines, c.dp // m.pipelines
+            slot = Slot(m.fused_stage(p, c.pp, pb.stages), copy, c.tp)
+            if slots.setdefault(r, slot) != slot:
+                raise ScheduleError(
+                    f"rank {r}: model {owner[r]!r} puts it on {slots[r]} but model {m.name!r} on "
+                    f"{slot}; check 'direction' in the schedule against reverse_pp in the placement")
+            owner.setdefault(r, m.name)
+    for m in pb.models:
+        if set(placements[m.name].ranks) != set(slots):
+            raise ScheduleError(f"model {m.name!r} is placed on ranks {sorted(placements[m.name].ranks)}"
+                                f", the fused pipeline spans {sorted(slots)}")
+    return slots
+
+
+def check_microbatches(sched: Schedule, given: dict) -> None:
+    """``given``: {model: micro-batches per pipeline the executor received}."""
+    for m in sched.problem.models:
+        if m.name in given and given[m.name] != m.microbatches:
+            raise ScheduleError(f"model {m.name!r}: schedule has {m.microbatches} micro-batches per "
+                                f"pipeline but the executor was given {given[m.name]}")
+
+
+# -- lowering --------------------------------------------------------------------
+def _lower_action(pb: Problem, a: Action, mesh, replica: int, tp: int) -> list:
+    """RECV? COMPUTE SEND? for one action (see the module docstring)."""
+    m = pb.models[pb.model_index[a.model]]
+    peer = lambda j: mesh.rank(j, replica, tp)  # noqa: E731
+    v = pb.node_id(a)
+    base = dict(model=a.model, pipeline=a.pipeline, mb=a.mb, stage=a.stage)
+    if a.op == "F":
+        recv = a.stage > 0 and Instr(RECV_ACT, peer=peer(a.stage - 1), tag=v - 1, **base)
+        send = a.stage < m.pp - 1 and Instr(SEND_ACT, peer=peer(a.stage + 1), tag=v, **base)
+        core = Instr(FORWARD, **base)
+    else:
+        recv = a.stage < m.pp - 1 and Instr(RECV_GRAD, peer=peer(a.stage + 1), tag=v - 1, **base)
+        send = a.stage > 0 and Instr(SEND_GRAD, peer=peer(a.stage - 1), tag=v, **base)
+        core = Instr(BACKWARD, **base)
+    return [i for i in (recv, core, send) if i]
+
+
+def compile_rank(sched: Schedule, placements: dict, rank: int,
+                 microbatches: dict | None = None) -> tuple:
+    """This rank's instruction list; refuses (ScheduleError) a schedule that is
+    cyclic or does not match ``placements`` ({model: TaskMesh}) or
+    ``microbatches`` ({model: count per pipeline}), before any communication."""
+    check_schedule(sched)
+    check_microbatches(sched, microbatches or {})
+    slots = rank_slots(sched, placements)
+    if rank not in slots:
+        raise ScheduleError(f"rank {rank} is not in the fused pipeline (ranks {sorted(slots)})")
+    slot, pb = slots[rank], sched.problem
+    out = []
+    for a in sched.stages[slot.fused]:
+        m = pb.models[pb.model_index[a.model]]
+        replica = slot.copy * m.pipelines + a.pipeline
+        out += _lower_action(pb, a, placements[a.model], replica, slot.tp)
+    out.append(Instr(WAIT_SENDS))
+    for name in sched.model_names:
+        out += [Instr(REDUCE_GRADS, model=name), Instr(OPTIMIZER_STEP, model=name)]
+    return tuple(out)
+
+
+def compile_all(sched: Schedule, placements: dict, microbatches: dict | None = None) -> dict:
+    """``{rank: instructions}`` for every rank of the fused pipeline."""
+    ranks = sorted(rank_slots(sched, placements))
+    return {r: compile_rank(sched, placements, r, microbatches) for r in ranks}
+
+
+def check_deadlock_free(programs: dict) -> None:
+    """Replay ``{rank: instructions}`` with non-blocking sends and blocking
+    receives; raise ScheduleError naming where ranks wait if some never finish
+    or a message is sent but never received."""
+    pos = {r: 0 for r in programs}
+    sent, received = set(), set()
+    progress = True
+    while progress:
+        progress = False
+        for r, prog in programs.items():
+            while pos[r] < len(prog):
+                i = prog[pos[r]]
+                if i.kind in RECVS:
+                    if (i.peer, r, i.tag) not in sent:
+                        break
+                    received.add((i.peer, r, i.tag))
+                elif i.kind in SENDS:
+                    sent.add((r, i.peer, i.tag))
+                pos[r] += 1
+                progress = True
+    stuck = {r: str(programs[r][k]) for r, k in pos.items() if k < len(programs[r])}
+    if stuck:
+        raise ScheduleError(f"programs deadlock; ranks wait at {stuck}")
+    if sent != received:
+        raise ScheduleError(f"messages sent but never received: {sorted(sent - received)[:4]}")

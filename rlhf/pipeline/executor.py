@@ -1,0 +1,260 @@
+"""Instruction executor: runs one rank's compiled program (see compiler.py).
+
+The executor is a ``{kind: handler}`` table over a small per-step state
+(received inputs, stage outputs, received output gradients, pending sends).
+What a FORWARD/BACKWARD *computes* is a pluggable :class:`Compute`:
+
+* :class:`StageCompute` - megatron GPTModel stages: ``set_input_tensor`` via
+  ``stage_forward``, the model's loss on the last stage (divided by the
+  micro-batch count, so gradients are a mean over micro-batches whatever
+  their order), ``torch.autograd.backward`` with the received gradient,
+  gradient accumulation in ``.grad``, DP all-reduce (average) and
+  ``optimizer.step``.
+* :class:`SleepCompute` - a calibrated sleep of the schedule's cost per
+  subtask with dummy activations (benchmarks: timing without compute noise).
+
+:func:`run_step` compiles (refusing a mismatched or cyclic schedule before
+any communication), aligns ranks with a barrier, runs, and optionally writes
+the Chrome trace of all ranks.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import compiler as C
+from .p2p import post_send, recv_into
+from .timeline import Timeline, gather, write_chrome_trace
+
+
+@dataclass
+class ModelRuntime:
+    """One model's live objects on this rank.
+
+    ``mesh``: its TaskMesh (placement); ``microbatches``: this rank's data
+    replica's micro-batches (``groups.coord.dp``), dicts with ``input_ids``
+    [b, s] plus whatever ``loss_fn(output, microbatch, groups) -> scalar``
+    needs.  ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
+    :class:`SleepCompute`.
+    """
+
+    name: str
+    mesh: object
+    microbatches: Sequence[dict]
+    module: torch.nn.Module | None = None
+    groups: object = None
+    optimizer: torch.optim.Optimizer | None = None
+    loss_fn: Callable | None = None
+    hidden_size: int = 0
+
+    def is_last(self, stage: int) -> bool:
+        return stage == self.mesh.strategy.pp - 1
+
+
+class StageCompute:
+    """Real compute on megatron stage modules."""
+
+    def act_shape(self, rt: ModelRuntime, mb: int) -> tuple:
+        b, s = rt.microbatches[mb]["input_ids"].shape
+        return (s, b, rt.hidden_size)
+
+    def act_dtype(self, rt: ModelRuntime) -> torch.dtype:
+        return next(rt.module.parameters()).dtype
+
+    def forward(self, rt: ModelRuntime, ins: C.Instr, x):
+        """Stage output [s, b, h], or on the last stage this micro-batch's loss share."""
+        from rlhf.models.gpt import stage_forward
+
+        data = rt.microbatches[ins.mb]
+        out = stage_forward(rt.module, data["input_ids"], x)
+        if rt.is_last(ins.stage):
+            return rt.loss_fn(out, data, rt.groups) / len(rt.microbatches)
+        return out
+
+    def backward(self, rt: ModelRuntime, ins: C.Instr, out, grad, x):
+        """Accumulate parameter grads; return the gradient of the stage input (or None)."""
+        torch.autograd.backward(out, grad)
+        return None if x is None else x.grad
+
+    def reduce_grads(self, rt: ModelRuntime) -> None:
+        """Average accumulated grads over the model's DP group (one flat all-reduce)."""
+        params = [p for p in rt.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        dp = dist.get_world_size(rt.groups.dp)
+        if dp == 1:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=rt.groups.dp)
+        flat /= dp
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p.grad))
+
+    def step(self, rt: ModelRuntime) -> None:
+        rt.optimizer.step()
+        rt.optimizer.zero_grad(set_to_none=True)
+
+
+class SleepCompute:
+    """FORWARD/BACKWARD sleep ``cost x seconds_per_unit`` (costs from the schedule's
+    problem); activations are small dummy tensors that still travel."""
+
+    def __init__(self, problem, seconds_per_unit: float, act_shape=(8, 1, 16)):
+        self.models = {m.name: m for m in problem.models}
+        self.unit = seconds_per_unit
+        self.shape = tuple(act_shape)
+        self.overshoot = _sleep_overshoot()
+
+    def act_shape(self, rt, mb: int) -> tuple:
+        return self.shape
+
+    def act_dtype(self, rt) -> torch.dtype:
+        return torch.float32
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        time.sleep(max(0.0, seconds - self.overshoot))
+        while time.perf_counter() < end - 2e-4:  # finish the last sliver in short sleeps
+            time.sleep(1e-4)
+
+    def forward(self, rt, ins: C.Instr, x):
+        self._sleep(self.models[rt.name].fwd[ins.stage] * self.unit)
+        return torch.zeros(()) if rt.is_last(ins.stage) else torch.zeros(self.shape)
+
+    def backward(self, rt, ins: C.Instr, out, grad, x):
+        self._sleep(self.models[rt.name].bwd[ins.stage] * self.unit)
+        return None if x is None else torch.zeros(self.shape)
+
+    def reduce_grads(self, rt) -> None:
+        pass
+
+    def step(self, rt) -> None:
+        pass
+
+
+def _sleep_overshoot(trials: int = 20, d: float = 2e-3) -> float:
+    """Median extra time ``time.sleep(d)`` takes on this machine (seconds)."""
+    extra = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        time.sleep(d)
+        extra.append(time.perf_counter() - t - d)
+    return sorted(extra)[trials // 2]
+
+
+@dataclass
+class _State:
+    """Per-step tensors keyed by (model, mb)."""
+
+    inputs: dict = field(default_factory=dict)      # received activations (leaves)
+    outputs: dict = field(default_factory=dict)     # stage outputs / loss shares
+    out_grads: dict = field(default_factory=dict)   # received gradients of outputs
+    in_grads: dict = field(default_factory=dict)    # gradients of inputs, to send
+    pending: list = field(default_factory=list)     # outstanding send requests
+    losses: dict = field(default_factory=dict)      # model -> summed loss shares (last stage)
+
+
+class Executor:
+    """Runs one rank's instruction list; one handler per instruction kind."""
+
+    def __init__(self, runtimes: dict, compute=None):
+        self.runtimes = runtimes
+        self.compute = compute or StageCompute()
+        self.handlers = {
+            C.RECV_ACT: self._recv_act, C.FORWARD: self._forward, C.SEND_ACT: self._send_act,
+            C.RECV_GRAD: self._recv_grad, C.BACKWARD: self._backward, C.SEND_GRAD: self._send_grad,
+            C.WAIT_SENDS: self._wait_sends, C.REDUCE_GRADS: self._reduce, C.OPTIMIZER_STEP: self._step,
+        }
+
+    def run(self, program: Sequence[C.Instr], timeline: Timeline) -> dict:
+        """Execute ``program``, recording every instruction; returns {model: loss} (last stages)."""
+        self.state = _State()
+        for ins in program:
+            t0 = time.perf_counter()
+            self.handlers[ins.kind](self.runtimes.get(ins.model), ins)
+            timeline.record(_label(ins), ins.kind, t0, time.perf_counter())
+        return self.state.losses
+
+    def _recv_act(self, rt, ins):
+        buf = torch.empty(self.compute.act_shape(rt, ins.mb), dtype=self.compute.act_dtype(rt))
+        self.state.inputs[ins.model, ins.mb] = recv_into(buf, ins.peer, ins.tag).requires_grad_()
+
+    def _forward(self, rt, ins):
+        out = self.compute.forward(rt, ins, self.state.inputs.get((ins.model, ins.mb)))
+        self.state.outputs[ins.model, ins.mb] = out
+        if rt.is_last(ins.stage):
+            self.state.losses[ins.model] = self.state.losses.get(ins.model, 0.0) + out.detach()
+
+    def _send_act(self, rt, ins):
+        self.state.pending += post_send(self.state.outputs[ins.model, ins.mb], ins.peer, ins.tag)
+
+    def _recv_grad(self, rt, ins):
+        buf = torch.empty(self.compute.act_shape(rt, ins.mb), dtype=self.compute.act_dtype(rt))
+        self.state.out_grads[ins.model, ins.mb] = recv_into(buf, ins.peer, ins.tag)
+
+    def _backward(self, rt, ins):
+        key, st = (ins.model, ins.mb), self.state
+        grad = self.compute.backward(rt, ins, st.outputs.pop(key), st.out_grads.pop(key, None),
+                                     st.inputs.pop(key, None))
+        if grad is not None:
+            st.in_grads[key] = grad
+
+    def _send_grad(self, rt, ins):
+        self.state.pending += post_send(self.state.in_grads.pop((ins.model, ins.mb)), ins.peer, ins.tag)
+
+    def _wait_sends(self, rt, ins):
+        for request in self.state.pending:
+            request.wait()
+        self.state.pending.clear()
+
+    def _reduce(self, rt, ins):
+        self.compute.reduce_grads(rt)
+
+    def _step(self, rt, ins):
+        self.compute.step(rt)
+
+
+def _label(ins: C.Instr) -> str:
+    if ins.kind in C.COMPUTE:
+        return f"{ins.model} {ins.kind[0]}{ins.mb}"
+    return str(ins)
+
+
+@dataclass
+class StepResult:
+    """``losses``: {model: mean micro-batch loss} on last-stage ranks (tensors);
+    ``timeline``: this rank's; ``per_rank``: all ranks' events when gathered."""
+
+    losses: dict
+    timeline: Timeline
+    per_rank: list | None = None
+
+
+def run_step(schedule: C.Schedule, runtimes: dict, compute=None, trace_path=None,
+             gather_timeline: bool = False, group=None) -> StepResult:
+    """One mini-batch step of every model in ``schedule`` on this rank.
+
+    Refuses (C.ScheduleError) a schedule that is cyclic or does not match the
+    runtimes' placements and micro-batch counts before any communication.
+    Collective over ``group`` (default: world), which must hold the fused
+    pipeline's ranks; ``trace_path``/``gather_timeline`` must agree on all ranks.
+    Gradients must be zero (or None) on entry; the optimizer step clears them.
+    """
+    rank = dist.get_rank()
+    placements = {name: rt.mesh for name, rt in runtimes.items()}
+    counts = {name: len(rt.microbatches) for name, rt in runtimes.items()}
+    program = C.compile_rank(schedule, placements, rank, counts)
+    dist.barrier(group=group)
+    timeline = Timeline(rank)
+    losses = Executor(runtimes, compute).run(program, timeline)
+    per_rank = None
+    if trace_path is not None or gather_timeline:
+        per_rank = gather(timeline, group)
+        if trace_path is not None and dist.get_rank(group) == 0:
+            write_chrome_trace(trace_path, per_rank)
+    return StepResult(losses, timeline, per_rank)

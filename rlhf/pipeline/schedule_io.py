@@ -1,0 +1,69 @@
+"""Reading and writing the fused schedule file (DESIGN.md section 4).
+
+The file holds the problem (``stages``, ``models``, units, ``comm``), the
+``schedule`` (one list of actions per fused stage, in order) and ``metrics``.
+Each action is ``{"model", "pipeline", "mb", "op", "model_stage"}``; the
+model stage is implied by the fused stage and is written for readers.  A
+problem file (``--problem``) is the same JSON without ``schedule``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .problem import Action, Problem, ProblemError
+
+VERSION = 1
+
+
+def action_to_dict(a: Action) -> dict:
+    return {"model": a.model, "pipeline": a.pipeline, "mb": a.mb, "op": a.op,
+            "model_stage": a.stage}
+
+
+def action_from_dict(pb: Problem, d: dict, fused_stage: int) -> Action:
+    """The model stage follows from the fused stage; ``model_stage`` if given
+    must agree."""
+    try:
+        model = pb.models[pb.model_index[d["model"]]]
+        pipeline, mb, op = int(d["pipeline"]), int(d["mb"]), str(d["op"])
+    except KeyError as err:
+        raise ProblemError(f"stage {fused_stage}: action {d} lacks or names unknown {err}") from None
+    s = fused_stage if model.direction == "down" else pb.stages - 1 - fused_stage
+    j = s - pipeline * model.pp
+    if "model_stage" in d:
+        j = int(d["model_stage"])
+    return Action(model.name, pipeline, mb, op, j)
+
+
+def schedule_to_dict(pb: Problem, schedule, metrics: dict | None = None) -> dict:
+    d = pb.to_dict()
+    d["version"] = VERSION
+    d["schedule"] = [[action_to_dict(a) for a in stage] for stage in schedule]
+    d["metrics"] = metrics or {}
+    return d
+
+
+def schedule_from_dict(d: dict) -> tuple:
+    """Returns (Problem, schedule as per-stage tuples of Actions, metrics)."""
+    if int(d.get("version", VERSION)) != VERSION:
+        raise ProblemError(f"schedule file version {d.get('version')} is not supported "
+                           f"(this reader knows version {VERSION})")
+    pb = Problem.from_dict(d)
+    if "schedule" not in d:
+        raise ProblemError("schedule file lacks 'schedule' (a problem file has only stages/models)")
+    sched = tuple(tuple(action_from_dict(pb, a, s) for a in stage)
+                  for s, stage in enumerate(d["schedule"]))
+    return pb, sched, d.get("metrics", {})
+
+
+def save_schedule(path, pb: Problem, schedule, metrics: dict | None = None) -> None:
+    Path(path).write_text(json.dumps(schedule_to_dict(pb, schedule, metrics), indent=1))
+
+
+def load_schedule(path) -> tuple:
+    return schedule_from_dict(json.loads(Path(path).read_text()))
+
+
+def load_problem(path) -> Problem:
+    return Problem.from_dict(json.loads(Path(path).read_text()))

@@ -1,0 +1,166 @@
+"""The schedule search: starting pool -> makespan annealing -> memory annealing.
+
+:func:`search` is one deterministic search (same problem, config and seed:
+same result).  Budgets are nominal seconds converted to a fixed number of
+proposals (``PROPOSALS_PER_SECOND_X_SUBTASK / subtasks`` per second, the
+rate measured on a 2-core CI machine), never wall-clock cut-offs, so results
+do not depend on machine load.  :func:`search_mpi` runs one search per MPI
+rank with seed ``seed + rank`` and keeps the best (smallest makespan, then
+smallest peak memory, then lowest rank).
+
+Starting pool: the greedy fused schedule, backfilled schedules (one model's
+1F1B fixed, the others in its gaps) and dynamic list-scheduling rules
+(warm-up depth per model x model priority x B-or-F first); with a memory cap
+only starts within the cap (list rules are built under it; the serial 1F1B is
+the fallback).  Rank/seed ``r`` anneals from the ``r mod 2``-th best start.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from itertools import product
+
+from .anneal import AnnealConfig, anneal_makespan, anneal_memory
+from .lower_bound import makespan_lower_bound, serial_peak_memory
+from .problem import Problem, to_actions
+from .schedules import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
+                        serial_1f1b_makespan)
+from .simulate import simulate, stage_peak_memory
+from .validate import check_schedule
+
+PROPOSALS_PER_SECOND_X_SUBTASK = 1.0e7
+CAP_SWEEP = (1.0, 1.25, 1.5)  # x serial 1F1B peak: list-rule starts built under these caps
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """``budget_s``: nominal seconds of makespan annealing; ``memory_budget_s``:
+    of the memory pass; ``mem_cap``: per-stage activation cap (problem units);
+    ``anneal``: annealing knobs (its ``iters`` and ``mem_cap`` are set here)."""
+
+    budget_s: float = 30.0
+    memory_budget_s: float = 10.0
+    seed: int = 0
+    mem_cap: float | None = None
+    anneal: AnnealConfig = field(default_factory=lambda: AnnealConfig(t0_scale=1e-3))
+
+    def __post_init__(self):
+        if self.budget_s < 0 or self.memory_budget_s < 0:
+            raise ValueError(f"SearchConfig budgets ({self.budget_s}, {self.memory_budget_s}) "
+                             "must be >= 0 seconds")
+
+
+@dataclass
+class SearchResult:
+    problem: Problem
+    orders: list
+    makespan: float
+    peak_mem: list
+    greedy_makespan: float
+    greedy_peak_mem: list
+    serial_makespan: float
+    serial_peak_mem: list
+    lower_bound: float
+    start_name: str
+    seed: int
+    evaluations: int = 0
+    anneal_seconds: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def schedule(self) -> tuple:
+        return to_actions(self.problem, self.orders)
+
+    @property
+    def evals_per_second(self) -> float:
+        return self.evaluations / self.anneal_seconds if self.anneal_seconds > 0 else 0.0
+
+    def metrics(self) -> dict:
+        return {"makespan": self.makespan, "lower_bound": self.lower_bound,
+                "serial_1f1b": self.serial_makespan, "greedy": self.greedy_makespan,
+                "peak_act_mem": self.peak_mem, "serial_peak_act_mem": self.serial_peak_mem,
+                "greedy_peak_act_mem": self.greedy_peak_mem, "start": self.start_name,
+                "seed": self.seed, "evaluations": self.evaluations,
+                "evals_per_second": self.evals_per_second}
+
+
+def start_pool(pb: Problem, mem_cap: float | None) -> list:
+    """(name, orders) of deadlock-free starts within ``mem_cap``, best first
+    (smallest makespan, then smallest peak memory)."""
+    cands = [("greedy", greedy_fused(pb))]
+    serial_peak = max(serial_peak_memory(pb))
+    caps = [mem_cap] if mem_cap is not None else [None] + [serial_peak * x for x in CAP_SWEEP]
+    nm = len(pb.models)
+    for first in range(nm):
+        for extra in (0, 2, 10**6):
+            cands.append((f"backfill(first={pb.models[first].name},extra={extra})",
+                          backfill_schedule(pb, first, extra)))
+    depths = (0, 2, None)
+    for cap, extra in product(caps, product(depths, repeat=nm)):
+        for first in range(nm):
+            order = (first,) + tuple(i for i in range(nm) if i != first)
+            for b_first in (True, False):
+                rule = Rule(extra, order, b_first)
+                tag = "" if cap is None else f",cap={cap / serial_peak:.2f}x"
+                cands.append((f"rule(extra={extra},first={pb.models[first].name},"
+                              f"b_first={b_first}{tag})", rule_schedule(pb, rule, cap)))
+    cands.append(("serial_1f1b", serial_1f1b(pb)))
+    scored = []
+    for k, (name, orders) in enumerate(cands):
+        if orders is None:
+            continue
+        res = simulate(pb, orders)
+        if not res.ok:
+            continue
+        peak = max(stage_peak_memory(pb, orders))
+        if mem_cap is not None and peak > mem_cap + 1e-9:
+            continue
+        scored.append((round(res.makespan, 6), peak, k, name, orders))
+    scored.sort(key=lambda x: x[:3])
+    return [(name, orders) for *_, name, orders in scored]
+
+
+def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
+    tic = time.perf_counter()
+    cap = cfg.mem_cap if cfg.mem_cap is not None else pb.mem_cap
+    lb = makespan_lower_bound(pb)
+    greedy = greedy_fused(pb)
+    pool = start_pool(pb, cap)
+    name, start = pool[(cfg.seed % 2) % len(pool)]
+    per_s = PROPOSALS_PER_SECOND_X_SUBTASK / max(1, pb.num_nodes)
+    # the makespan pass keeps memory within the start's peak (or the cap)
+    start_peak = max(stage_peak_memory(pb, start))
+    acfg = replace(cfg.anneal, iters=int(cfg.budget_s * per_s),
+                   mem_cap=start_peak if cap is None else min(cap, start_peak))
+    best, st1 = anneal_makespan(pb, start, acfg, seed=cfg.seed, target=lb)
+    ms = simulate(pb, best).makespan
+    mcfg = replace(cfg.anneal, iters=int(cfg.memory_budget_s * per_s), mem_cap=cap, t0_scale=0.05)
+    best, st2 = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=ms)
+    check_schedule(pb, to_actions(pb, best), mem_cap=cap)
+    return SearchResult(
+        problem=pb, orders=best, makespan=simulate(pb, best).makespan,
+        peak_mem=stage_peak_memory(pb, best), greedy_makespan=simulate(pb, greedy).makespan,
+        greedy_peak_mem=stage_peak_memory(pb, greedy), serial_makespan=serial_1f1b_makespan(pb),
+        serial_peak_mem=serial_peak_memory(pb), lower_bound=lb, start_name=name, seed=cfg.seed,
+        evaluations=st1.evaluations + st2.evaluations, anneal_seconds=st1.seconds + st2.seconds,
+        seconds=time.perf_counter() - tic)
+
+
+def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> SearchResult:
+    """One search per MPI rank (seed + rank); every rank returns the best.
+    Without mpi4py or outside mpiexec this is :func:`search`."""
+    if comm is None:
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            return search(pb, cfg)
+        comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    res = search(pb, replace(cfg, seed=cfg.seed + rank))
+    key = (res.makespan, max(res.peak_mem), rank)
+    keys = comm.allgather(key)
+    winner = min(keys)[2]
+    best = comm.bcast(res if rank == winner else None, root=winner)
+    best.evaluations = sum(comm.allgather(res.evaluations))
+    best.anneal_seconds = max(comm.allgather(res.anneal_seconds))
+    return best

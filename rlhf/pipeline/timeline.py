@@ -1,0 +1,88 @@
+"""Execution timeline: start and end of every instruction on every rank.
+
+Each rank records ``(label, kind, start, end)`` in seconds from the step's
+start (taken right after a barrier, so ranks share a time origin to within
+the barrier's skew).  :func:`gather` brings all ranks' events to every rank;
+:func:`write_chrome_trace` writes them as Chrome trace JSON (one process per
+rank; open in https://ui.perfetto.dev or chrome://tracing).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPUTE_KINDS = ("FORWARD", "BACKWARD")
+
+
+@dataclass(frozen=True)
+class Event:
+    label: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """One rank's events, in seconds since ``origin`` (a ``perf_counter`` value)."""
+
+    rank: int
+    origin: float = field(default_factory=time.perf_counter)
+    events: list = field(default_factory=list)
+
+    def record(self, label: str, kind: str, start: float, end: float) -> None:
+        """Record an instruction that ran from ``start`` to ``end`` (perf_counter values)."""
+        self.events.append(Event(label, kind, start - self.origin, end - self.origin))
+
+    def compute_busy(self) -> float:
+        """Seconds spent in FORWARD/BACKWARD."""
+        return sum(e.end - e.start for e in self.events if e.kind in COMPUTE_KINDS)
+
+    def compute_end(self) -> float:
+        """End of the last FORWARD/BACKWARD (0 if none)."""
+        return max((e.end for e in self.events if e.kind in COMPUTE_KINDS), default=0.0)
+
+    def to_list(self) -> list:
+        return [(e.label, e.kind, e.start, e.end) for e in self.events]
+
+
+def gather(timeline: Timeline, group=None) -> list:
+    """Every rank's event list, indexed by rank order in ``group`` (collective)."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, (timeline.rank, timeline.to_list()), group=group)
+    return out
+
+
+def makespan(per_rank: list) -> float:
+    """Longest compute end over ranks: the measured counterpart of the simulator's makespan."""
+    return max((max((e[3] for e in evs if e[1] in COMPUTE_KINDS), default=0.0) for _, evs in per_rank),
+               default=0.0)
+
+
+def bubble_fractions(per_rank: list) -> dict:
+    """``{rank: idle share of the makespan}``: 1 - compute busy time / makespan."""
+    span = makespan(per_rank)
+    return {rank: 1.0 - sum(e[3] - e[2] for e in evs if e[1] in COMPUTE_KINDS) / span
+            for rank, evs in per_rank} if span > 0 else {}
+
+
+def chrome_trace(per_rank: list) -> dict:
+    """Chrome trace JSON ('X' complete events, microseconds); pid = rank."""
+    events = []
+    for rank, evs in per_rank:
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                       "args": {"name": f"rank {rank}"}})
+        for label, kind, start, end in evs:
+            events.append({"name": label, "cat": kind, "ph": "X", "pid": rank, "tid": 0,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, per_rank: list) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(per_rank)))
