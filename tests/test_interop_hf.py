@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dist_launcher import launch
-from rlhf.checkpoint.hf import HFConversionError, fuse_qkv, read_hf_config, read_hf_state, split_qkv
+from rlhf.checkpoint.hf import HFConversionError, export_hf, fuse_qkv, read_hf_config, read_hf_state, split_qkv
 from rlhf.models import ModelConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -108,6 +108,17 @@ def test_exported_dir_loads_in_transformers(setup, tmp_path):
         assert torch.equal(model(ids).logits, original(ids).logits)
 
 
+def test_tied_export_unties_a_diverged_output_layer(setup, tmp_path):
+    cases, _ = setup
+    info = read_hf_config(cases[1]["dir"])
+    full = read_hf_state(cases[1]["dir"], info)
+    assert torch.equal(full["output_layer.weight"], full["embedding.word_embeddings.weight"])  # copied on import
+    full["output_layer.weight"] = full["output_layer.weight"] + 1.0
+    out = export_hf(str(tmp_path), info.config, full)
+    assert not read_hf_config(out).config.tie_embeddings
+    assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["lm_head.weight"], full["output_layer.weight"])
+
+
 def test_qkv_fuse_split_roundtrip():
     cfg = ModelConfig(hidden_size=64, num_attention_heads=8, num_kv_heads=2)
     q, k, v = torch.randn(64, 64), torch.randn(16, 64), torch.randn(16, 64)
@@ -124,6 +135,9 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     assert convert_checkpoint.main(["hf-to-ours", "--hf", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     with pytest.raises(HFConversionError, match="no config.json"):
         read_hf_config(str(tmp_path / "missing"))
+    assert convert_checkpoint.main(["ours-to-hf", "--load", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    help_text = convert_checkpoint.build_parser().format_help()
+    assert "hf-to-ours" in help_text and "ours-to-hf" in help_text
 
 
 def test_missing_weights_and_sharded_index(setup, tmp_path):

@@ -75,6 +75,8 @@ def decode(forward: Callable[[torch.Tensor], torch.Tensor], prompt_ids: list[int
 
     forward: ids [1, s] -> logits [1, s, V].
     """
+    if len(prompt_ids) >= max_len:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens leaves no room in the context of {max_len}")
     ids = list(prompt_ids)
     out: list[int] = []
     while len(out) < max_new_tokens and len(ids) < max_len:

@@ -29,7 +29,9 @@ behind the requested global names, so a pipeline stage reads only its layers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -37,6 +39,8 @@ from typing import Iterable
 import torch
 
 from rlhf.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
 KINDS = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
@@ -104,6 +108,9 @@ def _check_unsupported(raw: dict, family: str, path: str) -> None:
         raise HFConversionError(f"{path}: a value head needs num_labels=1, got {labels}")
 
 
+_REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
 def read_hf_config(hf_dir: str) -> HFModelInfo:
     """Parse ``<hf_dir>/config.json`` into our :class:`ModelConfig` (raises on anything unsupported)."""
     path = os.path.join(hf_dir, "config.json")
@@ -112,6 +119,9 @@ def read_hf_config(hf_dir: str) -> HFModelInfo:
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
     family, kind = _parse_architecture(raw, path)
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise HFConversionError(f"{path}: missing field(s) {missing}")
     _check_unsupported(raw, family, path)
     cfg = ModelConfig(
         num_layers=raw["num_hidden_layers"],
@@ -294,8 +304,13 @@ def load_hf_weights(model: torch.nn.Module, groups, hf_dir: str, role: str = "lm
         raise HFConversionError(f"vocab_size={info.config.vocab_size} is not divisible by tp={tp}")
     params = named_global_parameters(model)
     full = read_hf_state(hf_dir, info, role, params)
-    for name in set(params) - set(full):  # the new value head: not TP-sharded, keep as is
-        full[name] = params[name].data
+    unmapped = sorted(set(params) - set(full))
+    if head_source(info, role) is None and "output_layer.weight" in unmapped:
+        unmapped.remove("output_layer.weight")  # the new value head: not TP-sharded, keep as is
+        full["output_layer.weight"] = params["output_layer.weight"].data
+    if unmapped:
+        raise HFConversionError(f"no HF tensor maps to parameter(s) {unmapped[:5]} of this model "
+                                f"(only megatron's local layer spec is supported)")
     load_full_weights(model, groups, full)
     return info
 
@@ -316,9 +331,19 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig, kind: str = "ca
 
 def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kind: str = "causal_lm",
               family: str | None = None) -> str:
-    """Write ``config.json`` + ``model.safetensors`` loadable by transformers; returns ``out_dir``."""
+    """Write ``config.json`` + ``model.safetensors`` loadable by transformers; returns ``out_dir``.
+
+    ``full``: our full state dict (global names, e.g. from ``read_full_state`` or
+    ``gather_tp_full_weights`` at pp=1). A tied config whose output layer no
+    longer equals the embedding is written untied, so no trained weight is lost.
+    """
     from safetensors.torch import save_file
 
+    tied = cfg.tie_embeddings and kind == "causal_lm"
+    if tied and not torch.equal(full["output_layer.weight"], full["embedding.word_embeddings.weight"]):
+        logger.warning("output layer differs from the embedding (trained untied): exporting "
+                       "tie_word_embeddings=false with an lm_head")
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     tensors = to_hf_state(full, cfg, kind)
     dtype = next(iter(tensors.values())).dtype
     os.makedirs(out_dir, exist_ok=True)
