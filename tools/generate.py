@@ -167,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(record.get("prompt"), str):
                 raise SystemExit(f"generate: {args.prompts}:{line_no}: no string field 'prompt'")
             bos = [] if args.no_bos or tokenizer.bos_id is None else [tokenizer.bos_id]
-            ids = decode(forward, bos + tokenizer.encode(record["prompt"]), args.max_new_tokens,
-                         tokenizer.eos_id, pick, cfg.max_seq_len)
+            try:
+                ids = decode(forward, bos + tokenizer.encode(record["prompt"]), args.max_new_tokens,
+                             tokenizer.eos_id, pick, cfg.max_seq_len)
+            except ValueError as e:
+                raise SystemExit(f"generate: {args.prompts}:{line_no}: {e}") from None
             record.update(completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids)
             fout.write(json.dumps(record, ensure_ascii=False) + "\n")
     return 0
