@@ -1,0 +1,151 @@
+"""4-rank scenario for the executor: actor pp4 down + critic pp4 up (reverse_pp) on ranks 0-3.
+
+One PPO mini-batch step (4 micro-batches of 2 samples, SGD) through the
+executor with each schedule given, compared with unsharded single-process
+training of the same weights on the same micro-batches.  Also: a mismatched
+and a cyclic schedule are refused with no p2p or collective call made.
+"""
+
+import torch
+import torch.distributed as dist
+
+from rlhf.algorithms import policy_loss, value_loss
+from rlhf.models import ModelConfig
+from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups, local_groups
+from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
+from rlhf.pipeline import compiler
+from rlhf.pipeline.executor import ModelRuntime, run_step
+
+CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                  num_kv_heads=2, vocab_size=64, max_seq_len=16)
+PLAN = {"actor_train": {"ranks": "0-3", "pp": 4},
+        "critic_train": {"ranks": "0-3", "pp": 4, "reverse_pp": True}}
+MODELS = {"actor": ("actor_train", "lm", 11), "critic": ("critic_train", "value", 12)}
+MICROBATCHES, MB_SIZE, SEQ, LR = 4, 2, 8, 0.5
+
+
+def actor_loss(logits, mb, groups):
+    logprobs = vocab_parallel_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], groups.tp)
+    return policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"])[0]
+
+
+def critic_loss(values, mb, groups):
+    return value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["mask"])[0]
+
+
+LOSSES = {"actor": actor_loss, "critic": critic_loss}
+
+
+def make_microbatches(seed: int = 0) -> list:
+    """Fixed synthetic PPO micro-batches (old log-probs, advantages, returns)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(MICROBATCHES):
+        shape = (MB_SIZE, SEQ - 1)
+        mask = torch.ones(shape)
+        mask[0, -2:] = 0.0
+        out.append({
+            "input_ids": torch.randint(0, CFG.vocab_size, (MB_SIZE, SEQ), generator=g),
+            "old_logprobs": -4.2 + 0.1 * torch.randn(shape, generator=g),
+            "advantages": torch.randn(shape, generator=g),
+            "old_values": 0.05 * torch.randn(shape, generator=g),
+            "returns": torch.randn(shape, generator=g),
+            "mask": mask,
+        })
+    return out
+
+
+def reference_step(name: str, mbs: list) -> tuple:
+    """Unsharded single-process training: (weights before, weights after) by global name."""
+    task, role, seed = MODELS[name]
+    local = local_groups()
+    model = build_model(CFG, role, local, seed=seed)
+    before = gather_tp_full_weights(model, local)
+    total = 0.0
+    for mb in mbs:
+        loss = LOSSES[name](stage_forward(model, mb["input_ids"]), mb, local) / len(mbs)
+        loss.backward()
+        total += loss.item()  # a scalar for the report, once per micro-batch
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return before, gather_tp_full_weights(model, local), total
+
+
+def make_runtimes(groups: dict, full: dict, mbs: list) -> dict:
+    out = {}
+    for name, (task, role, seed) in MODELS.items():
+        g = groups[task]
+        module = build_model(CFG, role, g, seed=seed + 100)
+        load_full_weights(module, g, full[name])
+        out[name] = ModelRuntime(name, g.mesh, mbs, module, g, torch.optim.SGD(module.parameters(), lr=LR),
+                                 LOSSES[name], CFG.hidden_size)
+    return out
+
+
+def _max_err(mine: dict, ref: dict) -> float:
+    return max((mine[k] - ref[k]).abs().max().item() for k in mine)
+
+
+class _CommCounter:
+    """Counts p2p and collective calls made while active (refusal happens before any)."""
+
+    NAMES = ("isend", "irecv", "send", "recv", "barrier", "all_reduce", "all_gather_object")
+
+    def __enter__(self):
+        self.calls, self.saved = 0, {n: getattr(dist, n) for n in self.NAMES}
+
+        def wrap(fn):
+            def counted(*a, **k):
+                self.calls += 1
+                return fn(*a, **k)
+            return counted
+        for n, fn in self.saved.items():
+            setattr(dist, n, wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for n, fn in self.saved.items():
+            setattr(dist, n, fn)
+
+
+def _refusal(sched_dict: dict, runtimes: dict) -> dict:
+    with _CommCounter() as counter:
+        try:
+            run_step(compiler.schedule_from_dict(sched_dict), runtimes)
+            message = None
+        except compiler.ScheduleError as exc:
+            message = str(exc)
+    return {"message": message, "comm_calls": counter.calls}
+
+
+def run(schedules: dict, refused: dict, trace_path: str) -> dict:
+    """``schedules``: {label: schedule dict} to train with; ``refused``: {label: dict} to refuse."""
+    placement = Placement.from_plan(PLAN, dist.get_world_size())
+    groups = build_task_groups(placement)
+    mbs = make_microbatches()
+    refs = {name: reference_step(name, mbs) for name in MODELS}
+    full = {name: ref[0] for name, ref in refs.items()}
+    results = {"rank": dist.get_rank(), "refused": {}, "err": {}, "moved": {}, "losses": {},
+               "ref_losses": {name: ref[2] for name, ref in refs.items()}}
+    for label, d in refused.items():
+        results["refused"][label] = _refusal(d, make_runtimes(groups, full, mbs))
+    after = {}
+    for label, d in schedules.items():
+        runtimes = make_runtimes(groups, full, mbs)
+        res = run_step(compiler.schedule_from_dict(d), runtimes,
+                       trace_path=trace_path if label == "fused" else None)
+        after[label] = {n: gather_tp_full_weights(rt.module, rt.groups) for n, rt in runtimes.items()}
+        results["losses"][label] = {n: v.item() for n, v in res.losses.items()}
+        if label == "fused":
+            results["events"] = len(res.timeline.events)
+        for name, (before, ref_after, _) in refs.items():
+            results["err"][label, name] = _max_err(after[label][name], ref_after)
+            mine = after[label][name]
+            results["moved"][label, name] = max((mine[k] - before[k]).abs().max().item() for k in mine)
+    first = next(iter(after))
+    for label in after:
+        for name in MODELS:
+            results["err"][label + "_vs_" + first, name] = _max_err(after[label][name], after[first][name])
+    return results

@@ -1,0 +1,115 @@
+"""Executor acceptance (4 gloo ranks): actor pp4 "down" and critic pp4 "up"
+(reverse_pp) fused on ranks 0-3, one PPO mini-batch step each.
+
+The annealed fused schedule, the greedy fused schedule and serial 1F1B all
+give the parameters of unsharded single-process training (1e-5); a schedule
+that does not match the placement, and a cyclic one, are refused with no
+communication.
+"""
+import json
+
+import pytest
+
+from dist_launcher import launch
+from rlhf.pipeline import compiler
+from rlhf.pipeline.anneal import AnnealConfig, anneal_makespan
+from rlhf.pipeline.problem import ModelSpec, Problem
+from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
+
+TOL = 1e-5
+
+
+def problem(microbatches=4, pp=4, critic_direction="up"):
+    def spec(name, direction, f, b):
+        return ModelSpec(name, pp, 1, microbatches, direction, [f] * pp, [b] * pp, [1.0] * pp)
+    return Problem(pp, (spec("actor", "down", 1.0, 2.0), spec("critic", critic_direction, 0.7, 1.4)))
+
+
+def cyclic_schedule(pb):
+    """Serial 1F1B with actor B0@s0 moved before F1@s0 on stage 0 and F1@s1
+    before B0@s1 on stage 1: B0@s0 <- B0@s1 <- F1@s1 <- F1@s0 <- B0@s0."""
+    sched = compiler.make_schedule(pb, serial_1f1b(pb))
+    rows = [list(r) for r in sched.stages]
+    for s, (first, second) in ((0, ("B", "F")), (1, ("F", "B"))):
+        row = rows[s]
+        a = next(x for x in row if x.model == "actor" and x.op == first and x.mb == (0 if first == "B" else 1))
+        b = next(x for x in row if x.model == "actor" and x.op == second and x.mb == (0 if second == "B" else 1))
+        row.remove(a)
+        row.insert(row.index(b), a)
+    return compiler.Schedule(pb, tuple(tuple(r) for r in rows))
+
+
+def annealed(pb):
+    orders, _ = anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=3000), seed=0)
+    return orders
+
+
+SCHEDULES = {
+    "serial": lambda pb: compiler.make_schedule(pb, serial_1f1b(pb)),
+    "fused": lambda pb: compiler.make_schedule(pb, annealed(pb)),
+    "greedy": lambda pb: compiler.make_schedule(pb, greedy_fused(pb)),
+}
+REFUSED = {
+    "microbatches": lambda: compiler.make_schedule(problem(8), serial_1f1b(problem(8))),
+    "pp": lambda: compiler.make_schedule(problem(pp=2), serial_1f1b(problem(pp=2))),
+    "direction": lambda: compiler.make_schedule(problem(critic_direction="down"),
+                                                serial_1f1b(problem(critic_direction="down"))),
+    "cyclic": lambda: cyclic_schedule(problem()),
+}
+EXPECTED_MESSAGE = {
+    "microbatches": "schedule has 8 micro-batches per pipeline but the executor was given 4",
+    "pp": "schedule pp=2 but placement pp=4",
+    "direction": "check 'direction' in the schedule against reverse_pp",
+    "cyclic": "cyclic order",
+}
+
+
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("executor") / "fused_trace.json"
+
+
+@pytest.fixture(scope="module")
+def results(trace_path):
+    pb = problem()
+    schedules = {k: compiler.schedule_to_dict(f(pb)) for k, f in SCHEDULES.items()}
+    assert schedules["fused"]["schedule"] != schedules["serial"]["schedule"]
+    refused = {k: compiler.schedule_to_dict(f()) for k, f in REFUSED.items()}
+    return launch(4, "scenario_executor:run", schedules=schedules, refused=refused,
+                  trace_path=str(trace_path))
+
+
+@pytest.mark.parametrize("label", list(SCHEDULES))
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_parameters_match_unsharded_training(results, label, model):
+    for r in results:
+        assert r["moved"][label, model] > 1e-3  # the step changed the weights
+        assert r["err"][label, model] < TOL
+        assert r["err"][label + "_vs_serial", model] < TOL
+
+
+@pytest.mark.parametrize("label", list(SCHEDULES))
+def test_losses_on_last_stages_match_reference(results, label):
+    # actor's last stage is rank 3; the reversed critic's is rank 0
+    for rank, model in ((3, "actor"), (0, "critic")):
+        r = results[rank]
+        assert abs(r["losses"][label][model] - r["ref_losses"][model]) < TOL
+    assert results[1]["losses"][label] == {}
+
+
+@pytest.mark.parametrize("label", list(REFUSED))
+def test_mismatched_or_cyclic_schedule_refused_before_communication(results, label):
+    for r in results:
+        refusal = r["refused"][label]
+        assert refusal["message"] is not None and EXPECTED_MESSAGE[label] in refusal["message"]
+        assert refusal["comm_calls"] == 0
+
+
+def test_chrome_trace_written(results, trace_path):
+    trace = json.loads(trace_path.read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2, 3}
+    assert len(spans) == sum(r["events"] for r in results)
+    computes = [e for e in spans if e["cat"] in ("FORWARD", "BACKWARD")]
+    assert len(computes) == 2 * 2 * 4 * 4  # models x (F, B) x micro-batches x stages
+    assert all(e["dur"] >= 0 for e in spans)
