@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from dist_launcher import launch
-from rlhf.checkpoint.hf import HFConversionError, export_hf, fuse_qkv, read_hf_config, read_hf_state, split_qkv
+from rlhf.checkpoint.hf import (HFConversionError, export_hf, fuse_qkv, hf_sources, read_hf_config, read_hf_state,
+                               split_qkv)
+from rlhf.parallel.reshard import owning_stage
 from rlhf.models import ModelConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -117,6 +119,47 @@ def test_tied_export_unties_a_diverged_output_layer(setup, tmp_path):
     out = export_hf(str(tmp_path), info.config, full)
     assert not read_hf_config(out).config.tie_embeddings
     assert torch.equal(load_file(os.path.join(out, "model.safetensors"))["lm_head.weight"], full["output_layer.weight"])
+
+
+class _ReadSpy:
+    """Wraps safetensors.safe_open and records every tensor name read."""
+
+    def __init__(self, real):
+        self.real, self.read = real, set()
+
+    def __call__(self, *args, **kwargs):
+        spy, handle = self, self.real(*args, **kwargs)
+
+        class Handle:
+            def __enter__(self):
+                self.f = handle.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return handle.__exit__(*exc)
+
+            def keys(self):
+                return self.f.keys()
+
+            def get_tensor(self, name):
+                spy.read.add(name)
+                return self.f.get_tensor(name)
+
+        return Handle()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stage_reads_only_its_own_tensors(setup, monkeypatch, stage):
+    import safetensors
+
+    cases, _ = setup
+    info = read_hf_config(cases[0]["dir"])
+    names = [n for n in hf_sources(info.config, "lm_head") if owning_stage(n, info.config.num_layers, 2) == stage]
+    spy = _ReadSpy(safetensors.safe_open)
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    assert sorted(read_hf_state(cases[0]["dir"], info, names=names)) == sorted(names)
+    ends = {0: {"model.embed_tokens.weight"}, 1: {"model.norm.weight", "lm_head.weight"}}[stage]
+    assert spy.read and all(n.startswith(f"model.layers.{stage}.") or n in ends for n in spy.read)
 
 
 def test_qkv_fuse_split_roundtrip():
