@@ -79,9 +79,9 @@ class Instr:
     def __str__(self) -> str:
         if not self.model:
             return self.kind
-        s = f"{self.kind} {self.model}[p{self.pipeline}]"
-        if self.mb >= 0:
-            s += f".mb{self.mb}@s{self.stage}"
+        if self.mb < 0:
+            return f"{self.kind} {self.model}"
+        s = f"{self.kind} {self.model}[p{self.pipeline}].mb{self.mb}@s{self.stage}"
         return s + (f" peer={self.peer} tag={self.tag}" if self.peer >= 0 else "")
 
 
