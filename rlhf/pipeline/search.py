@@ -164,3 +164,22 @@ def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> Se
     best.evaluations = sum(comm.allgather(res.evaluations))
     best.anneal_seconds = max(comm.allgather(res.anneal_seconds))
     return best
+
+
+def format_summary(res: SearchResult) -> str:
+    """The stdout table: serial 1F1B, greedy, annealed, lower bound."""
+    pb = res.problem
+    sp = max(res.serial_peak_mem)
+    rows = [("serial 1F1B", res.serial_makespan, sp),
+            ("greedy fused", res.greedy_makespan, max(res.greedy_peak_mem)),
+            ("annealed", res.makespan, max(res.peak_mem)),
+            ("lower bound", res.lower_bound, sp)]
+    out = [f"{'schedule':<14}{'makespan (' + pb.time_unit + ')':>18}{'speedup':>9}"
+           f"{'peak act (' + pb.mem_unit + ')':>18}{'x serial':>10}"]
+    for name, ms, mem in rows:
+        out.append(f"{name:<14}{ms:>18.2f}{res.serial_makespan / ms:>9.3f}{mem:>18.3f}"
+                   f"{mem / sp if sp else float('nan'):>10.2f}")
+    out.append(f"annealed is {100 * (res.makespan / res.lower_bound - 1):.2f}% above the lower "
+               f"bound; start: {res.start_name}; {res.evaluations} evaluations, "
+               f"{res.evals_per_second:.0f}/s; search {res.seconds:.1f}s")
+    return "\n".join(out)

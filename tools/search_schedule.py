@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Search a fused actor/critic pipeline schedule (RLHFuse section 5).
+
+    python tools/search_schedule.py --problem problem.json --out sched.json
+    python tools/search_schedule.py \\
+        --model name=actor,size=65B,tp=8,pp=16,mb=16,direction=down \\
+        --model name=critic,size=33B,tp=8,pp=8,mb=16,direction=up \\
+        --mem-cap 1.25x --out sched.json --plot gantt.png
+    mpiexec -n 2 python tools/search_schedule.py ...   # one search per rank, best kept
+
+``--model`` takes key=value pairs: name, size (LLaMA preset 7B/13B/33B/65B)
+or layers/hidden/ffn/heads[/kv_heads], tp, pp, mb (micro-batches of the global
+batch), direction (down/up).  ``--mem-cap`` is absolute (problem memory unit)
+or relative to the serial 1F1B peak with an ``x`` suffix.  Budgets are
+nominal seconds turned into a fixed proposal count: same seeds, same result.
+See docs/schedule_search.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlhf.pipeline.cost_model import LLAMA, CostConfig, ModelShape, build_problem  # noqa: E402
+from rlhf.pipeline.lower_bound import serial_peak_memory  # noqa: E402
+from rlhf.pipeline.problem import ProblemError  # noqa: E402
+from rlhf.pipeline.schedule_io import load_problem, save_schedule  # noqa: E402
+from rlhf.pipeline.search import SearchConfig, format_summary, search_mpi  # noqa: E402
+
+INT_KEYS = {"layers", "hidden", "ffn", "heads", "kv_heads", "tp", "pp", "mb"}
+
+
+def parse_model(text: str) -> ModelShape:
+    kv = {}
+    for part in text.split(","):
+        if "=" not in part:
+            raise argparse.ArgumentTypeError(f"--model part {part!r} is not key=value")
+        k, v = part.split("=", 1)
+        kv[k.strip()] = int(v) if k.strip() in INT_KEYS else v.strip()
+    size = kv.pop("size", None)
+    if size is not None:
+        if size not in LLAMA:
+            raise argparse.ArgumentTypeError(f"--model size={size!r}: known sizes {sorted(LLAMA)}")
+        kv = {**LLAMA[size], **kv}
+    kv["microbatches"] = kv.pop("mb", None)
+    try:
+        return ModelShape(**kv)
+    except TypeError as err:
+        raise argparse.ArgumentTypeError(f"--model {text!r}: {err}") from None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--problem", type=Path, help="problem JSON (stages + models, latencies given)")
+    src.add_argument("--model", type=parse_model, action="append",
+                     help="model shape and layout (repeat per model), see above")
+    ap.add_argument("--tokens", type=int, default=CostConfig.tokens_per_microbatch,
+                    help="tokens per micro-batch (cost model)")
+    ap.add_argument("--seq-len", type=int, default=CostConfig.seq_len)
+    ap.add_argument("--gpus", type=int, default=None, help="GPU count (checked against the layout)")
+    ap.add_argument("--gpu-tflops", type=float, default=CostConfig.gpu_flops / 1e12)
+    ap.add_argument("--mfu", type=float, default=CostConfig.mfu)
+    ap.add_argument("--comm", type=float, default=0.0, help="time per stage-to-stage transfer")
+    ap.add_argument("--mem-cap", default=None,
+                    help="per-stage activation cap: number (mem unit) or e.g. 1.25x of serial 1F1B peak")
+    ap.add_argument("--budget", type=float, default=30.0, help="nominal seconds of makespan annealing")
+    ap.add_argument("--memory-budget", type=float, default=10.0,
+                    help="nominal seconds of the peak-memory pass")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, help="write the schedule JSON here")
+    ap.add_argument("--plot", type=Path, help="write a Gantt chart PNG here")
+    return ap.parse_args(argv)
+
+
+def build(args):
+    if args.problem is not None:
+        return load_problem(args.problem)
+    cfg = CostConfig(tokens_per_microbatch=args.tokens, seq_len=args.seq_len,
+                     gpu_flops=args.gpu_tflops * 1e12, mfu=args.mfu, comm=args.comm, gpus=args.gpus)
+    return build_problem(args.model, cfg)
+
+
+def resolve_cap(text, pb) -> float | None:
+    if text is None:
+        return None
+    if text.endswith("x"):
+        return float(text[:-1]) * max(serial_peak_memory(pb))
+    return float(text)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        pb = build(args)
+    except ProblemError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    cap = resolve_cap(args.mem_cap, pb)
+    cfg = SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget,
+                       seed=args.seed, mem_cap=cap)
+    res = search_mpi(pb, cfg)
+    try:
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+    except ImportError:
+        rank = 0
+    if rank != 0:
+        return 0
+    print(format_summary(res))
+    if args.out:
+        out_pb = pb.with_mem_cap(cap) if cap is not None else pb
+        save_schedule(args.out, out_pb, res.schedule, res.metrics())
+        print(f"schedule written to {args.out}")
+    if args.plot:
+        from rlhf.pipeline.plot import gantt
+        gantt(pb, res.orders, args.plot,
+              f"{' / '.join(m.name for m in pb.models)}: makespan {res.makespan:.0f} {pb.time_unit}, "
+              f"{res.serial_makespan / res.makespan:.2f}x over serial 1F1B")
+        print(f"Gantt chart written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
