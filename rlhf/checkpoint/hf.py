@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
 KINDS = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
-SUPPORTED_ARCHITECTURES = tuple(f + k for f in FAMILIES.values() for k in KINDS.values())
+ARCHITECTURES = {FAMILIES[f] + KINDS[k]: (f, k) for f in FAMILIES for k in KINDS}  # name -> (family, kind)
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -69,14 +69,10 @@ class HFModelInfo:
 # --------------------------------------------------------------------------- configs
 def _parse_architecture(raw: dict, path: str) -> tuple[str, str]:
     archs = raw.get("architectures") or []
-    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise HFConversionError(f"{path}: unsupported architectures {archs}; supported: "
-                                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-    for family, prefix in FAMILIES.items():
-        for kind, suffix in KINDS.items():
-            if archs[0] == prefix + suffix:
-                return family, kind
-    raise AssertionError("unreachable")
+                                f"{', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[archs[0]]
 
 
 def _rope_theta(raw: dict, path: str) -> float:
@@ -90,7 +86,7 @@ def _rope_theta(raw: dict, path: str) -> float:
     return theta
 
 
-def _check_unsupported(raw: dict, family: str, path: str) -> None:
+def _check_unsupported(raw: dict, family: str, kind: str, path: str) -> None:
     if raw.get("hidden_act", "silu") != "silu":
         raise HFConversionError(f"{path}: hidden_act={raw['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
     if raw.get("mlp_bias"):
@@ -104,7 +100,7 @@ def _check_unsupported(raw: dict, family: str, path: str) -> None:
     if head_dim * heads != raw["hidden_size"]:
         raise HFConversionError(f"{path}: head_dim={head_dim} x heads={heads} != hidden_size={raw['hidden_size']}")
     labels = raw.get("num_labels") or len(raw.get("id2label") or {0: 0})
-    if raw["architectures"][0].endswith(KINDS["sequence_classification"]) and labels != 1:
+    if kind == "sequence_classification" and labels != 1:
         raise HFConversionError(f"{path}: a value head needs num_labels=1, got {labels}")
 
 
@@ -122,7 +118,7 @@ def read_hf_config(hf_dir: str) -> HFModelInfo:
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
         raise HFConversionError(f"{path}: missing field(s) {missing}")
-    _check_unsupported(raw, family, path)
+    _check_unsupported(raw, family, kind, path)
     cfg = ModelConfig(
         num_layers=raw["num_hidden_layers"],
         hidden_size=raw["hidden_size"],
