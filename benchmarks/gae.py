@@ -30,19 +30,16 @@ import time
 import weakref
 from pathlib import Path
 
-_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
-if "--default-malloc" not in sys.argv and any(os.environ.get(k) != v for k, v in _MALLOC_ENV.items()):
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
-
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._reference import gae_loop  # noqa: E402
 from rlhf.algorithms.gae import DEFAULT_BLOCK, compute_gae  # noqa: E402
 
 GAMMA, LAM, BATCH = 0.99, 0.95, 64
+_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
 class PeakTensorMemory(TorchDispatchMode):
@@ -147,6 +144,8 @@ def main() -> None:
     parser.add_argument("--sweep-blocks", action="store_true", help="also time block sizes 16..256")
     parser.add_argument("--default-malloc", action="store_true", help="keep glibc's default trimming")
     args = parser.parse_args()
+    if not args.default_malloc and any(os.environ.get(k) != v for k, v in _MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
     allocator = "glibc default" if args.default_malloc else "glibc, trim/mmap thresholds raised"
     print(
         f"machine: {platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
