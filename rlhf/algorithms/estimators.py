@@ -114,6 +114,7 @@ def group_statistics(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[t
     """Per-sample mean and unbiased std of its group's scores ([B] each).
 
     Groups of one sample get mean 0 and std 1 (their score passes through)."""
+    # unique() sizes its output from the data (a host sync on accelerators): once per batch.
     groups, inverse = torch.unique(group_index, return_inverse=True)
     count = torch.zeros(groups.shape[0], dtype=scores.dtype, device=scores.device).index_add_(
         0, inverse, torch.ones_like(scores)
