@@ -161,6 +161,7 @@ def compute_gae(
     # advantage are 0 there, and masked tokens (dest = T) read back 0.
     delta.add_(val[:, 1:], alpha=gamma).sub_(val[:, :-1])
     adv = discounted_suffix_sum(delta, gamma * lam, block)
+    del delta  # lowers the peak: it is not needed for the gathers
     advantages = adv.gather(1, dest)
     returns = adv.add_(val[:, :-1]).gather(1, dest)
     return advantages, returns
