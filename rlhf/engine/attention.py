@@ -8,7 +8,9 @@ cache positions ``[0, its position]`` of its own sequence::
     block_tables[b] = [7, 2, 9]      block_size 4, ctx_lens[b] = 10
     positions 0..3 -> block 7, 4..7 -> block 2, 8..9 -> block 9 (slots 36, 37)
 
-Two implementations: `TorchPagedAttention` (pure torch, any device, used on
+Interface: ``plan = attn.prepare(meta, block_size)`` once per step, then
+``attn(q, k_cache, v_cache, plan, scale)`` per layer. Two implementations:
+`TorchPagedAttention` (pure torch, any device, used on
 CPU and in tests) and `FlashPagedAttention` (flash-attn's
 ``flash_attn_with_kvcache`` with block tables; needs flash-attn installed and
 ``block_size`` a multiple of 256). `make_attention` picks one.
@@ -42,40 +44,65 @@ class AttentionMeta:
     decode_tokens: torch.Tensor  # [len(decode_rows)] flat query index
 
 
+@dataclass
+class _Gather:
+    """Precomputed per step: which cache blocks to read for a group of sequences, and its mask."""
+
+    idx: torch.Tensor  # [B * nblk] block ids
+    batch: int
+    ctx: int  # keys read per sequence (padded to the longest in the group)
+    mask: torch.Tensor  # bool, broadcastable to [B, heads, queries, ctx]
+
+
 class TorchPagedAttention:
-    """Gather the blocks, mask by length and causality, call SDPA."""
+    """Gather the blocks, mask by length and causality, call SDPA.
+
+    `prepare` builds the block indices and masks once per step; the call per
+    layer then only gathers and attends.
+    """
 
     name = "torch"
 
-    def __call__(self, q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
-        """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
-        out = torch.empty_like(q)
+    def prepare(self, meta: AttentionMeta, block_size: int):
+        dev = meta.block_tables.device
+        decode = None
         if meta.decode_rows:
-            out[meta.decode_tokens] = self._decode(q[meta.decode_tokens], k_cache, v_cache, meta, scale)
+            ctx = max(meta.ctx_lens[r] for r in meta.decode_rows)
+            mask = torch.arange(ctx, device=dev)[None, :] < meta.decode_ctx[:, None]  # [B, ctx]
+            decode = _plan(meta.block_tables[meta.decode_rows], ctx, block_size, mask[:, None, None, :])
+        prefill = []
         for row in meta.prefill_rows:
-            s, n, ctx = meta.q_starts[row], meta.q_lens[row], meta.ctx_lens[row]
-            k, v = _gather(k_cache, v_cache, meta.block_tables[row:row + 1], ctx)
-            pos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]  # [n, ctx]
-            out[s:s + n] = _sdpa(q[s:s + n][None], k, v, mask[None, None], scale)[0]
+            n, ctx = meta.q_lens[row], meta.ctx_lens[row]
+            pos = torch.arange(ctx - n, ctx, device=dev)
+            mask = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]  # [n, ctx] causal
+            prefill.append((meta.q_starts[row], n, _plan(meta.block_tables[row:row + 1], ctx, block_size,
+                                                         mask[None, None])))
+        return meta, decode, prefill
+
+    def __call__(self, q, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+        meta, decode, prefill = plan
+        out = torch.empty_like(q)
+        if decode is not None:
+            k, v = _gather(k_cache, v_cache, decode)
+            out[meta.decode_tokens] = _sdpa(q[meta.decode_tokens][:, None], k, v, decode.mask, scale)[:, 0]
+        for s, n, g in prefill:
+            k, v = _gather(k_cache, v_cache, g)
+            out[s:s + n] = _sdpa(q[s:s + n][None], k, v, g.mask, scale)[0]
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta, scale):
-        ctx = meta.decode_ctx
-        max_ctx = max(meta.ctx_lens[r] for r in meta.decode_rows)
-        k, v = _gather(k_cache, v_cache, meta.block_tables[meta.decode_rows], max_ctx)
-        mask = torch.arange(max_ctx, device=q.device)[None, :] < ctx[:, None]  # [B, ctx]
-        return _sdpa(q[:, None], k, v, mask[:, None, None, :], scale)[:, 0]
+
+def _plan(tables: torch.Tensor, ctx: int, block_size: int, mask: torch.Tensor) -> _Gather:
+    nblk = -(-ctx // block_size)
+    return _Gather(tables[:, :nblk].reshape(-1).long(), tables.shape[0], ctx, mask)
 
 
-def _gather(k_cache, v_cache, tables, ctx):
-    """[B, ctx, kv_heads, head_dim] keys and values of the sequences in ``tables``."""
-    bs = k_cache.shape[1]
-    nblk = -(-ctx // bs)
-    idx = tables[:, :nblk].long()
-    k = k_cache[idx].flatten(1, 2)[:, :ctx]
-    v = v_cache[idx].flatten(1, 2)[:, :ctx]
+def _gather(k_cache, v_cache, g: _Gather):
+    """[B, ctx, kv_heads, head_dim] keys and values of the planned sequences."""
+    # index_select copies whole contiguous blocks (much faster on CPU than advanced indexing)
+    shape = (g.batch, -1) + k_cache.shape[2:]
+    k = k_cache.index_select(0, g.idx).view(shape)[:, :g.ctx]
+    v = v_cache.index_select(0, g.idx).view(shape)[:, :g.ctx]
     return k, v
 
 
@@ -95,6 +122,9 @@ class FlashPagedAttention:
         from flash_attn import flash_attn_with_kvcache
 
         self._kernel = flash_attn_with_kvcache
+
+    def prepare(self, meta: AttentionMeta, block_size: int) -> AttentionMeta:
+        return meta
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)

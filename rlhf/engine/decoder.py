@@ -106,21 +106,21 @@ class TPDecoder:
         x = F.embedding(local.clamp(0, v_local - 1), self.embed)
         return self._all_reduce(x.masked_fill(outside[:, None], 0.0))
 
-    def _rope(self, t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Non-interleaved (rotate-half) RoPE; t: [T, heads, head_dim]."""
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+    @staticmethod
+    def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Non-interleaved (rotate-half) RoPE on the last dim; cos/sin broadcast over heads."""
         t1, t2 = t.chunk(2, dim=-1)
         return t * cos + torch.cat((-t2, t1), dim=-1) * sin
 
-    def _attention(self, layer: _Layer, i: int, h: torch.Tensor, inp: StepInputs) -> torch.Tensor:
-        T, hd = h.shape[0], self.cfg.head_dim
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(T, self.kv_heads, self.q_per_kv + 2, hd)
-        q = self._rope(qkv[:, :, :self.q_per_kv].reshape(T, -1, hd), inp.positions)
-        k = self._rope(qkv[:, :, self.q_per_kv], inp.positions)
+    def _attention(self, layer: _Layer, i: int, h: torch.Tensor, inp: StepInputs, rope, plan) -> torch.Tensor:
+        T, hd, qpg = h.shape[0], self.cfg.head_dim, self.q_per_kv
+        # per local KV group: qpg query heads, 1 key head, 1 value head
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(T, self.kv_heads, qpg + 2, hd)
+        qk = self._rope(qkv[:, :, :qpg + 1], *rope)  # queries and keys rotate together
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        k_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, k)
-        v_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, qkv[:, :, self.q_per_kv + 1])
-        o = self.attention(q, k_cache, v_cache, inp.attn, self.scale)
+        k_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, qk[:, :, qpg])
+        v_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, qkv[:, :, qpg + 1])
+        o = self.attention(qk[:, :, :qpg].reshape(T, -1, hd), k_cache, v_cache, plan, self.scale)
         return self._all_reduce(F.linear(o.reshape(T, -1), layer.proj))
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
@@ -133,8 +133,10 @@ class TPDecoder:
         self.copy_blocks(inp.copies)
         eps = self.cfg.norm_eps
         x = self._embed(inp.input_ids)
+        rope = (self.cos[inp.positions][:, None, None], self.sin[inp.positions][:, None, None])
+        plan = self.attention.prepare(inp.attn, self.kv_cache.shape[3])
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, i, F.rms_norm(x, x.shape[-1:], layer.norm1, eps), inp)
+            x = x + self._attention(layer, i, F.rms_norm(x, x.shape[-1:], layer.norm1, eps), inp, rope, plan)
             x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.norm2, eps))
         x = F.rms_norm(x[inp.logits_rows], x.shape[-1:], self.final_norm, eps)
         logits = F.linear(x, self.out).float()
