@@ -180,9 +180,12 @@ class Executor:
             timeline.record(_label(ins), ins.kind, t0, time.perf_counter())
         return self.state.losses
 
-    def _recv_act(self, rt, ins):
+    def _recv(self, rt, ins) -> torch.Tensor:
         buf = torch.empty(self.compute.act_shape(rt, ins.mb), dtype=self.compute.act_dtype(rt))
-        self.state.inputs[ins.model, ins.mb] = recv_into(buf, ins.peer, ins.tag).requires_grad_()
+        return recv_into(buf, ins.peer, ins.tag)
+
+    def _recv_act(self, rt, ins):
+        self.state.inputs[ins.model, ins.mb] = self._recv(rt, ins).requires_grad_()
 
     def _forward(self, rt, ins):
         out = self.compute.forward(rt, ins, self.state.inputs.get((ins.model, ins.mb)))
@@ -194,8 +197,7 @@ class Executor:
         self.state.pending += post_send(self.state.outputs[ins.model, ins.mb], ins.peer, ins.tag)
 
     def _recv_grad(self, rt, ins):
-        buf = torch.empty(self.compute.act_shape(rt, ins.mb), dtype=self.compute.act_dtype(rt))
-        self.state.out_grads[ins.model, ins.mb] = recv_into(buf, ins.peer, ins.tag)
+        self.state.out_grads[ins.model, ins.mb] = self._recv(rt, ins)
 
     def _backward(self, rt, ins):
         key, st = (ins.model, ins.mb), self.state
