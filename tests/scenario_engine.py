@@ -137,9 +137,10 @@ def check_prefix_sharing(model, local) -> dict:
         refs = sorted(eng.kv.pool.ref_counts, reverse=True)[:3]
         eng.step()  # first decode: writes position 10 (the partial block)
         out[share] = {"prefill": after_prefill, "decode": eng.kv.pool.num_used, "refs": refs}
+        finished = []
         while eng.has_unfinished():
-            eng.step()
-        out[share]["tokens"] = _tokens(eng._finished.values())
+            finished += eng.step()
+        out[share]["tokens"] = _tokens(finished)
         out[share]["free_after"] = eng.kv.pool.num_free
     return {"blocks_shared": {k: v for k, v in out[True].items() if k != "tokens"},
             "blocks_unshared": {k: v for k, v in out[False].items() if k != "tokens"},
@@ -182,6 +183,14 @@ def check_tp2(groups, placement, local) -> dict:
             "tp2_logprob_err": max(abs(a - b) for x, y in zip(tp1, tp2) for a, b in zip(x.logprobs, y.logprobs))}
 
 
+def _run_to_end(eng, finished=()) -> dict:
+    """Step until done; tokens by request id of everything that finished."""
+    finished = list(finished)
+    while eng.has_unfinished():
+        finished += eng.step()
+    return {r.request_id: list(r.tokens) for r in finished}
+
+
 def check_migration(model, local) -> dict:
     """Rank 0 runs 3 steps, exports two samples (with / without KV) to rank 1, which finishes them."""
     reqs = _requests(_prompts(3, seed=7), GREEDY) + _requests(_prompts(1, seed=8), SAMPLED, tag="s")
@@ -192,20 +201,15 @@ def check_migration(model, local) -> dict:
         unmoved = {r.request_id: list(r.tokens) for r in Engine(model, local, CFG, cfg).generate(reqs)}
         for r in reqs:
             eng.add_request(r)
-        for _ in range(3):
-            eng.step()
+        stayed = [r for _ in range(3) for r in eng.step()]
         for rid, with_kv in moved:
             send_sequence(eng.export_sequence(rid, 0, with_kv=with_kv), dst=1)
-        while eng.has_unfinished():
-            eng.step()
-        return {"unmoved": unmoved, "stayed": {k[0]: list(v.tokens) for k, v in eng._finished.items()}}
+        return {"unmoved": unmoved, "stayed": _run_to_end(eng, stayed)}
     states = [recv_sequence(src=0) for _ in moved]
     for state in states:
         eng.import_sequence(state)
     running_at_import = len(eng.scheduler.running)
-    while eng.has_unfinished():
-        eng.step()
-    return {"migrated": {k[0]: list(v.tokens) for k, v in eng._finished.items()},
+    return {"migrated": _run_to_end(eng),
             "kv_shipped": [s.kv is not None for s in states], "running_at_import": running_at_import}
 
 

@@ -6,7 +6,7 @@ Exact block ids, reference counts and orders (vLLM test_prefix_caching style).
 import pytest
 import torch
 
-from rlhf.engine.block_pool import BlockPool, chain_hash
+from rlhf.engine.block_pool import BlockPool, block_key
 from rlhf.engine.kv_manager import KVManager
 from rlhf.engine.scheduler import Scheduler
 from rlhf.engine.sequence import Sequence, Status
@@ -46,7 +46,7 @@ def test_pool_freed_blocks_rejoin_the_tail_of_the_free_queue():
 def test_pool_prefix_map_forgets_a_block_when_it_is_freed():
     pool = BlockPool(3)
     pool.allocate(2)
-    h = chain_hash(None, (1, 2))
+    h = block_key(None, (1, 2))
     pool.register(0, h)
     pool.register(1, h)  # first registration wins
     assert pool.lookup(h) == 0 and not pool.is_registered(1)

@@ -2,14 +2,17 @@
 
 Owns bookkeeping only (no tensors). A block is *free* when its reference
 count is 0; free blocks are handed out in FIFO order (lowest ids first at
-start). A *full* block can be registered in the prefix map under the hash of
-its tokens chained with its predecessor's hash, so later sequences with the
-same prefix can share it instead of recomputing it::
+start). A *full* block can be registered in the prefix map under a key made of its
+predecessor's block id and its own tokens, so later sequences with the same
+prefix can share it instead of recomputing it::
 
-    tokens:  [t0 .. t15][t16 .. t31][t32 t33]      (block_size 16)
-    hashes:   h0=H(-,blk0) h1=H(h0,blk1)  (partial: never registered)
+    tokens:  [t0 .. t15][t16 .. t31][t32 t33]      (block_size 16, table [4, 9, 2])
+    keys:    (None, blk0)  (4, blk1)  (partial: never registered)
 
-A block leaves the prefix map when its last reference is dropped.
+Keys are exact (no hash collisions): a registered block is only reachable
+while it is referenced, and whoever references it also references its
+predecessor, so a predecessor id always names the same prefix. A block leaves
+the prefix map when its last reference is dropped.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 from collections import deque
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block's tokens given the hash of the block before it."""
-    return hash((parent, tokens))
+BlockKey = tuple  # (predecessor block id or None, tokens of the block)
+
+
+def block_key(parent: int | None, tokens: tuple[int, ...]) -> BlockKey:
+    """Prefix-map key of a full block: its predecessor's block id and its tokens."""
+    return (parent, tokens)
 
 
 class BlockPool:
@@ -29,8 +35,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._by_hash: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}
+        self._by_key: dict[BlockKey, int] = {}
+        self._key_of: dict[int, BlockKey] = {}
 
     @property
     def num_free(self) -> int:
@@ -61,20 +67,20 @@ class BlockPool:
             raise ValueError(f"block {block} is already free (double free)")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            h = self._hash_of.pop(block, None)
-            if h is not None:
-                del self._by_hash[h]
+            key = self._key_of.pop(block, None)
+            if key is not None:
+                del self._by_key[key]
             self._free.append(block)
 
-    def register(self, block: int, block_hash: int) -> None:
-        """Record a full, computed block under ``block_hash`` (first registration wins)."""
-        if block_hash not in self._by_hash and block not in self._hash_of:
-            self._by_hash[block_hash] = block
-            self._hash_of[block] = block_hash
+    def register(self, block: int, key: BlockKey) -> None:
+        """Record a full, computed block under ``key`` (first registration wins)."""
+        if key not in self._by_key and block not in self._key_of:
+            self._by_key[key] = block
+            self._key_of[block] = key
 
-    def lookup(self, block_hash: int) -> int | None:
-        """The block registered under ``block_hash``, if any."""
-        return self._by_hash.get(block_hash)
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block registered under ``key``, if any."""
+        return self._by_key.get(key)
 
     def is_registered(self, block: int) -> bool:
-        return block in self._hash_of
+        return block in self._key_of

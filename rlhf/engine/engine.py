@@ -69,7 +69,6 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}
-        self._finished: dict[tuple[str, int], SampleResult] = {}
         self._t0: float | None = None
 
     # ---- requests -----------------------------------------------------------------
@@ -97,8 +96,8 @@ class Engine:
 
     def _new_sequence(self, request_id, index, prompt, params) -> Sequence:
         key = (request_id, index)
-        if key in self._seqs or key in self._finished:
-            raise ValueError(f"sample {index} of request {request_id!r} already exists in this engine")
+        if key in self._seqs:
+            raise ValueError(f"sample {index} of request {request_id!r} is already running in this engine")
         seq = Sequence(next(self._ids), request_id, index, len(prompt), list(prompt), params,
                        make_generator(params.seed + index))
         self._seqs[key] = seq
@@ -111,9 +110,10 @@ class Engine:
         """Run ``requests`` to completion; results in request order, then sample index."""
         for r in requests:
             self.add_request(r)
+        done = {}
         while self.has_unfinished():
-            self.step()
-        return [self._finished.pop((r.request_id, i)) for r in requests for i in range(r.params.n)]
+            done.update(((res.request_id, res.sample_index), res) for res in self.step())
+        return [done[(r.request_id, i)] for r in requests for i in range(r.params.n)]
 
     # ---- one step -----------------------------------------------------------------
 
@@ -209,10 +209,8 @@ class Engine:
         del self._seqs[seq.key]
         now = time.perf_counter() - self._t0
         self.stats.finish_times[seq.key] = now
-        result = SampleResult(seq.request_id, seq.sample_index, tuple(seq.tokens[:seq.prompt_len]),
-                              tuple(seq.output), tuple(seq.logprobs), reason, now)
-        self._finished[seq.key] = result
-        return result
+        return SampleResult(seq.request_id, seq.sample_index, tuple(seq.tokens[:seq.prompt_len]),
+                            tuple(seq.output), tuple(seq.logprobs), reason, now)
 
     def _record(self, out: SchedulerOutput) -> None:
         s, pool = self.stats, self.kv.pool
@@ -269,7 +267,8 @@ class Engine:
                                    f"for sample {state.sample_index} of {state.request_id!r}, "
                                    f"{self.kv.pool.num_free} free; retry after some samples finish")
         self.decoder.write_blocks(self.kv.tables[seq.seq_id], state.kv.to(self.decoder.device))
-        seq.num_computed = state.num_computed
+        # keep >= 1 token to compute: the step that computes it samples the next one
+        seq.num_computed = min(state.num_computed, len(seq.tokens) - 1)
         if self.config.prefix_sharing:
             self.kv.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
         self.scheduler.add_running(seq)

@@ -9,7 +9,7 @@ returns ``None`` and changes nothing, and the scheduler decides whom to preempt.
 
 from __future__ import annotations
 
-from rlhf.engine.block_pool import BlockPool, chain_hash
+from rlhf.engine.block_pool import BlockPool, block_key
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -24,7 +24,7 @@ class KVManager:
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}
-        self._hashes: dict[int, list[int]] = {}
+        self._registered: dict[int, int] = {}  # leading blocks already in the prefix map
 
     def table(self, seq_id: int) -> list[int]:
         return self.tables.setdefault(seq_id, [])
@@ -60,40 +60,37 @@ class KVManager:
         """
         table = self.table(seq_id)
         assert not table, "match_prefix needs an empty block table"
-        bs, parent, hashes = self.block_size, None, []
+        bs, parent = self.block_size, None
         for start in range(0, max_tokens - bs + 1, bs):
-            h = chain_hash(parent, tuple(tokens[start:start + bs]))
-            block = self.pool.lookup(h)
+            block = self.pool.lookup(block_key(parent, tuple(tokens[start:start + bs])))
             if block is None:
                 break
             self.pool.incref(block)
             table.append(block)
-            hashes.append(h)
-            parent = h
-        self._hashes[seq_id] = hashes
+            parent = block
+        self._registered[seq_id] = len(table)
         return len(table) * bs
 
     def register_full_blocks(self, seq_id: int, tokens: list[int], num_computed: int) -> None:
         """Enter this sequence's newly completed full blocks into the prefix map."""
-        hashes = self._hashes.setdefault(seq_id, [])
         table, bs = self.tables[seq_id], self.block_size
-        for i in range(len(hashes), num_computed // bs):
-            h = chain_hash(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs]))
-            self.pool.register(table[i], h)
-            hashes.append(h)
+        done = self._registered.get(seq_id, 0)
+        for i in range(done, num_computed // bs):
+            self.pool.register(table[i], block_key(table[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
+        self._registered[seq_id] = max(done, num_computed // bs)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (no block is allocated)."""
         for block in self.tables[parent_id]:
             self.pool.incref(block)
         self.tables[child_id] = list(self.tables[parent_id])
-        self._hashes[child_id] = list(self._hashes.get(parent_id, []))
+        self._registered[child_id] = self._registered.get(parent_id, 0)
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's references, last block first."""
         for block in reversed(self.tables.pop(seq_id, [])):
             self.pool.decref(block)
-        self._hashes.pop(seq_id, None)
+        self._registered.pop(seq_id, None)
 
     def slots(self, seq_id: int, start: int, stop: int) -> list[int]:
         """KV slot of every position in ``[start, stop)``."""
