@@ -140,11 +140,14 @@ def check_prefix_sharing(model, local) -> dict:
         finished = []
         while eng.has_unfinished():
             finished += eng.step()
-        out[share]["tokens"] = _tokens(finished)
+        out[share]["tokens"] = _tokens(sorted(finished, key=lambda r: r.sample_index))
         out[share]["free_after"] = eng.kv.pool.num_free
-    return {"blocks_shared": {k: v for k, v in out[True].items() if k != "tokens"},
+    tiny = Engine(model, local, CFG, EngineConfig(num_blocks=9, block_size=4))
+    tiny_tokens = _tokens(tiny.generate([Request("p", prompt, params)]))
+    return {"tiny_pool_equal": tiny_tokens == out[True]["tokens"], "tiny_pool_preemptions": tiny.stats.preemptions,
+            "blocks_shared": {k: v for k, v in out[True].items() if k != "tokens"},
             "blocks_unshared": {k: v for k, v in out[False].items() if k != "tokens"},
-            "shared_equal_unshared": sorted(out[True]["tokens"]) == sorted(out[False]["tokens"]),
+            "shared_equal_unshared": out[True]["tokens"] == out[False]["tokens"],
             "n8_distinct": len({tuple(t) for t in out[True]["tokens"]})}
 
 

@@ -44,6 +44,8 @@ def test_n8_samples_store_the_prompt_blocks_once(results):
     assert shared["free_after"] == unshared["free_after"] == 64
     assert results[1]["shared_equal_unshared"]
     assert results[1]["n8_distinct"] > 1
+    # the same 8 samples through a pool too small for them all: preempted, re-prefilled, same tokens
+    assert results[1]["tiny_pool_preemptions"] > 0 and results[1]["tiny_pool_equal"]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(results):
