@@ -1,9 +1,11 @@
-"""4-rank scenario for the executor: actor pp4 down + critic pp4 up (reverse_pp) on ranks 0-3.
+"""4-rank scenario for the executor: actor and critic fused on ranks 0-3.
 
-One PPO mini-batch step (4 micro-batches of 2 samples, SGD) through the
-executor with each schedule given, compared with unsharded single-process
-training of the same weights on the same micro-batches.  Also: a mismatched
-and a cyclic schedule are refused with no p2p or collective call made.
+For each placement given (e.g. actor pp4 down + critic pp4 up with
+reverse_pp), one PPO mini-batch step (4 micro-batches of 2 samples, SGD)
+through the executor with each schedule given, compared with unsharded
+single-process training of the same weights on the same micro-batches.
+Also: mismatched and cyclic schedules are refused with no p2p or collective
+call made.
 """
 
 import torch
@@ -21,8 +23,6 @@ from rlhf.pipeline.executor import ModelRuntime, run_step
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=64, max_seq_len=16)
-PLAN = {"actor_train": {"ranks": "0-3", "pp": 4},
-        "critic_train": {"ranks": "0-3", "pp": 4, "reverse_pp": True}}
 MODELS = {"actor": ("actor_train", "lm", 11), "critic": ("critic_train", "value", 12)}
 MICROBATCHES, MB_SIZE, SEQ, LR = 4, 2, 8, 0.5
 
@@ -74,12 +74,16 @@ def reference_step(name: str, mbs: list) -> tuple:
 
 
 def make_runtimes(groups: dict, full: dict, mbs: list) -> dict:
+    """Stage modules loaded with the reference weights; each DP replica gets its
+    contiguous share of the micro-batches."""
     out = {}
     for name, (task, role, seed) in MODELS.items():
         g = groups[task]
         module = build_model(CFG, role, g, seed=seed + 100)
         load_full_weights(module, g, full[name])
-        out[name] = ModelRuntime(name, g.mesh, mbs, module, g, torch.optim.SGD(module.parameters(), lr=LR),
+        share = len(mbs) // g.mesh.strategy.dp
+        mine = mbs[g.coord.dp * share:(g.coord.dp + 1) * share]
+        out[name] = ModelRuntime(name, g.mesh, mine, module, g, torch.optim.SGD(module.parameters(), lr=LR),
                                  LOSSES[name], CFG.hidden_size)
     return out
 
@@ -120,32 +124,40 @@ def _refusal(sched_dict: dict, runtimes: dict) -> dict:
     return {"message": message, "comm_calls": counter.calls}
 
 
-def run(schedules: dict, refused: dict, trace_path: str) -> dict:
-    """``schedules``: {label: schedule dict} to train with; ``refused``: {label: dict} to refuse."""
-    placement = Placement.from_plan(PLAN, dist.get_world_size())
-    groups = build_task_groups(placement)
-    mbs = make_microbatches()
-    refs = {name: reference_step(name, mbs) for name in MODELS}
+def _train(cfg: str, schedules: dict, groups: dict, refs: dict, mbs: list, results: dict,
+           trace_path: str | None) -> None:
+    """One step per schedule; parameter errors vs the reference and vs serial 1F1B."""
     full = {name: ref[0] for name, ref in refs.items()}
-    results = {"rank": dist.get_rank(), "refused": {}, "err": {}, "moved": {}, "losses": {},
-               "ref_losses": {name: ref[2] for name, ref in refs.items()}}
-    for label, d in refused.items():
-        results["refused"][label] = _refusal(d, make_runtimes(groups, full, mbs))
     after = {}
     for label, d in schedules.items():
         runtimes = make_runtimes(groups, full, mbs)
         res = run_step(compiler.schedule_from_dict(d), runtimes,
                        trace_path=trace_path if label == "fused" else None)
-        after[label] = {n: gather_tp_full_weights(rt.module, rt.groups) for n, rt in runtimes.items()}
-        results["losses"][label] = {n: v.item() for n, v in res.losses.items()}
         if label == "fused":
-            results["events"] = len(res.timeline.events)
+            results["events"][cfg] = len(res.timeline.events)
+        after[label] = {n: gather_tp_full_weights(rt.module, rt.groups) for n, rt in runtimes.items()}
+        results["losses"][cfg, label] = {n: v.item() for n, v in res.losses.items()}
         for name, (before, ref_after, _) in refs.items():
-            results["err"][label, name] = _max_err(after[label][name], ref_after)
             mine = after[label][name]
-            results["moved"][label, name] = max((mine[k] - before[k]).abs().max().item() for k in mine)
-    first = next(iter(after))
-    for label in after:
-        for name in MODELS:
-            results["err"][label + "_vs_" + first, name] = _max_err(after[label][name], after[first][name])
+            results["err"][cfg, label, name] = _max_err(mine, ref_after)
+            results["moved"][cfg, label, name] = max((mine[k] - before[k]).abs().max().item() for k in mine)
+            results["vs_serial"][cfg, label, name] = _max_err(mine, after["serial"][name])
+
+
+def run(configs: dict, refused: dict, trace_path: str) -> dict:
+    """``configs``: {name: {"plan": placement plan, "schedules": {label: schedule dict}}}
+    (labels include "serial"); ``refused``: {label: schedule dict} refused under the
+    first config's placement; the first config's "fused" run writes ``trace_path``."""
+    world = dist.get_world_size()
+    all_groups = [build_task_groups(Placement.from_plan(spec["plan"], world)) for spec in configs.values()]
+    mbs = make_microbatches()
+    refs = {name: reference_step(name, mbs) for name in MODELS}
+    results = {"rank": dist.get_rank(), "refused": {}, "err": {}, "moved": {}, "losses": {},
+               "vs_serial": {}, "events": {}, "ref_losses": {name: ref[2] for name, ref in refs.items()}}
+    for i, ((cfg, spec), groups) in enumerate(zip(configs.items(), all_groups)):
+        if i == 0:
+            full = {name: ref[0] for name, ref in refs.items()}
+            for label, d in refused.items():
+                results["refused"][label] = _refusal(d, make_runtimes(groups, full, mbs))
+        _train(cfg, spec["schedules"], groups, refs, mbs, results, trace_path if i == 0 else None)
     return results

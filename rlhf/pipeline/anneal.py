@@ -24,9 +24,11 @@ start time (:func:`simulate.simulate_from`).  With ``mem_cap`` a proposal
 that lifts the edited stage's peak activation memory above the cap is
 rejected, so every state visited respects the cap if the start does.
 
-The memory pass (:func:`anneal_memory`) uses the same moves with energy =
-peak activation memory (max over stages, then mean over stages as a
-tie-break) and rejects any proposal that makes the makespan exceed a limit.
+The memory pass (:func:`anneal_memory`) uses the same moves plus moves that
+push an F past a stage's peak (or pull a B before it), with energy = peak
+activation memory (max over stages, plus small weights on the mean peak and
+on the mean live memory, which give every useful move a signal), and rejects
+any proposal that makes the makespan exceed a limit.
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class AnnealConfig:
 
 @dataclass
 class AnnealStats:
+    proposals: int = 0
     evaluations: int = 0
     accepted: int = 0
     improved: int = 0
@@ -250,6 +253,15 @@ def _peak(order, mem) -> float:
     return peak
 
 
+def _area(order, mem) -> float:
+    """Mean live memory over the stage's positions (a smooth memory signal)."""
+    live = total = 0.0
+    for v in order:
+        live += mem[v]
+        total += live
+    return total / max(1, len(order))
+
+
 def _energy(res, orders, tie: float) -> float:
     if not res.ok:
         return INF
@@ -288,6 +300,7 @@ def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
     for _ in range(cfg.iters):
         if ms_best <= stop:
             break
+        stats.proposals += 1
         temp *= cool
         prop = mover.propose(cur, critical)
         if prop is None:
@@ -321,12 +334,13 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
     dur, mem = pb.arrays.dur, pb.arrays.mem
     cur = [list(o) for o in orders]
     peaks = [_peak(o, mem) for o in cur]
+    areas = [_area(o, mem) for o in cur]
     res = simulate(pb, cur)
 
-    def energy(pk):
-        return max(pk) + 0.1 * sum(pk) / len(pk)
+    def energy(pk, ar):
+        return max(pk) + 0.1 * sum(pk) / len(pk) + 0.05 * sum(ar) / len(ar)
 
-    e_cur = energy(peaks)
+    e_cur = energy(peaks, areas)
     best, e_best = cur, e_cur
     stats = AnnealStats(start_energy=max(peaks))
     t0 = cfg.t0 if cfg.t0 is not None else max(max(peaks), 1e-9) * cfg.t0_scale
@@ -344,11 +358,11 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
         if prop is None:
             continue
         s, pos, new = prop
-        pk = peaks[:]
-        pk[s] = _peak(new, mem)
+        pk, ar = peaks[:], areas[:]
+        pk[s], ar[s] = _peak(new, mem), _area(new, mem)
         if cfg.mem_cap is not None and pk[s] > cfg.mem_cap + 1e-9:
             continue
-        e = energy(pk)
+        e = energy(pk, ar)
         d = e - e_cur
         if not (d <= 0 or rng.random() < math.exp(-d / temp)):
             continue
@@ -359,7 +373,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
         stats.evaluations += 1
         if not r.ok or r.makespan > limit:
             continue
-        cur, e_cur, end, peaks = cand, e, r.end, pk
+        cur, e_cur, end, peaks, areas = cand, e, r.end, pk, ar
         stats.accepted += 1
         if e < e_best:
             best, e_best = cur, e

@@ -214,12 +214,15 @@ def rule_schedule(pb: Problem, rule: Rule, mem_cap: float | None = None) -> list
     return list_schedule(pb, rule.key(pb), limits=limits, mem_cap=mem_cap)
 
 
-def backfill_schedule(pb: Problem, first: int, extra: int = 0) -> list:
+def backfill_schedule(pb: Problem, first: int, extra: int = 0, other_extra: int | None = None) -> list:
     """Model ``first`` runs its 1F1B (``extra`` more warm-up forwards) exactly as
     if alone; every other model's subtasks are then placed, in order of their
     ready times, into the earliest idle gap of their stage that fits them
-    (conservative backfilling), so the first model is never delayed.
-    Returns per-stage orders sorted by the placed start times."""
+    (conservative backfilling), so the first model is never delayed.  With
+    ``other_extra`` the other models keep at most ``pp - stage + other_extra``
+    micro-batches in flight per stage (a forward waits for the backward that
+    frees its slot); None means unbounded.  Returns per-stage orders sorted by
+    the placed start times."""
     arr = pb.arrays
     sub = model_alone(pb, first)
     seq = [row[0] for row in per_model_1f1b(sub, [extra])]
@@ -232,6 +235,9 @@ def backfill_schedule(pb: Problem, first: int, extra: int = 0) -> list:
         for v in order:
             e = alone.end[v]
             busy[s].append((e - arr.dur[v], e, v + offset))
+    slot_of = _inflight_slots(pb, first, other_extra)
+    placed = {}
+    parked = {}
     heap = []
     for i, m in enumerate(pb.models):
         if i == first:
@@ -242,13 +248,40 @@ def backfill_schedule(pb: Problem, first: int, extra: int = 0) -> list:
                 heapq.heappush(heap, (0.0, -arr.tail[v], v))
     while heap:
         ready, _, v = heapq.heappop(heap)
+        gate = slot_of.get(v)
+        if gate is not None:
+            if gate not in placed:
+                parked[gate] = v
+                continue
+            ready = max(ready, placed[gate])
         s, d = arr.stage[v], arr.dur[v]
         start = _earliest_gap(busy[s], ready, d)
         bisect.insort(busy[s], (start, start + d, v))
+        placed[v] = start + d
         nxt = v + 1
         if nxt < pb.num_nodes and arr.pred[nxt] == v:
             heapq.heappush(heap, (start + d + arr.lag[nxt], -arr.tail[nxt], nxt))
+        if v in parked:
+            w = parked.pop(v)
+            heapq.heappush(heap, (ready, -arr.tail[w], w))
     return [[v for _, _, v in stage] for stage in busy]
+
+
+def _inflight_slots(pb: Problem, first: int, other_extra: int | None) -> dict:
+    """``{F of mb k at stage j: B of mb k - L at stage j}`` for the models
+    other than ``first``, with in-flight limit ``L = pp - j + other_extra``."""
+    gates = {}
+    if other_extra is None:
+        return gates
+    for i, m in enumerate(pb.models):
+        if i == first:
+            continue
+        for p in range(m.pipelines):
+            for j in range(m.pp):
+                lim = m.pp - j + other_extra
+                for b in range(lim, m.microbatches):
+                    gates[pb.node_id_fast(i, p, b, j, True)] = pb.node_id_fast(i, p, b - lim, j, False)
+    return gates
 
 
 def _earliest_gap(intervals: list, ready: float, d: float) -> float:
