@@ -4,6 +4,7 @@ Exact instruction lists for a small pipeline, deadlock freedom and send/recv
 pairing for many valid schedules (serial, greedy, annealed, random
 topological orders) on several placements, and every refusal's message.
 """
+import json
 import random
 
 import pytest
@@ -114,8 +115,8 @@ def test_cyclic_order_refused():
     is_ = lambda op, mb: lambda a: a.model == "actor" and a.op == op and a.mb == mb  # noqa: E731
     sched = _swap_stage(sched, 0, is_("B", 0), is_("F", 1))
     sched = _swap_stage(sched, 1, is_("F", 1), is_("B", 0))
-    with pytest.raises(C.ScheduleError, match=r"cyclic order \(would deadlock\): stage 0 at #1 "
-                                              r"\(actor\[p0\].B0@s0\) waits for actor\[p0\].B0@s1"):
+    with pytest.raises(C.ScheduleError, match=r"\[deadlock\] stage 0: actor\[p0\].B0@s0 at position 1 "
+                                              r"waits for actor\[p0\].B0@s1 on stage 1, which never runs"):
         C.compile_rank(sched, PLACE, 0)
 
 
@@ -156,10 +157,10 @@ def test_stage_contents_checked():
     rows = [r[1:] if s == 0 else r for s, r in enumerate(full)]
     moved = full[0][0]
     cases = [
-        (rows, "fused stage 0 lacks 1 subtask\\(s\\): actor\\[p0\\].F0@s0"),
-        ([full[0], full[1] + [moved]] + full[2:], "fused stage 1 holds foreign 1 subtask"),
-        ([[moved] + rows[0] + [moved]] + rows[1:], "fused stage 0 repeats 1 subtask"),
-        (rows[:3], "schedule has 3 stage lists, but stages=4"),
+        (rows, r"\[missing\] stage 0: actor\[p0\].F0@s0 is not scheduled"),
+        ([full[0], full[1] + [moved]] + full[2:], "belongs on fused stage 0, not 1"),
+        ([[moved] + rows[0] + [moved]] + rows[1:], r"\[duplicate\] stage 0: actor\[p0\].F0@s0 appears again"),
+        (rows[:3], "schedule has 3 stage lists, expected 4"),
     ]
     for rows_, message in cases:
         with pytest.raises(C.ScheduleError, match=message):
@@ -169,17 +170,17 @@ def test_stage_contents_checked():
 def test_json_roundtrip_and_file(tmp_path):
     sched = C.make_schedule(PB_K2, greedy_fused(PB_K2), {"makespan": 1.0})
     d = C.schedule_to_dict(sched)
-    assert d["schedule"][2][0] == {"model": "actor", "pipeline": 1, "mb": 0, "op": "F", "stage": 0}
+    assert d["schedule"][2][0] == {"model": "actor", "pipeline": 1, "mb": 0, "op": "F", "model_stage": 0}
     path = tmp_path / "s.json"
-    path.write_text(__import__("json").dumps(d))
+    path.write_text(json.dumps(d))
     assert C.load_schedule(path) == sched
     for e in d["schedule"][3]:
-        e.pop("stage")  # optional: derived from the fused stage
+        e.pop("model_stage")  # optional: derived from the fused stage
     assert C.schedule_from_dict(d) == sched
-    d["schedule"][3][0]["stage"] = 7
-    with pytest.raises(C.ScheduleError, match="says model stage 7, but fused stage 3 holds model stage"):
-        C.schedule_from_dict(d)
-    with pytest.raises(C.ScheduleError, match="version 2 is not supported"):
+    d["schedule"][3][0]["model_stage"] = (sched.stages[3][0].stage + 1) % 2  # not its stage
+    with pytest.raises(C.ScheduleError, match="belongs on fused stage"):
+        C.compile_rank(C.schedule_from_dict(d), PLACE_K2, 0)
+    with pytest.raises(C.ScheduleError, match="malformed schedule: schedule file version 2"):
         C.schedule_from_dict({**d, "version": 2})
 
 

@@ -81,7 +81,7 @@ EXPECTED_MESSAGE = {
     "microbatches": "schedule has 8 micro-batches per pipeline but the executor was given 4",
     "pp": "schedule pp=2 but placement pp=4",
     "direction": "check 'direction' in the schedule against reverse_pp",
-    "cyclic": "cyclic order",
+    "cyclic": "which never runs (cyclic dependency)",
 }
 
 

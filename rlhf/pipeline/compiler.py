@@ -35,8 +35,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .problem import Action, Problem, ProblemError
-from .simulate import simulate
+from . import schedule_io
+from .problem import Action, Problem, ProblemError, to_actions, to_ids
+from .validate import ScheduleError as ValidationError
+from .validate import validate
 
 RECV_ACT, FORWARD, SEND_ACT = "RECV_ACT", "FORWARD", "SEND_ACT"
 RECV_GRAD, BACKWARD, SEND_GRAD = "RECV_GRAD", "BACKWARD", "SEND_GRAD"
@@ -85,36 +87,14 @@ class Instr:
         return s + (f" peer={self.peer} tag={self.tag}" if self.peer >= 0 else "")
 
 
-# -- schedule file -------------------------------------------------------------
-def _model_stage(pb: Problem, model: str, pipeline: int, fused: int) -> int:
-    m = pb.models[pb.model_index[model]]
-    base = fused if m.direction == "down" else pb.stages - 1 - fused
-    return base - pipeline * m.pp
-
-
+# -- schedule file (read, written and validated by the search's own modules) ----------
 def schedule_from_dict(d: dict) -> Schedule:
-    """Parse the schedule JSON structure (model stage derived from the fused stage)."""
-    if d.get("version", 1) != 1:
-        raise ScheduleError(f"schedule version {d.get('version')!r} is not supported (expected 1)")
-    if "schedule" not in d:
-        raise ScheduleError("schedule JSON lacks 'schedule' (one list of actions per fused stage)")
+    """Parse the schedule JSON structure (``schedule_io``); ScheduleError if malformed."""
     try:
-        pb = Problem.from_dict(d)
-        stages = []
-        for s, entries in enumerate(d["schedule"]):
-            row = []
-            for e in entries:
-                if e.get("model") not in pb.model_index:
-                    raise ScheduleError(f"fused stage {s}: unknown model {e.get('model')!r}")
-                j = _model_stage(pb, e["model"], int(e["pipeline"]), s)
-                if "stage" in e and int(e["stage"]) != j:
-                    raise ScheduleError(f"fused stage {s}: {e} says model stage {e['stage']}, "
-                                        f"but fused stage {s} holds model stage {j}")
-                row.append(Action(e["model"], int(e["pipeline"]), int(e["mb"]), e["op"], j))
-            stages.append(tuple(row))
-    except (ProblemError, KeyError, TypeError) as exc:
+        pb, stages, metrics = schedule_io.schedule_from_dict(d)
+    except (ProblemError, KeyError, TypeError, ValueError) as exc:
         raise ScheduleError(f"malformed schedule: {exc}") from None
-    return Schedule(pb, tuple(stages), d.get("metrics"))
+    return Schedule(pb, stages, metrics)
 
 
 def load_schedule(path: str | Path) -> Schedule:
@@ -123,49 +103,20 @@ def load_schedule(path: str | Path) -> Schedule:
 
 def make_schedule(pb: Problem, orders, metrics: dict | None = None) -> Schedule:
     """A Schedule from per-stage subtask-id lists (the search's representation)."""
-    acts = pb.actions
-    return Schedule(pb, tuple(tuple(acts[v] for v in o) for o in orders), metrics)
+    return Schedule(pb, to_actions(pb, orders), metrics)
 
 
 def schedule_to_dict(sched: Schedule) -> dict:
-    d = sched.problem.to_dict()
-    d["schedule"] = [[{"model": a.model, "pipeline": a.pipeline, "mb": a.mb, "op": a.op,
-                       "stage": a.stage} for a in row] for row in sched.stages]
-    if sched.metrics is not None:
-        d["metrics"] = sched.metrics
-    return d
+    return schedule_io.schedule_to_dict(sched.problem, sched.stages, sched.metrics)
 
 
-# -- validation ------------------------------------------------------------------
 def check_schedule(sched: Schedule) -> list:
-    """Per-stage subtask ids after checking each stage holds exactly its subtasks
-    once and the order is acyclic (raises ScheduleError naming the problem)."""
-    pb = sched.problem
-    if len(sched.stages) != pb.stages:
-        raise ScheduleError(f"schedule has {len(sched.stages)} stage lists, but stages={pb.stages}")
-    expected = [set() for _ in range(pb.stages)]
-    for v, s in enumerate(pb.arrays.stage):
-        expected[s].add(v)
-    orders = []
-    for s, row in enumerate(sched.stages):
-        try:
-            ids = [pb.node_id(a) for a in row]
-        except ProblemError as exc:
-            raise ScheduleError(f"fused stage {s}: {exc}") from None
-        dup = {pb.action(v) for v in ids if ids.count(v) > 1}
-        extra = [pb.action(v) for v in ids if v not in expected[s]]
-        missing = [pb.action(v) for v in sorted(expected[s] - set(ids))]
-        for what, acts in (("repeats", dup), ("holds foreign", extra), ("lacks", missing)):
-            if acts:
-                names = ", ".join(sorted(str(a) for a in acts)[:4])
-                raise ScheduleError(f"fused stage {s} {what} {len(acts)} subtask(s): {names}")
-        orders.append(ids)
-    res = simulate(pb, orders)
-    if not res.ok:
-        waits = "; ".join(f"stage {s} at #{k} ({pb.action(orders[s][k])}) waits for "
-                          f"{pb.action(w)}" for s, k, w in res.stuck)
-        raise ScheduleError(f"cyclic order (would deadlock): {waits}")
-    return orders
+    """Per-stage subtask ids after ``validate.validate`` (placement, completeness,
+    order, acyclic, memory cap); raises ScheduleError listing the violations."""
+    bad = validate(sched.problem, sched.stages)
+    if bad:
+        raise ScheduleError(str(ValidationError(bad)))
+    return to_ids(sched.problem, sched.stages)
 
 
 # -- placements ------------------------------------------------------------------
