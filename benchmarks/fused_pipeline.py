@@ -41,12 +41,12 @@ def sleep_problem():
     return Problem(4, (spec("actor", "down", 1.0), spec("critic", "up", 0.5)))
 
 
-def schedules(pb, iters: int = 20000) -> dict:
-    """{label: per-stage orders} for serial 1F1B and the annealed fused schedule."""
-    from rlhf.pipeline.anneal import AnnealConfig, anneal_makespan
-    from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
+def schedules(pb, budget_s: float = 0.2) -> dict:
+    """{label: per-stage orders} for serial 1F1B and the searched (annealed) fused schedule."""
+    from rlhf.pipeline.schedules import serial_1f1b
+    from rlhf.pipeline.search import SearchConfig, search
 
-    fused, _ = anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=iters), seed=0)
+    fused = search(pb, SearchConfig(budget_s=budget_s, memory_budget_s=budget_s / 4)).orders
     return {"serial_1f1b": serial_1f1b(pb), "annealed": fused}
 
 

@@ -17,9 +17,9 @@ import pytest
 
 from dist_launcher import launch
 from rlhf.pipeline import compiler
-from rlhf.pipeline.anneal import AnnealConfig, anneal_makespan
 from rlhf.pipeline.problem import ModelSpec, Problem
 from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
+from rlhf.pipeline.search import SearchConfig, search
 
 TOL = 1e-5
 
@@ -61,8 +61,7 @@ def cyclic_schedule(pb):
 
 
 def annealed(pb):
-    orders, _ = anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=3000), seed=0)
-    return orders
+    return search(pb, SearchConfig(budget_s=0.1, memory_budget_s=0.02)).orders
 
 
 SCHEDULES = {
