@@ -1,19 +1,21 @@
 """Attention over the paged KV cache, behind one small interface.
 
-The cache of one layer is ``k_cache, v_cache: [num_blocks, block_size,
-kv_heads, head_dim]`` (flash-attn's paged layout). The K/V of this step's
+The cache of one layer is ``k_cache, v_cache: [kv_heads, num_blocks,
+block_size, head_dim]`` (head-major, so gathering a sequence's blocks yields
+per-head contiguous keys ready for batched matmuls). The K/V of this step's
 tokens are written into it *before* attention, so every query attends to
 cache positions ``[0, its position]`` of its own sequence::
 
     block_tables[b] = [7, 2, 9]      block_size 4, ctx_lens[b] = 10
     positions 0..3 -> block 7, 4..7 -> block 2, 8..9 -> block 9 (slots 36, 37)
 
-Interface: ``plan = attn.prepare(meta, block_size)`` once per step, then
+Interface: ``plan = attn.prepare(meta)`` once per step, then
 ``attn(q, k_cache, v_cache, plan, scale)`` per layer. Two implementations:
-`TorchPagedAttention` (pure torch, any device, used on
-CPU and in tests) and `FlashPagedAttention` (flash-attn's
-``flash_attn_with_kvcache`` with block tables; needs flash-attn installed and
-``block_size`` a multiple of 256). `make_attention` picks one.
+`TorchPagedAttention` (pure torch, any device, used on CPU and in tests) and
+`FlashPagedAttention` (flash-attn's ``flash_attn_with_kvcache`` with block
+tables, given a strided ``[num_blocks, block_size, kv_heads, head_dim]`` view
+of the same cache; needs flash-attn and ``block_size`` a multiple of 256; not
+exercised by the CPU tests). `make_attention` picks one.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -30,8 +31,8 @@ class AttentionMeta:
 
     q_starts / q_lens / ctx_lens: python lists, one entry per sequence (query
     rows are contiguous in the flat token dimension). block_tables: [B,
-    max_blocks] int32 (padded with 0). decode_rows: indices of sequences with
-    one query (batched together); the rest are handled one by one.
+    max_blocks] int32 (padded with 0). decode_rows: sequences with one query
+    (batched together); prefill_rows: the others (one by one).
     """
 
     q_starts: list[int]
@@ -45,72 +46,66 @@ class AttentionMeta:
 
 
 @dataclass
-class _Gather:
-    """Precomputed per step: which cache blocks to read for a group of sequences, and its mask."""
+class _Group:
+    """Sequences attended in one batched matmul: their blocks, queries and additive mask."""
 
-    idx: torch.Tensor  # [B * nblk] block ids
+    idx: torch.Tensor  # [B * nblk] block ids to gather
     batch: int
-    ctx: int  # keys read per sequence (padded to the longest in the group)
-    mask: torch.Tensor  # bool, broadcastable to [B, heads, queries, ctx]
+    queries: int  # query tokens per sequence
+    rows: torch.Tensor | slice  # their flat query indices
+    mask: torch.Tensor  # additive, broadcastable to [kv_heads * B, queries * q_per_kv, nblk * block_size]
 
 
 class TorchPagedAttention:
-    """Gather the blocks, mask by length and causality, call SDPA.
+    """Gather blocks per KV head, then ``softmax(q k^T * scale + mask) v`` with bmm (GQA-aware).
 
-    `prepare` builds the block indices and masks once per step; the call per
-    layer then only gathers and attends.
+    Queries of one KV head are stacked, so no K/V head is repeated::
+
+        q [T, kv_heads * q_per_kv, D] -> [kv_heads * B, n * q_per_kv, D]
+        k [kv_heads, B * nblk, bs, D] -> [kv_heads * B, nblk * bs, D]
     """
 
     name = "torch"
 
-    def prepare(self, meta: AttentionMeta, block_size: int):
-        dev = meta.block_tables.device
-        decode = None
+    def __init__(self, block_size: int, kv_heads: int, q_per_kv: int):
+        self.block_size, self.kv_heads, self.q_per_kv = block_size, kv_heads, q_per_kv
+
+    def prepare(self, meta: AttentionMeta) -> list[_Group]:
+        """Block indices and masks of this step, shared by all layers."""
+        groups = []
         if meta.decode_rows:
-            ctx = max(meta.ctx_lens[r] for r in meta.decode_rows)
-            mask = torch.arange(ctx, device=dev)[None, :] < meta.decode_ctx[:, None]  # [B, ctx]
-            decode = _plan(meta.block_tables[meta.decode_rows], ctx, block_size, mask[:, None, None, :])
-        prefill = []
+            ctx = torch.as_tensor([meta.ctx_lens[r] for r in meta.decode_rows], device=meta.block_tables.device)
+            groups.append(self._group(meta.block_tables[meta.decode_rows], meta.decode_tokens, 1, ctx[:, None, None]))
         for row in meta.prefill_rows:
-            n, ctx = meta.q_lens[row], meta.ctx_lens[row]
-            pos = torch.arange(ctx - n, ctx, device=dev)
-            mask = torch.arange(ctx, device=dev)[None, :] <= pos[:, None]  # [n, ctx] causal
-            prefill.append((meta.q_starts[row], n, _plan(meta.block_tables[row:row + 1], ctx, block_size,
-                                                         mask[None, None])))
-        return meta, decode, prefill
+            s, n, ctx = meta.q_starts[row], meta.q_lens[row], meta.ctx_lens[row]
+            pos = torch.arange(ctx - n, ctx, device=meta.block_tables.device)
+            limit = (pos + 1).repeat_interleave(self.q_per_kv)[None, :, None]  # causal: keys <= own position
+            groups.append(self._group(meta.block_tables[row:row + 1], slice(s, s + n), n, limit))
+        return groups
 
-    def __call__(self, q, k_cache, v_cache, plan, scale: float) -> torch.Tensor:
+    def _group(self, tables, rows, queries: int, limit) -> _Group:
+        """limit: [B, queries * q_per_kv or 1, 1] number of visible keys per query row."""
+        ctx = int(limit.max())  # .item(): sizes the gather; step metadata is host-side anyway
+        nblk = -(-ctx // self.block_size)
+        keys = torch.arange(nblk * self.block_size, device=tables.device)
+        mask = torch.zeros(limit.shape[:2] + keys.shape, device=tables.device)
+        mask.masked_fill_(keys >= limit, float("-inf"))
+        return _Group(tables[:, :nblk].reshape(-1).long(), tables.shape[0], queries, rows,
+                      mask.repeat(self.kv_heads, 1, 1))
+
+    def __call__(self, q, k_cache, v_cache, plan: list[_Group], scale: float) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
-        meta, decode, prefill = plan
         out = torch.empty_like(q)
-        if decode is not None:
-            k, v = _gather(k_cache, v_cache, decode)
-            out[meta.decode_tokens] = _sdpa(q[meta.decode_tokens][:, None], k, v, decode.mask, scale)[:, 0]
-        for s, n, g in prefill:
-            k, v = _gather(k_cache, v_cache, g)
-            out[s:s + n] = _sdpa(q[s:s + n][None], k, v, g.mask, scale)[0]
+        kvh, qpg, d = self.kv_heads, self.q_per_kv, q.shape[-1]
+        for g in plan:
+            # [B, n, kvh, qpg, D] -> [kvh * B, n * qpg, D]
+            qg = q[g.rows].view(g.batch, g.queries, kvh, qpg, d).permute(2, 0, 1, 3, 4).reshape(kvh * g.batch, -1, d)
+            k = k_cache.index_select(1, g.idx).view(kvh * g.batch, -1, d)
+            v = v_cache.index_select(1, g.idx).view(kvh * g.batch, -1, d)
+            probs = torch.baddbmm(g.mask, qg, k.transpose(1, 2), alpha=scale).softmax(-1)
+            o = torch.bmm(probs, v).view(kvh, g.batch, g.queries, qpg, d).permute(1, 2, 0, 3, 4)
+            out[g.rows] = o.reshape(g.batch * g.queries, kvh * qpg, d)
         return out
-
-
-def _plan(tables: torch.Tensor, ctx: int, block_size: int, mask: torch.Tensor) -> _Gather:
-    nblk = -(-ctx // block_size)
-    return _Gather(tables[:, :nblk].reshape(-1).long(), tables.shape[0], ctx, mask)
-
-
-def _gather(k_cache, v_cache, g: _Gather):
-    """[B, ctx, kv_heads, head_dim] keys and values of the planned sequences."""
-    # index_select copies whole contiguous blocks (much faster on CPU than advanced indexing)
-    shape = (g.batch, -1) + k_cache.shape[2:]
-    k = k_cache.index_select(0, g.idx).view(shape)[:, :g.ctx]
-    v = v_cache.index_select(0, g.idx).view(shape)[:, :g.ctx]
-    return k, v
-
-
-def _sdpa(q, k, v, mask, scale):
-    """q: [B, n, H, D], k/v: [B, ctx, Hkv, D], mask: bool broadcastable to [B, H, n, ctx]."""
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(1, 2)
 
 
 class FlashPagedAttention:
@@ -123,11 +118,12 @@ class FlashPagedAttention:
 
         self._kernel = flash_attn_with_kvcache
 
-    def prepare(self, meta: AttentionMeta, block_size: int) -> AttentionMeta:
+    def prepare(self, meta: AttentionMeta) -> AttentionMeta:
         return meta
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMeta, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
+        k_cache, v_cache = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)  # [blocks, bs, kvh, D] views
         if meta.decode_rows:
             tables = meta.block_tables[meta.decode_rows]
             out[meta.decode_tokens] = self._kernel(
@@ -151,7 +147,7 @@ def flash_available() -> bool:
     return True
 
 
-def make_attention(backend: str, block_size: int):
+def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int):
     """``"torch"``, ``"flash"`` (error if unavailable) or ``"auto"`` (flash when usable)."""
     usable = flash_available() and block_size % 256 == 0
     if backend == "flash" and not usable:
@@ -159,4 +155,4 @@ def make_attention(backend: str, block_size: int):
                            "use 'torch' or 'auto'")
     if backend == "flash" or (backend == "auto" and usable):
         return FlashPagedAttention()
-    return TorchPagedAttention()
+    return TorchPagedAttention(block_size, kv_heads, q_per_kv)

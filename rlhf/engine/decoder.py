@@ -77,13 +77,13 @@ class TPDecoder:
         self.kv_heads = cfg.num_kv_heads // self.tp
         self.q_per_kv = cfg.num_attention_heads // cfg.num_kv_heads
         dev, dtype = self.embed.device, self.embed.dtype
-        # [layers, k/v, blocks, block_size, local kv heads, head_dim]
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, self.kv_heads, cfg.head_dim,
+        # [layers, k/v, local kv heads, blocks, block_size, head_dim] (see attention.py)
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.kv_heads, num_blocks, block_size, cfg.head_dim,
                                     device=dev, dtype=dtype)
         with torch.no_grad():
             emb = model.rotary_pos_emb.get_emb(max_len).reshape(max_len, -1).to(dev)  # megatron's own freqs
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self.attention = make_attention(attention_backend, block_size)
+        self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv)
         self.scale = cfg.head_dim ** -0.5
 
     @property
@@ -92,7 +92,7 @@ class TPDecoder:
 
     def kv_bytes_per_block(self) -> int:
         """Bytes of K and V one block holds on this rank, over all layers."""
-        return self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        return self.kv_cache[:, :, :, 0].numel() * self.kv_cache.element_size()
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
@@ -118,8 +118,8 @@ class TPDecoder:
         qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(T, self.kv_heads, qpg + 2, hd)
         qk = self._rope(qkv[:, :, :qpg + 1], *rope)  # queries and keys rotate together
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        k_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, qk[:, :, qpg])
-        v_cache.view(-1, self.kv_heads, hd).index_copy_(0, inp.slots, qkv[:, :, qpg + 1])
+        k_cache.view(self.kv_heads, -1, hd).index_copy_(1, inp.slots, qk[:, :, qpg].transpose(0, 1))
+        v_cache.view(self.kv_heads, -1, hd).index_copy_(1, inp.slots, qkv[:, :, qpg + 1].transpose(0, 1))
         o = self.attention(qk[:, :, :qpg].reshape(T, -1, hd), k_cache, v_cache, plan, self.scale)
         return self._all_reduce(F.linear(o.reshape(T, -1), layer.proj))
 
@@ -134,7 +134,7 @@ class TPDecoder:
         eps = self.cfg.norm_eps
         x = self._embed(inp.input_ids)
         rope = (self.cos[inp.positions][:, None, None], self.sin[inp.positions][:, None, None])
-        plan = self.attention.prepare(inp.attn, self.kv_cache.shape[3])
+        plan = self.attention.prepare(inp.attn)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, i, F.rms_norm(x, x.shape[-1:], layer.norm1, eps), inp, rope, plan)
             x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.norm2, eps))
@@ -149,16 +149,17 @@ class TPDecoder:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy on write)."""
         for src, dst in copies:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+            self.kv_cache[:, :, :, dst].copy_(self.kv_cache[:, :, :, src])
 
     def read_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """K/V of the first ``num_tokens`` positions held in ``blocks``: [L, 2, n, kv_heads, hd]."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return self.kv_cache[:, :, idx].flatten(2, 3)[:, :, :num_tokens].clone()
+        kv = self.kv_cache.index_select(3, idx).flatten(3, 4)[:, :, :, :num_tokens]  # [L, 2, kvh, n, hd]
+        return kv.transpose(2, 3).contiguous()
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """Inverse of `read_blocks`."""
-        bs, n = self.kv_cache.shape[3], kv.shape[2]
+        bs, n = self.kv_cache.shape[4], kv.shape[2]
         for j, block in enumerate(blocks):
-            chunk = kv[:, :, j * bs:min(n, (j + 1) * bs)]
-            self.kv_cache[:, :, block, :chunk.shape[2]].copy_(chunk)
+            chunk = kv[:, :, j * bs:min(n, (j + 1) * bs)].transpose(2, 3)  # [L, 2, kvh, <=bs, hd]
+            self.kv_cache[:, :, :, block, :chunk.shape[3]].copy_(chunk)
