@@ -26,6 +26,8 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from rlhf import platform
+
 from . import compiler as C
 from .p2p import post_send, recv_into
 from .timeline import Timeline, gather, write_chrome_trace
@@ -58,12 +60,11 @@ class ModelRuntime:
 class StageCompute:
     """Real compute on megatron stage modules."""
 
-    def act_shape(self, rt: ModelRuntime, mb: int) -> tuple:
+    def buffer(self, rt: ModelRuntime, mb: int) -> torch.Tensor:
+        """An empty [s, b, h] activation (or gradient) of micro-batch ``mb``."""
         b, s = rt.microbatches[mb]["input_ids"].shape
-        return (s, b, rt.hidden_size)
-
-    def act_dtype(self, rt: ModelRuntime) -> torch.dtype:
-        return next(rt.module.parameters()).dtype
+        p = next(rt.module.parameters())
+        return torch.empty((s, b, rt.hidden_size), dtype=p.dtype, device=p.device)
 
     def forward(self, rt: ModelRuntime, ins: C.Instr, x):
         """Stage output [s, b, h], or on the last stage this micro-batch's loss share."""
@@ -110,11 +111,8 @@ class SleepCompute:
         self.shape = tuple(act_shape)
         self.overshoot = _sleep_overshoot()
 
-    def act_shape(self, rt, mb: int) -> tuple:
-        return self.shape
-
-    def act_dtype(self, rt) -> torch.dtype:
-        return torch.float32
+    def buffer(self, rt, mb: int) -> torch.Tensor:
+        return torch.empty(self.shape, device=platform.device())
 
     def _sleep(self, seconds: float) -> None:
         end = time.perf_counter() + seconds
@@ -124,11 +122,14 @@ class SleepCompute:
 
     def forward(self, rt, ins: C.Instr, x):
         self._sleep(self.models[rt.name].fwd[ins.stage] * self.unit)
-        return torch.zeros(()) if rt.is_last(ins.stage) else torch.zeros(self.shape)
+        return torch.zeros((), device=platform.device()) if rt.is_last(ins.stage) else self._dummy()
 
     def backward(self, rt, ins: C.Instr, out, grad, x):
         self._sleep(self.models[rt.name].bwd[ins.stage] * self.unit)
-        return None if x is None else torch.zeros(self.shape)
+        return None if x is None else self._dummy()
+
+    def _dummy(self) -> torch.Tensor:
+        return torch.zeros(self.shape, device=platform.device())
 
     def reduce_grads(self, rt) -> None:
         pass
@@ -165,6 +166,7 @@ class Executor:
     def __init__(self, runtimes: dict, compute=None):
         self.runtimes = runtimes
         self.compute = compute or StageCompute()
+        self.state = _State()
         self.handlers = {
             C.RECV_ACT: self._recv_act, C.FORWARD: self._forward, C.SEND_ACT: self._send_act,
             C.RECV_GRAD: self._recv_grad, C.BACKWARD: self._backward, C.SEND_GRAD: self._send_grad,
@@ -181,8 +183,7 @@ class Executor:
         return self.state.losses
 
     def _recv(self, rt, ins) -> torch.Tensor:
-        buf = torch.empty(self.compute.act_shape(rt, ins.mb), dtype=self.compute.act_dtype(rt))
-        return recv_into(buf, ins.peer, ins.tag)
+        return recv_into(self.compute.buffer(rt, ins.mb), ins.peer, ins.tag)
 
     def _recv_act(self, rt, ins):
         self.state.inputs[ins.model, ins.mb] = self._recv(rt, ins).requires_grad_()
