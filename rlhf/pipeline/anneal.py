@@ -54,8 +54,8 @@ class AnnealConfig:
     t0: float | None = None
     t0_scale: float = 1.0
     t_end: float | None = None
-    move_weights: tuple = (1.0, 2.0, 2.0, 4.0)
-    window: int = 12
+    move_weights: tuple = (1.0, 2.0, 2.0, 8.0)
+    window: int = 24
     tie: float = 0.05
     mem_cap: float | None = None
 
