@@ -103,6 +103,13 @@ def test_cyclic_programs_detected_by_replay():
         C.check_deadlock_free(bad)
 
 
+def test_pair_order_for_tagless_backends():
+    C.check_pair_order(C.compile_all(C.make_schedule(PB, serial_1f1b(PB)), PLACE))
+    with pytest.raises(C.ScheduleError, match=r"rank \d -> \d: message #\d+ is sent as tag \d+ but "
+                                              r"received as tag \d+; this backend matches messages by order"):
+        C.check_pair_order(C.compile_all(C.make_schedule(PB, greedy_fused(PB)), PLACE))
+
+
 def _swap_stage(sched, s, pick_a, pick_b):
     row = list(sched.stages[s])
     a, b = row.index(next(filter(pick_a, row))), row.index(next(filter(pick_b, row)))

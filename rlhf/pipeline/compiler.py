@@ -238,3 +238,18 @@ def check_deadlock_free(programs: dict) -> None:
         raise ScheduleError(f"programs deadlock; ranks wait at {stuck}")
     if sent != received:
         raise ScheduleError(f"messages sent but never received: {sorted(sent - received)[:4]}")
+
+
+def check_pair_order(programs: dict) -> None:
+    """For backends that ignore tags (NCCL): every rank pair must receive its
+    messages in the order they were sent; raise ScheduleError otherwise."""
+    for a, prog in programs.items():
+        for b in sorted({i.peer for i in prog if i.kind in SENDS}):
+            sent = [i.tag for i in prog if i.kind in SENDS and i.peer == b]
+            got = [i.tag for i in programs[b] if i.kind in RECVS and i.peer == a]
+            if sent != got:
+                k = next(k for k, (x, y) in enumerate(zip(sent, got)) if x != y)
+                raise ScheduleError(
+                    f"rank {a} -> {b}: message #{k} is sent as tag {sent[k]} but received as tag "
+                    f"{got[k]}; this backend matches messages by order, not tag (use gloo, or a "
+                    "schedule whose neighbouring stages exchange messages in the same order)")

@@ -243,7 +243,9 @@ def run_step(schedule: C.Schedule, runtimes: dict, compute=None, trace_path=None
     """One mini-batch step of every model in ``schedule`` on this rank.
 
     Refuses (C.ScheduleError) a schedule that is cyclic or does not match the
-    runtimes' placements and micro-batch counts before any communication.
+    runtimes' placements and micro-batch counts before any communication (and,
+    on backends that ignore message tags, one whose rank pairs would receive
+    messages out of send order).
     Collective over ``group`` (default: world), which must hold the fused
     pipeline's ranks; ``trace_path``/``gather_timeline`` must agree on all ranks.
     Gradients must be zero (or None) on entry; the optimizer step clears them.
@@ -252,6 +254,8 @@ def run_step(schedule: C.Schedule, runtimes: dict, compute=None, trace_path=None
     placements = {name: rt.mesh for name, rt in runtimes.items()}
     counts = {name: len(rt.microbatches) for name, rt in runtimes.items()}
     program = C.compile_rank(schedule, placements, rank, counts)
+    if dist.get_backend(group) != "gloo":  # tags ignored: per-pair order must match
+        C.check_pair_order(C.compile_all(schedule, placements, counts))
     dist.barrier(group=group)
     timeline = Timeline(rank)
     losses = Executor(runtimes, compute).run(program, timeline)
