@@ -117,14 +117,18 @@ def _swap_stage(sched, s, pick_a, pick_b):
     return C.Schedule(sched.problem, sched.stages[:s] + (tuple(row),) + sched.stages[s + 1:])
 
 
-def test_cyclic_order_refused():
-    sched = C.make_schedule(PB, serial_1f1b(PB))
+def cyclic_schedule(pb):
+    """Serial 1F1B with actor B0@s0 moved before F1@s0 on stage 0 and F1@s1
+    before B0@s1 on stage 1: B0@s0 <- B0@s1 <- F1@s1 <- F1@s0 <- B0@s0."""
     is_ = lambda op, mb: lambda a: a.model == "actor" and a.op == op and a.mb == mb  # noqa: E731
-    sched = _swap_stage(sched, 0, is_("B", 0), is_("F", 1))
-    sched = _swap_stage(sched, 1, is_("F", 1), is_("B", 0))
+    sched = _swap_stage(C.make_schedule(pb, serial_1f1b(pb)), 0, is_("B", 0), is_("F", 1))
+    return _swap_stage(sched, 1, is_("F", 1), is_("B", 0))
+
+
+def test_cyclic_order_refused():
     with pytest.raises(C.ScheduleError, match=r"\[deadlock\] stage 0: actor\[p0\].B0@s0 at position 1 "
                                               r"waits for actor\[p0\].B0@s1 on stage 1, which never runs"):
-        C.compile_rank(sched, PLACE, 0)
+        C.compile_rank(cyclic_schedule(PB), PLACE, 0)
 
 
 @pytest.mark.parametrize("pb,place,counts,message", [

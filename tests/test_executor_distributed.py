@@ -16,6 +16,7 @@ import json
 import pytest
 
 from dist_launcher import launch
+from test_executor_compiler import cyclic_schedule
 from rlhf.pipeline import compiler
 from rlhf.pipeline.problem import ModelSpec, Problem
 from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
@@ -44,20 +45,6 @@ CONFIGS = {  # name: (placement plan, problem, schedule labels)
     "k2": (plan({"ranks": [0, 2, 1, 3], "pp": 2}, {"pp": 4, "reverse_pp": True}),
            problem(pp=2, actor_pipelines=2, critic_pp=4), ("serial", "fused")),
 }
-
-
-def cyclic_schedule(pb):
-    """Serial 1F1B with actor B0@s0 moved before F1@s0 on stage 0 and F1@s1
-    before B0@s1 on stage 1: B0@s0 <- B0@s1 <- F1@s1 <- F1@s0 <- B0@s0."""
-    sched = compiler.make_schedule(pb, serial_1f1b(pb))
-    rows = [list(r) for r in sched.stages]
-    for s, (first, second) in ((0, ("B", "F")), (1, ("F", "B"))):
-        row = rows[s]
-        a = next(x for x in row if x.model == "actor" and x.op == first and x.mb == (0 if first == "B" else 1))
-        b = next(x for x in row if x.model == "actor" and x.op == second and x.mb == (0 if second == "B" else 1))
-        row.remove(a)
-        row.insert(row.index(b), a)
-    return compiler.Schedule(pb, tuple(tuple(r) for r in rows))
 
 
 def annealed(pb):
