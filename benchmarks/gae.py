@@ -121,7 +121,7 @@ def compare(length: int) -> None:
     loop = lambda: gae_loop(rewards, values, mask, GAMMA, LAM)  # noqa: E731
     matrix = lambda: compute_gae(rewards, values, mask, GAMMA, LAM)  # noqa: E731
     err = (loop()[0] - matrix()[0]).abs().max() / loop()[0].abs().max()
-    (loop_ms, loop_med), (matrix_ms, matrix_med) = time_side_by_side(loop, matrix, 4 if length > 4096 else 8)
+    (loop_ms, loop_med), (matrix_ms, matrix_med) = time_side_by_side(loop, matrix, 6 if length > 4096 else 10)
     loop_mem, matrix_mem = peak_mib(loop), peak_mib(matrix)
     print(
         f"{length:>6} | {loop_ms:8.2f} ({loop_med:8.2f}) | {matrix_ms:6.3f} ({matrix_med:6.3f}) | "
