@@ -40,6 +40,8 @@ class EngineConfig:
     ``max_seq_len``. ``continuous_batching=False`` admits new sequences only
     when the running batch is empty (static batching, for comparison).
     ``prefix_sharing=False`` makes every sample prefill its own prompt.
+    The n-1 samples forked off a prompt join the running batch at once, so it
+    may exceed ``max_num_seqs`` by up to n-1 until they finish.
     """
 
     num_blocks: int = 256
