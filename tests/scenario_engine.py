@@ -165,8 +165,9 @@ def check_sampling_and_errors(model, local) -> dict:
             eng.add_request(req)
         except NeverFitsError as e:
             errors.append(str(e))
+    until_stop = alone[0][:alone[0].index(alone[0][3]) + 1]  # up to and including the stop token
     return {"seeded_equal": alone[0] == crowd[0], "never_fits": len(errors),
-            "stop_reason": stop.finish_reason, "stop_last": list(stop.tokens) == alone[0][:alone[0].index(alone[0][3]) + 1]}
+            "stop_reason": stop.finish_reason, "stop_last": list(stop.tokens) == until_stop}
 
 
 # ---- both ranks -------------------------------------------------------------------
