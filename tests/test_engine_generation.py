@@ -68,7 +68,13 @@ def test_migrated_samples_end_like_unmoved_ones(results):
         assert tokens == src["unmoved"][rid], rid
 
 
-def test_tp2_equals_tp1(results):
+def test_tp2_equals_tp1_and_follows_each_reshard(results):
     for r in results:
-        assert r["tp2_equal"]
-        assert r["tp2_logprob_err"] < 1e-5
+        for round_ in (0, 1):
+            assert r[f"tp2_equal_{round_}"], round_
+            assert r[f"tp2_logprob_err_{round_}"] < 1e-5
+        assert r["rounds_differ"]  # the second reshard's weights were used by the same engine
+
+
+def test_import_without_room_is_retry_later(results):
+    assert results[1]["import_when_full"] == "OutOfBlocksError"
