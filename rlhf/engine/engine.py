@@ -79,9 +79,13 @@ class Engine:
         if p + 1 > self.max_len:
             raise NeverFitsError(f"request {request.request_id!r}: prompt of {p} tokens leaves no room to "
                                  f"generate within max_model_len={self.max_len}; shorten the prompt")
-        need = blocks_for(min(p + request.params.max_new_tokens, self.max_len), self.config.block_size)
+        self._check_blocks(request.request_id, p, request.params.max_new_tokens)
+
+    def _check_blocks(self, request_id: str, prompt_len: int, max_new_tokens: int) -> None:
+        """One sample alone must fit the pool, or preemption could not make room for it."""
+        need = blocks_for(min(prompt_len + max_new_tokens, self.max_len), self.config.block_size)
         if need > self.config.num_blocks:
-            raise NeverFitsError(f"request {request.request_id!r} needs {need} KV blocks but the pool has "
+            raise NeverFitsError(f"request {request_id!r} needs {need} KV blocks but the pool has "
                                  f"{self.config.num_blocks}; raise num_blocks or lower max_new_tokens")
 
     def add_request(self, request: Request) -> None:
@@ -112,7 +116,10 @@ class Engine:
             self.add_request(r)
         done = {}
         while self.has_unfinished():
+            steps = self.stats.steps
             done.update(((res.request_id, res.sample_index), res) for res in self.step())
+            if self.stats.steps == steps:  # cannot happen: the oldest sequence always fits (check_fits)
+                raise RuntimeError(f"engine made no progress: {self.snapshot()}")
         return [done[(r.request_id, i)] for r in requests for i in range(r.params.n)]
 
     # ---- one step -----------------------------------------------------------------
@@ -253,6 +260,7 @@ class Engine:
 
     def import_sequence(self, state: MigratedSequence) -> None:
         """Continue a migrated sample here. Raises `OutOfBlocksError` (retry later) if its K/V do not fit now."""
+        self._check_blocks(state.request_id, state.prompt_len, state.params.max_new_tokens)
         prompt = state.tokens[:state.prompt_len]
         seq = self._new_sequence(state.request_id, state.sample_index, prompt, state.params)
         seq.tokens, seq.logprobs = list(state.tokens), list(state.logprobs)
