@@ -218,8 +218,11 @@ def check_migration(model, local) -> dict:
             send_sequence(eng.export_sequence(rid, 0, with_kv=with_kv), dst=1)
         return {"unmoved": unmoved, "stayed": _run_to_end(eng, stayed)}
     states = [recv_sequence(src=0) for _ in moved]
-    try:  # K/V of >= 5 positions (prompt >= 3, 3 steps) do not fit in one block of 4: retry later
-        Engine(model, local, CFG, EngineConfig(num_blocks=1, block_size=4)).import_sequence(states[0])
+    full = Engine(model, local, CFG, EngineConfig(num_blocks=10, block_size=4))
+    full.add_request(Request("fill", [1] * 36, SamplingParams(max_new_tokens=4)))
+    full.step()  # 9 of the 10 blocks now hold the filler's prompt
+    try:  # K/V of >= 5 positions (prompt >= 3, 3 steps) need >= 2 blocks: retry later
+        full.import_sequence(states[0])
         out_of_blocks = "no error"
     except OutOfBlocksError:
         out_of_blocks = "OutOfBlocksError"
