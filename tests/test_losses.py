@@ -65,6 +65,8 @@ def test_policy_loss_by_hand():
     # KL(old || new) from old samples, k3: r - 1 - log r with r = new / old.
     want_kl = ((1.5 - 1 - math.log(1.5)) + (0.5 - 1 - math.log(0.5))) / 2
     torch.testing.assert_close(metrics["approx_kl"], torch.tensor(want_kl))
+    higher, _ = policy_loss(logp, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.28)
+    torch.testing.assert_close(higher, torch.tensor((-1.28 + 0.8) / 2))  # clip-higher: r capped at 1.28
     loss.backward()
     assert logp.grad[0, 2] == 0 and torch.isfinite(logp.grad).all()
     assert all(v.dim() == 0 for v in metrics.values())
