@@ -47,3 +47,19 @@ def test_owning_stage():
     assert owning_stage("embedding.word_embeddings.weight", 8, 4) == 0
     assert owning_stage("decoder.final_layernorm.weight", 8, 4) == 3
     assert owning_stage("output_layer.weight", 8, 4) == 3
+
+
+def test_global_names_use_global_layers_and_local_spec_norms():
+    from types import SimpleNamespace
+
+    from rlhf.parallel.reshard import global_name
+
+    stage = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=5),
+                                                            SimpleNamespace(layer_number=6)]))
+    assert global_name(stage, "decoder.layers.1.mlp.linear_fc2.weight") == "decoder.layers.5.mlp.linear_fc2.weight"
+    # TransformerEngine fuses the norms into the next linear layer; names map to the local spec's
+    assert (global_name(stage, "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
+            == "decoder.layers.4.input_layernorm.weight")
+    assert (global_name(stage, "decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
+            == "decoder.layers.4.pre_mlp_layernorm.weight")
+    assert global_name(stage, "output_layer.weight") == "output_layer.weight"

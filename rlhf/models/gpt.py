@@ -2,8 +2,8 @@
 
 Each model is built for one rank of one task with that task's explicit
 process-group collection, so models with different (dp, pp, tp) coexist in
-one set of processes. Only megatron's local (non-TransformerEngine) layer spec
-is used on CPU; the TE spec is taken on GPU when TE is installed.
+one set of processes. megatron's local layer spec is the default (it runs on
+CPU and GPU); the TransformerEngine spec is an opt-in for GPUs with TE.
 """
 
 from __future__ import annotations
@@ -53,15 +53,23 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = 
     )
 
 
-def _layer_spec():
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+def _layer_spec(transformer_impl: str):
+    """megatron's local layer spec, or the TransformerEngine one (GPU, TE installed).
+
+    The TE spec fuses the pre-attention and pre-MLP norms into the following
+    linear layers; `rlhf.parallel.reshard.global_name` maps those parameter
+    names back to the local spec's, so conversion and resharding see one naming.
+    """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if platform.has_accelerator():
-        try:
-            return specs.get_gpt_layer_with_transformer_engine_spec()
-        except (ImportError, AssertionError):
-            pass
-    return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if transformer_impl == "local":
+        return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    if transformer_impl == "transformer_engine":
+        return specs.get_gpt_layer_with_transformer_engine_spec()
+    raise ValueError(f"unknown transformer_impl {transformer_impl!r}; valid: {TRANSFORMER_IMPLS}")
 
 
 class ValueHead(torch.nn.Module):
@@ -85,7 +93,7 @@ class ValueHead(torch.nn.Module):
 
 
 def build_model(cfg: ModelConfig, role: str, groups: TaskGroups, seed: int = 1234,
-                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                dtype: torch.dtype = torch.float32, transformer_impl: str = "local") -> torch.nn.Module:
     """This rank's stage of a ``role`` model for the task described by ``groups``.
 
     Ranks of one stage share the seed, so with CPU initialisation every TP rank
@@ -100,7 +108,7 @@ def build_model(cfg: ModelConfig, role: str, groups: TaskGroups, seed: int = 123
     platform.seed_model_parallel_rng(seed + 1000 * groups.coord.pp)
     model = GPTModel(
         config=transformer_config(cfg, s.tp, s.pp, dtype),
-        transformer_layer_spec=_layer_spec(),
+        transformer_layer_spec=_layer_spec(transformer_impl),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
         pre_process=groups.is_first_stage,

@@ -32,15 +32,21 @@ import torch.distributed as dist
 from rlhf.parallel.groups import TaskGroups
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+"""TransformerEngine-spec parameter names -> the local spec's names."""
 
 
 def global_name(model: torch.nn.Module, name: str) -> str:
-    """The unsharded model's name for local parameter ``name`` of a pipeline stage."""
+    """The unsharded local-spec name of parameter ``name`` of a pipeline stage."""
     m = _LAYER.match(name)
     if not m:
         return name
     layer = model.decoder.layers[int(m.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+    suffix = name[m.end():]
+    return f"decoder.layers.{layer.layer_number - 1}." + _TE_FUSED_NORMS.get(suffix, suffix)
 
 
 def named_global_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
