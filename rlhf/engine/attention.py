@@ -14,8 +14,8 @@ Interface: ``plan = attn.prepare(meta)`` once per step, then
 `TorchPagedAttention` (pure torch, any device, used on CPU and in tests) and
 `FlashPagedAttention` (flash-attn's ``flash_attn_with_kvcache`` with block
 tables, given a strided ``[num_blocks, block_size, kv_heads, head_dim]`` view
-of the same cache; needs flash-attn and ``block_size`` a multiple of 256; not
-exercised by the CPU tests). `make_attention` picks one.
+of the same cache; needs flash-attn, a half-precision model and
+``block_size`` a multiple of 256; not exercised by the CPU tests). `make_attention` picks one.
 """
 
 from __future__ import annotations
@@ -147,12 +147,13 @@ def flash_available() -> bool:
     return True
 
 
-def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int):
+def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int,
+                   dtype: torch.dtype = torch.float32):
     """``"torch"``, ``"flash"`` (error if unavailable) or ``"auto"`` (flash when usable)."""
-    usable = flash_available() and block_size % 256 == 0
+    usable = dtype in (torch.float16, torch.bfloat16) and block_size % 256 == 0 and flash_available()
     if backend == "flash" and not usable:
-        raise RuntimeError("attention_backend='flash' needs flash-attn installed and block_size % 256 == 0; "
-                           "use 'torch' or 'auto'")
+        raise RuntimeError("attention_backend='flash' needs flash-attn installed, a float16/bfloat16 model and "
+                           f"block_size % 256 == 0 (got {dtype}, block_size={block_size}); use 'torch' or 'auto'")
     if backend == "flash" or (backend == "auto" and usable):
         return FlashPagedAttention()
     return TorchPagedAttention(block_size, kv_heads, q_per_kv)

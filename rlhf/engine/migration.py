@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from rlhf import platform
 from rlhf.engine.types import SamplingParams
 
 
@@ -49,20 +50,22 @@ class MigratedSequence:
 
 def send_sequence(state: MigratedSequence, dst: int, group=None) -> None:
     """Send ``state`` to global rank ``dst`` (blocking)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(state._meta())), dtype=torch.uint8)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst, group=group)
+    dev = platform.device()  # NCCL sends device tensors only
+    payload = torch.frombuffer(bytearray(pickle.dumps(state._meta())), dtype=torch.uint8).to(dev)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=dev), dst, group=group)
     dist.send(payload, dst, group=group)
     if state.kv is not None:
-        dist.send(state.kv.contiguous(), dst, group=group)
+        dist.send(state.kv.to(dev).contiguous(), dst, group=group)
 
 
-def recv_sequence(src: int, group=None, device: torch.device | str = "cpu") -> MigratedSequence:
-    """Receive a sequence sent by `send_sequence` from global rank ``src``."""
-    size = torch.empty(1, dtype=torch.int64)
+def recv_sequence(src: int, group=None) -> MigratedSequence:
+    """Receive a sequence sent by `send_sequence` from global rank ``src`` (K/V on this device)."""
+    device = platform.device()
+    size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, src, group=group)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)  # .item(): the buffer size is needed on host
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)  # .item(): host needs the size
     dist.recv(payload, src, group=group)
-    meta = pickle.loads(payload.numpy().tobytes())
+    meta = pickle.loads(payload.cpu().numpy().tobytes())
     kv_shape = meta.pop("kv_shape")
     meta["generator_state"] = torch.tensor(meta["generator_state"], dtype=torch.uint8)
     state = MigratedSequence(**meta)
