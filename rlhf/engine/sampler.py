@@ -24,7 +24,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_x.softmax(-1)
         # drop a token when the mass *before* it already reaches top_p (keeps at least one)
         drop = probs.cumsum(-1) - probs >= params.top_p
-        x = x.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))  # back to vocab order
     return x
 
 
