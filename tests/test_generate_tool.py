@@ -1,4 +1,4 @@
-"""tools/generate.py: greedy decoding matches transformers' generate token for token.
+"""tools/generate.py (on the generation engine): greedy decoding matches transformers' generate.
 
 A tiny random Llama with the byte tokenizer's vocabulary (259) is saved as an
 HF directory and converted to our checkpoint with tools/convert_checkpoint.py;
@@ -46,11 +46,16 @@ def runs(tmp_path_factory):
              "ours": ["--load", ours, "--out", str(tmp / "ours.jsonl"), "--greedy"] + common,
              "sampled": ["--load", ours, "--out", str(tmp / "s.jsonl"), "--top-k", "5", "--top-p", "0.9",
                          "--temperature", "0.7", "--seed", "1"] + common}
+    too_long = tmp / "too_long.jsonl"
+    too_long.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x" * 100}) + "\n")
+    overlong = ["--load", ours, "--out", str(tmp / "never.jsonl"), "--prompts", str(too_long), "--tokenizer", "byte"]
     code = (f"import sys; sys.path.insert(0, {TOOLS!r}); import generate\n"
-            + "".join(f"assert generate.main({a!r}) == 0\n" for a in argvs.values()))
+            + "".join(f"assert generate.main({a!r}) == 0\n" for a in argvs.values())
+            + f"try:\n    generate.main({overlong!r})\nexcept SystemExit as e:\n    print('EXIT:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {k: [json.loads(line) for line in open(a[a.index("--out") + 1])] for k, a in argvs.items()}
+    out["overlong_exit"] = [line for line in proc.stdout.splitlines() if line.startswith("EXIT:")]
     return model, out
 
 
@@ -79,17 +84,8 @@ def test_sampling_runs_and_stops_at_limits(runs):
         assert EOS not in ids[:-1]
 
 
-def test_decode_stops_at_eos():
-    logits = torch.zeros(1, 1, 8)
-    seq = iter([3, 5, 7, 1])
-    got = generate.decode(lambda ids: logits.expand(1, ids.shape[1], 8), [0], 10, eos_id=7,
-                          pick=lambda _: next(seq), max_len=100)
-    assert got == [3, 5, 7]
-
-
-def test_top_k_one_is_argmax():
-    pick = generate.make_picker(generate.SamplingConfig(top_k=1, seed=0))
-    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
-    assert {pick(logits) for _ in range(10)} == {1}
-    with pytest.raises(ValueError, match="top_p"):
-        generate.SamplingConfig(top_p=0.0)
+def test_prompt_longer_than_context_is_refused_with_its_line(runs):
+    _, out = runs
+    assert len(out["overlong_exit"]) == 1
+    message = out["overlong_exit"][0]
+    assert "too_long.jsonl:2:" in message and "101 tokens" in message

@@ -189,7 +189,7 @@ class Engine:
             return []
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.config.vocab_limit)
         # .tolist(): the scheduler needs the new ids on the host (stop checks, next inputs)
         finished = []
         for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
