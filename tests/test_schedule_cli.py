@@ -68,3 +68,9 @@ def test_mpi_two_ranks_keep_the_best_seed(tmp_path):
     best = min(singles, key=lambda x: (x.makespan, max(x.peak_mem)))
     assert metrics["makespan"] == pytest.approx(best.makespan)
     assert metrics["seed"] == best.seed
+
+
+def test_cli_cap_below_any_schedule(tmp_path):
+    _, path = problem_file(tmp_path)
+    r = run(["--problem", str(path), "--mem-cap", "0.5", "--budget", "0.1"])
+    assert r.returncode == 2 and "memory cap" in r.stderr

@@ -102,7 +102,11 @@ def main(argv=None) -> int:
     cap = resolve_cap(args.mem_cap, pb)
     cfg = SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget,
                        seed=args.seed, mem_cap=cap)
-    res = search_mpi(pb, cfg)
+    try:
+        res = search_mpi(pb, cfg)
+    except ProblemError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     try:
         from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank()

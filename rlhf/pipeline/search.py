@@ -2,7 +2,7 @@
 
 :func:`search` is one deterministic search (same problem, config and seed:
 same result).  Budgets are nominal seconds converted to a fixed number of
-proposals (``PROPOSALS_PER_SECOND_X_SUBTASK / subtasks`` per second, the
+proposals (``RATE / subtasks**RATE_EXPONENT`` per second, fitted to the
 rate measured on a 2-core CI machine), never wall-clock cut-offs, so results
 do not depend on machine load.  :func:`search_mpi` runs one search per MPI
 rank with seed ``seed + rank`` and keeps the best (smallest makespan, then
@@ -16,7 +16,13 @@ memory cap only starts within the cap (the serial 1F1B is the fallback).
 Two starts are annealed for makespan, each within its own peak memory: the
 lowest-memory start within 1% of the best start's makespan (half the
 budget, less if it reaches the lower bound) and the best start (the rest).
-The best result (makespan, then peak memory) goes through the memory pass.
+Without a cap, half the memory budget then goes to a *cap ladder*: for caps
+of 1.5, 1.25, 1.0 x the serial peak (only those below the current peak)
+the best start within the cap is annealed within the cap towards the
+makespan found; each success is kept, the first failure ends the ladder.
+Makespan proposals left unused by an early stop at the lower bound are added
+to the ladder's budget.  The result
+goes through the memory pass (the other half), which never lengthens it.
 """
 from __future__ import annotations
 
@@ -26,13 +32,14 @@ from itertools import product
 
 from .anneal import AnnealConfig, AnnealStats, anneal_makespan, anneal_memory
 from .lower_bound import makespan_lower_bound, serial_peak_memory
-from .problem import Problem, to_actions
+from .problem import Problem, ProblemError, to_actions
 from .schedules import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
                         serial_1f1b_makespan)
 from .simulate import simulate, stage_peak_memory
 from .validate import check_schedule
 
-PROPOSALS_PER_SECOND_X_SUBTASK = 1.0e7
+# proposals per nominal second = RATE / subtasks**0.75 (fitted on the 2-core CI VM)
+RATE, RATE_EXPONENT = 1.4e6, 0.75
 CAP_SWEEP = (1.0, 1.25, 1.5)  # x serial 1F1B peak: list-rule starts built under these caps
 
 
@@ -134,6 +141,9 @@ class Start:
 def pick_starts(pool: list, tol: float = 0.01) -> list:
     """The best-makespan start and, if different, the lowest-memory start
     within ``tol`` of its makespan (annealed under its own peak)."""
+    if not pool:
+        raise ProblemError("no start schedule fits the memory cap; a cap below the serial "
+                           "1F1B peak (see lower_bound.serial_peak_memory) may be infeasible")
     lead = pool[0]
     lean = min((x for x in pool if x.makespan <= lead.makespan * (1 + tol)), key=lambda x: x.peak)
     return [lead] if lean is lead else [lean, lead]
@@ -144,33 +154,72 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     cap = cfg.mem_cap if cfg.mem_cap is not None else pb.mem_cap
     lb = makespan_lower_bound(pb)
     greedy = greedy_fused(pb)
-    per_s = PROPOSALS_PER_SECOND_X_SUBTASK / max(1, pb.num_nodes)
-    starts = pick_starts(start_pool(pb, cap))
-    iters_left = int(cfg.budget_s * per_s)
-    st1 = AnnealStats()
-    found = []
-    for k, start in enumerate(starts):
-        # each start is annealed within its own peak memory (and the cap)
-        acfg = replace(cfg.anneal, iters=iters_left if k == len(starts) - 1 else iters_left // 2,
-                       mem_cap=start.peak if cap is None else min(cap, start.peak))
-        orders, st = anneal_makespan(pb, start.orders, acfg, seed=cfg.seed + 104729 * k, target=lb)
-        iters_left -= st.proposals
-        st1.evaluations += st.evaluations
-        st1.seconds += st.seconds
-        ms = simulate(pb, orders).makespan
-        found.append((round(ms, 6), max(stage_peak_memory(pb, orders)), k, orders, start.name))
-    ms, _, _, best, name = min(found, key=lambda x: x[:3])
+    per_s = RATE / max(1, pb.num_nodes) ** RATE_EXPONENT
+    pool = start_pool(pb, cap)
+    stats = AnnealStats()
+    iters = int(cfg.budget_s * per_s)
+    best, name = _anneal_starts(pb, pick_starts(pool), cap, iters, lb, cfg, stats)
     ms = simulate(pb, best).makespan
-    mcfg = replace(cfg.anneal, iters=int(cfg.memory_budget_s * per_s), mem_cap=cap, t0_scale=0.05)
-    best, st2 = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=ms)
+    mem_iters = int(cfg.memory_budget_s * per_s)
+    if cap is None:  # makespan proposals left by an early stop go to the ladder
+        ladder = iters - stats.proposals + mem_iters // 2
+        best, name = _cap_ladder(pb, pool, best, name, ms, ladder, cfg, stats)
+        mem_iters -= mem_iters // 2
+    mcfg = replace(cfg.anneal, iters=mem_iters, mem_cap=cap, t0_scale=0.05)
+    best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=ms)
+    stats.evaluations += st.evaluations
+    stats.seconds += st.seconds
     check_schedule(pb, to_actions(pb, best), mem_cap=cap)
     return SearchResult(
         problem=pb, orders=best, makespan=simulate(pb, best).makespan,
         peak_mem=stage_peak_memory(pb, best), greedy_makespan=simulate(pb, greedy).makespan,
         greedy_peak_mem=stage_peak_memory(pb, greedy), serial_makespan=serial_1f1b_makespan(pb),
         serial_peak_mem=serial_peak_memory(pb), lower_bound=lb, start_name=name, seed=cfg.seed,
-        evaluations=st1.evaluations + st2.evaluations, anneal_seconds=st1.seconds + st2.seconds,
+        evaluations=stats.evaluations, anneal_seconds=stats.seconds,
         seconds=time.perf_counter() - tic)
+
+
+def _anneal_starts(pb, starts, cap, iters, target, cfg, stats) -> tuple:
+    """Anneal each start within its own peak memory (and the cap); returns the
+    best (orders, start name) by makespan, then peak memory."""
+    found = []
+    for k, start in enumerate(starts):
+        acfg = replace(cfg.anneal, iters=iters if k == len(starts) - 1 else iters // 2,
+                       mem_cap=start.peak if cap is None else min(cap, start.peak))
+        orders, st = anneal_makespan(pb, start.orders, acfg, seed=cfg.seed + 104729 * k,
+                                     target=target)
+        iters -= st.proposals
+        stats.proposals += st.proposals
+        stats.evaluations += st.evaluations
+        stats.seconds += st.seconds
+        ms = simulate(pb, orders).makespan
+        found.append((round(ms, 6), max(stage_peak_memory(pb, orders)), k, orders, start.name))
+    _, _, _, best, name = min(found, key=lambda x: x[:3])
+    return best, name
+
+
+def _cap_ladder(pb, pool, best, name, makespan, iters, cfg, stats) -> tuple:
+    """Memory first pass: for caps of CAP_SWEEP x the serial peak below the
+    current peak, highest first, anneal the best start within the cap towards
+    ``makespan``; each that reaches it replaces ``best``, the first that does
+    not ends the ladder."""
+    serial_peak = max(serial_peak_memory(pb))
+    peak = max(stage_peak_memory(pb, best))
+    caps = sorted((x * serial_peak for x in CAP_SWEEP if x * serial_peak < peak - 1e-9), reverse=True)
+    for k, cap in enumerate(caps):
+        fits = [x for x in pool if x.peak <= cap + 1e-9]
+        if not fits or iters <= 0:
+            break
+        acfg = replace(cfg.anneal, iters=iters, mem_cap=cap)
+        orders, st = anneal_makespan(pb, fits[0].orders, acfg, seed=cfg.seed + 15485863 * (k + 1),
+                                     target=makespan)
+        iters -= st.proposals
+        stats.evaluations += st.evaluations
+        stats.seconds += st.seconds
+        if simulate(pb, orders).makespan > makespan * (1 + 1e-9):
+            break
+        best, name = orders, f"{fits[0].name} within cap {cap / serial_peak:g}x"
+    return best, name
 
 
 def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> SearchResult:
@@ -189,7 +238,7 @@ def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> Se
     winner = min(keys)[2]
     best = comm.bcast(res if rank == winner else None, root=winner)
     best.evaluations = sum(comm.allgather(res.evaluations))
-    best.anneal_seconds = max(comm.allgather(res.anneal_seconds))
+    best.anneal_seconds = sum(comm.allgather(res.anneal_seconds))  # rate per process
     return best
 
 
