@@ -54,8 +54,8 @@ class AnnealConfig:
     t0: float | None = None
     t0_scale: float = 1.0
     t_end: float | None = None
-    move_weights: tuple = (1.0, 2.0, 2.0, 8.0)
-    window: int = 24
+    move_weights: tuple = (0.5, 1.0, 1.0, 8.0)
+    window: int = 96
     tie: float = 0.05
     mem_cap: float | None = None
 

@@ -13,9 +13,9 @@ Starting pool: the greedy fused schedule, backfilled schedules (one model's
 dynamic list-scheduling rules (warm-up depth per model x model priority x
 B-or-F first, also built under caps of 1.0/1.25/1.5x the serial peak); with a
 memory cap only starts within the cap (the serial 1F1B is the fallback).
-Two starts are annealed for makespan, each within its own peak memory: the
-lowest-memory start within 1% of the best start's makespan (half the
-budget, less if it reaches the lower bound) and the best start (the rest).
+Two starts are annealed for makespan: the lowest-memory start within 1% of
+the best start's makespan, within its own peak memory (half the budget, less
+if it reaches the lower bound), and the best start (the rest).
 Without a cap, half the memory budget then goes to a *cap ladder*: for caps
 of 1.5, 1.25, 1.0 x the serial peak (only those below the current peak)
 the best start within the cap is annealed within the cap towards the
@@ -180,12 +180,15 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
 
 
 def _anneal_starts(pb, starts, cap, iters, target, cfg, stats) -> tuple:
-    """Anneal each start within its own peak memory (and the cap); returns the
-    best (orders, start name) by makespan, then peak memory."""
+    """Anneal the starts (a lean one within its own peak memory, the last,
+    best one within the cap only); returns the best (orders, start name) by
+    makespan, then peak memory."""
     found = []
     for k, start in enumerate(starts):
-        acfg = replace(cfg.anneal, iters=iters if k == len(starts) - 1 else iters // 2,
-                       mem_cap=start.peak if cap is None else min(cap, start.peak))
+        last = k == len(starts) - 1
+        own = None if last else start.peak
+        acfg = replace(cfg.anneal, iters=iters if last else iters // 2,
+                       mem_cap=min((x for x in (own, cap) if x is not None), default=None))
         orders, st = anneal_makespan(pb, start.orders, acfg, seed=cfg.seed + 104729 * k,
                                      target=target)
         iters -= st.proposals
