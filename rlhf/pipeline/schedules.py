@@ -15,7 +15,12 @@ caller turns them into Actions.  They emit compute subtasks only.
   are the heads of fixed per-(stage, model) sequences; otherwise each model
   offers its next F (if fewer than ``limit`` micro-batches are in flight on
   that stage and the memory cap allows) and its next B.
-* :func:`start_pool` - the set of starting schedules for the annealer.
+* :func:`backfill_schedule` - one model's 1F1B kept exactly as if alone,
+  the others placed into its idle gaps (conservative backfilling).
+* :func:`rule_schedule` - :func:`list_schedule` under a :class:`Rule`
+  (warm-up depth per model, model priority, B or F first).
+
+``search.start_pool`` builds the annealer's starts from these.
 """
 from __future__ import annotations
 
