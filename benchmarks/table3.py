@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """RLHFuse Table 3: fused actor/critic training schedules, ours vs the paper.
 
-    mpiexec -n 2 python benchmarks/table3.py          # full run (about 10-15 min on 2 cores)
+    mpiexec -n 2 python benchmarks/table3.py          # full run (about 13 min on 2 cores)
     python benchmarks/table3.py --quick               # short budgets, one process
 
 Per setting: speedup over serial 1F1B of the greedy, annealed and
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=str, default=None, help="comma-separated setting indices (0-11)")
     ap.add_argument("--no-caps", action="store_true", help="skip the --mem-cap sweep")
     args = ap.parse_args(argv)
-    budget = args.budget if args.budget is not None else (3.0 if args.quick else 50.0)
-    mbudget = args.memory_budget if args.memory_budget is not None else (1.0 if args.quick else 12.0)
+    budget = args.budget if args.budget is not None else (3.0 if args.quick else 120.0)
+    mbudget = args.memory_budget if args.memory_budget is not None else (1.0 if args.quick else 30.0)
     rank, size = rank_and_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# RLHFuse Table 3 on {platform.node()} ({os.cpu_count()} cores, {platform.processor() or platform.machine()}),"
