@@ -18,12 +18,12 @@ See docs/schedule_search.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rlhf.pipeline.anneal import AnnealConfig  # noqa: E402
 from rlhf.pipeline.cost_model import LLAMA, CostConfig, ModelShape, build_problem  # noqa: E402
 from rlhf.pipeline.lower_bound import serial_peak_memory  # noqa: E402
 from rlhf.pipeline.problem import ProblemError  # noqa: E402
@@ -70,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=30.0, help="nominal seconds of makespan annealing")
     ap.add_argument("--memory-budget", type=float, default=10.0,
                     help="nominal seconds of the peak-memory pass")
+    ap.add_argument("--t0-scale", type=float, default=1e-3,
+                    help="initial temperature / start makespan (RLHFuse: 1, the greedy makespan)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the schedule JSON here")
     ap.add_argument("--plot", type=Path, help="write a Gantt chart PNG here")
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
         return 2
     cap = resolve_cap(args.mem_cap, pb)
     cfg = SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget,
-                       seed=args.seed, mem_cap=cap)
+                       seed=args.seed, mem_cap=cap, anneal=AnnealConfig(t0_scale=args.t0_scale))
     try:
         res = search_mpi(pb, cfg)
     except ProblemError as err:
