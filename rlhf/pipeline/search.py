@@ -258,7 +258,9 @@ def format_summary(res: SearchResult) -> str:
     for name, ms, mem in rows:
         out.append(f"{name:<14}{ms:>18.2f}{res.serial_makespan / ms:>9.3f}{mem:>18.3f}"
                    f"{mem / sp if sp else float('nan'):>10.2f}")
-    out.append(f"annealed is {100 * (res.makespan / res.lower_bound - 1):.2f}% above the lower "
+    gap = res.makespan / res.lower_bound - 1
+    gap = 0.0 if abs(gap) < 1e-9 else gap  # no "-0.00%" from rounding
+    out.append(f"annealed is {100 * gap:.2f}% above the lower "
                f"bound; start: {res.start_name}; {res.evaluations} evaluations, "
                f"{res.evals_per_second:.0f}/s; search {res.seconds:.1f}s")
     return "\n".join(out)
