@@ -308,10 +308,7 @@ def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
         s, pos, new = prop
         if cfg.mem_cap is not None and _peak(new, mem) > cfg.mem_cap + 1e-9:
             continue
-        cand = cur[:]
-        cand[s] = new
-        cut = end[cur[s][pos]] - dur[cur[s][pos]]
-        r = simulate_from(pb, cand, end, lambda v: end[v] - dur[v], cut)
+        cand, r = _resimulate(pb, cur, s, pos, new, end, dur)
         stats.evaluations += 1
         e = _energy(r, cand, cfg.tie)
         d = e - e_cur
@@ -325,6 +322,14 @@ def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
     stats.seconds = time.perf_counter() - tic
     stats.best_energy = ms_best
     return best, stats
+
+
+def _resimulate(pb: Problem, cur: list, s: int, pos: int, new: list, end: list, dur: list):
+    """Orders with stage ``s`` replaced by ``new``, simulated from the first edited subtask's old start."""
+    cand = cur[:]
+    cand[s] = new
+    cut = end[cur[s][pos]] - dur[cur[s][pos]]
+    return cand, simulate_from(pb, cand, end, lambda v: end[v] - dur[v], cut)
 
 
 def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_limit: float) -> tuple:
@@ -366,10 +371,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
         d = e - e_cur
         if not (d <= 0 or rng.random() < math.exp(-d / temp)):
             continue
-        cand = cur[:]
-        cand[s] = new
-        cut = end[cur[s][pos]] - dur[cur[s][pos]]
-        r = simulate_from(pb, cand, end, lambda v: end[v] - dur[v], cut)
+        cand, r = _resimulate(pb, cur, s, pos, new, end, dur)
         stats.evaluations += 1
         if not r.ok or r.makespan > limit:
             continue
