@@ -119,25 +119,75 @@ def owning_stage(name: str, num_layers: int, pp: int) -> int:
     return 0 if name.startswith("embedding.") else pp - 1
 
 
-@dataclass(frozen=True)
-class _Side:
-    """One layout of the model as every rank sees it."""
-
-    groups: TaskGroups | None
-    model: torch.nn.Module | None
-
-    def params(self) -> dict[str, torch.nn.Parameter]:
-        return named_global_parameters(self.model) if self.model is not None else {}
-
-
 def _source_rank(src_mesh, stage: int, src_tp: int, dst_rank: int) -> int:
     """The src replica that serves ``dst_rank``: itself when colocated, else spread by rank."""
     candidates = [src_mesh.rank(stage, d, src_tp) for d in range(src_mesh.strategy.dp)]
     return dst_rank if dst_rank in candidates else candidates[dst_rank % len(candidates)]
 
 
-def _pieces(t: torch.Tensor, dim: int, ranges, which: int) -> list[torch.Tensor]:
-    return [t.narrow(dim, r[which], r[2]) for r in ranges]
+@dataclass(frozen=True)
+class _Layouts:
+    """Both layouts of one reshard, as every participating rank sees them."""
+
+    src_mesh: object
+    dst_mesh: object
+    num_layers: int
+
+    def src_tp_serving(self, spec: ShardSpec, dst_rank: int) -> list[int]:
+        """Source TP indices whose shards a destination rank reads."""
+        s_tp = self.src_mesh.strategy.tp
+        return list(range(s_tp)) if spec.parallel else [self.dst_mesh.coord(dst_rank).tp % s_tp]
+
+    def src_rank(self, name: str, src_tp: int, dst_rank: int) -> int:
+        stage = owning_stage(name, self.num_layers, self.src_mesh.strategy.pp)
+        return _source_rank(self.src_mesh, stage, src_tp, dst_rank)
+
+    def dst_ranks(self, name: str) -> list[int]:
+        m = self.dst_mesh
+        stage = owning_stage(name, self.num_layers, m.strategy.pp)
+        return [m.rank(stage, d, t) for d in range(m.strategy.dp) for t in range(m.strategy.tp)]
+
+
+def _sends(lay: _Layouts, params: dict, my_tp: int, me: int) -> list:
+    """isend ops carrying this rank's overlapping ranges to every destination it serves."""
+    ops = []
+    s_tp, d_tp = lay.src_mesh.strategy.tp, lay.dst_mesh.strategy.tp
+    for name, param in params.items():
+        spec = ShardSpec.of(param, s_tp)
+        for dst_rank in lay.dst_ranks(name):
+            if dst_rank == me or my_tp not in lay.src_tp_serving(spec, dst_rank):
+                continue
+            if lay.src_rank(name, my_tp, dst_rank) != me:
+                continue
+            ranges = _overlaps(spec, my_tp, spec.with_tp(d_tp), lay.dst_mesh.coord(dst_rank).tp,
+                               spec.full_size(param))
+            if ranges:
+                payload = torch.cat([param.data.narrow(spec.dim, s, n) for s, _, n in ranges], dim=spec.dim)
+                ops.append(dist.P2POp(dist.isend, payload.contiguous(), dst_rank, tag=_tag(name)))
+    return ops
+
+
+def _recvs(lay: _Layouts, params: dict, local_src: dict, my_tp: int, me: int) -> tuple[list, list]:
+    """irecv ops (and where to unpack them) for this rank's shards; local ranges copied directly."""
+    ops, unpack = [], []
+    s_tp, d_tp = lay.src_mesh.strategy.tp, lay.dst_mesh.strategy.tp
+    for name, param in params.items():
+        spec = ShardSpec.of(param, d_tp)
+        for src_tp in lay.src_tp_serving(spec, me):
+            ranges = _overlaps(spec.with_tp(s_tp), src_tp, spec, my_tp, spec.full_size(param))
+            if not ranges:
+                continue
+            src_rank = lay.src_rank(name, src_tp, me)
+            if src_rank == me:
+                for s_loc, d_loc, n in ranges:
+                    param.data.narrow(spec.dim, d_loc, n).copy_(local_src[name].data.narrow(spec.dim, s_loc, n))
+                continue
+            shape = list(param.shape)
+            shape[spec.dim] = sum(n for _, _, n in ranges)
+            buffer = torch.empty(shape, dtype=param.dtype, device=param.device)
+            ops.append(dist.P2POp(dist.irecv, buffer, src_rank, tag=_tag(name)))
+            unpack.append((param, spec.dim, ranges, buffer))
+    return ops, unpack
 
 
 @torch.no_grad()
@@ -148,54 +198,23 @@ def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> None
     ``(None, None)`` where the rank is not in that mesh. Every rank of either
     mesh must call this; others need not. Each destination shard receives only
     the overlapping ranges from one source replica per source TP shard.
+
+    Both sides order a pair's messages by the model's parameter order and post
+    them in one batch, so the exchange cannot deadlock even where messages are
+    matched by order rather than tag (NCCL).
     """
     me = dist.get_rank()
-    src_side, dst_side = _Side(*src), _Side(*dst)
-    s_tp, d_tp = src_mesh.strategy.tp, dst_mesh.strategy.tp
-    s_pp, d_pp = src_mesh.strategy.pp, dst_mesh.strategy.pp
-    requests, unpack = [], []
-
-    for name, param in src_side.params().items():  # what this rank sends
-        my_tp = src_side.groups.tp_rank
-        spec = ShardSpec.of(param, s_tp)
-        full = spec.full_size(param)
-        stage = owning_stage(name, num_layers, d_pp)
-        for dst_rank in (dst_mesh.rank(stage, d, t) for d in range(dst_mesh.strategy.dp) for t in range(d_tp)):
-            src_tp = my_tp if spec.parallel else dst_mesh.coord(dst_rank).tp % s_tp
-            if src_tp != my_tp or dst_rank == me:
-                continue
-            if _source_rank(src_mesh, owning_stage(name, num_layers, s_pp), src_tp, dst_rank) != me:
-                continue
-            dst_tp = dst_mesh.coord(dst_rank).tp
-            ranges = _overlaps(spec, my_tp, spec.with_tp(d_tp), dst_tp, full)
-            if ranges:
-                payload = torch.cat(_pieces(param.data, spec.dim, ranges, 0), dim=spec.dim).contiguous()
-                requests.append(dist.isend(payload, dst_rank, tag=_tag(name)))
-
-    for name, param in dst_side.params().items():  # what this rank receives
-        my_tp = dst_side.groups.tp_rank
-        spec = ShardSpec.of(param, d_tp)
-        full = spec.full_size(param)
-        src_stage = owning_stage(name, num_layers, s_pp)
-        src_tps = range(s_tp) if spec.parallel else [dst_mesh.coord(me).tp % s_tp]
-        for src_tp in src_tps:
-            ranges = _overlaps(spec.with_tp(s_tp), src_tp, spec, my_tp, full)
-            if not ranges:
-                continue
-            src_rank = _source_rank(src_mesh, src_stage, src_tp, me)
-            if src_rank == me:
-                local = src_side.params()[name]
-                for s_loc, d_loc, n in ranges:
-                    param.data.narrow(spec.dim, d_loc, n).copy_(local.data.narrow(spec.dim, s_loc, n))
-                continue
-            shape = list(param.shape)
-            shape[spec.dim] = sum(r[2] for r in ranges)
-            buffer = torch.empty(shape, dtype=param.dtype, device=param.device)
-            requests.append(dist.irecv(buffer, src_rank, tag=_tag(name)))
-            unpack.append((param, spec.dim, ranges, buffer))
-
-    for request in requests:
-        request.wait()
+    lay = _Layouts(src_mesh, dst_mesh, num_layers)
+    (src_groups, src_model), (dst_groups, dst_model) = src, dst
+    src_params = named_global_parameters(src_model) if src_model is not None else {}
+    ops = _sends(lay, src_params, src_groups.tp_rank, me) if src_model is not None else []
+    unpack = []
+    if dst_model is not None:
+        recv_ops, unpack = _recvs(lay, named_global_parameters(dst_model), src_params, dst_groups.tp_rank, me)
+        ops += recv_ops
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
     for param, dim, ranges, buffer in unpack:
         offset = 0
         for _, d_loc, n in ranges:
