@@ -74,19 +74,21 @@ class TorchPagedAttention:
         """Block indices and masks of this step, shared by all layers."""
         groups = []
         if meta.decode_rows:
-            ctx = torch.as_tensor([meta.ctx_lens[r] for r in meta.decode_rows], device=meta.block_tables.device)
-            groups.append(self._group(meta.block_tables[meta.decode_rows], meta.decode_tokens, 1, ctx[:, None, None]))
+            groups.append(self._group(meta.block_tables[meta.decode_rows], meta.decode_tokens, 1,
+                                      meta.decode_ctx[:, None, None], max(meta.ctx_lens[r] for r in meta.decode_rows)))
         for row in meta.prefill_rows:
             s, n, ctx = meta.q_starts[row], meta.q_lens[row], meta.ctx_lens[row]
             pos = torch.arange(ctx - n, ctx, device=meta.block_tables.device)
             limit = (pos + 1).repeat_interleave(self.q_per_kv)[None, :, None]  # causal: keys <= own position
-            groups.append(self._group(meta.block_tables[row:row + 1], slice(s, s + n), n, limit))
+            groups.append(self._group(meta.block_tables[row:row + 1], slice(s, s + n), n, limit, ctx))
         return groups
 
-    def _group(self, tables, rows, queries: int, limit) -> _Group:
-        """limit: [B, queries * q_per_kv or 1, 1] number of visible keys per query row."""
-        ctx = int(limit.max())  # .item(): sizes the gather; step metadata is host-side anyway
-        nblk = -(-ctx // self.block_size)
+    def _group(self, tables, rows, queries: int, limit, max_ctx: int) -> _Group:
+        """limit: [B, queries * q_per_kv or 1, 1] number of visible keys per query row (at most ``max_ctx``).
+
+        ``max_ctx`` comes from the host-side ``ctx_lens``, so sizing the gather needs no device sync.
+        """
+        nblk = -(-max_ctx // self.block_size)
         keys = torch.arange(nblk * self.block_size, device=tables.device)
         mask = torch.zeros(limit.shape[:2] + keys.shape, device=tables.device)
         mask.masked_fill_(keys >= limit, float("-inf"))
