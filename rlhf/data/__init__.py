@@ -15,7 +15,6 @@ from .prompts import (
     PromptDatasetConfig,
     PromptDatasetStats,
     PromptFormatError,
-    build_prompt_iterator,
     load_prompt_records,
 )
 from .tokenizer import (
@@ -40,7 +39,6 @@ __all__ = [
     "PromptFormatError",
     "Tokenizer",
     "TokenizerError",
-    "build_prompt_iterator",
     "build_tokenizer",
     "load_prompt_records",
     "validate_messages",

@@ -32,7 +32,6 @@ next to rollouts); order is the file order, then files in the given order.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -175,9 +174,6 @@ class PromptDatasetStats:
         return (f"prompts: {self.loaded} loaded from {self.records} records in {self.files} "
                 f"file(s); {self.malformed} malformed skipped; {self.rejected_overlong} over-long "
                 f"(> {self.max_prompt_length} tokens) rejected; {self.truncated} left-truncated")
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def _record_format(path: str, fmt: str) -> str:
@@ -480,12 +476,3 @@ class PromptBatchIterator:
         self.shuffle = bool(state.get("shuffle", self.shuffle))
         self.epoch, self.index = epoch, index
         self._order_epoch = None
-
-
-def build_prompt_iterator(config: PromptDatasetConfig, tokenizer: Tokenizer, batch_size: int,
-                          **kwargs) -> PromptBatchIterator:
-    """Convenience: dataset + iterator in one call (kwargs go to the iterator)."""
-    return PromptBatchIterator(PromptDataset(config, tokenizer), batch_size, **kwargs)
-
-
-__all__.append("build_prompt_iterator")

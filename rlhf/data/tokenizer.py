@@ -132,13 +132,6 @@ class Tokenizer(abc.ABC):
         text = self._render_chat(validate_messages(messages), add_generation_prompt)
         return self.encode(text) if tokenize else text
 
-    @property
-    def special_ids(self) -> frozenset[int]:
-        ids = {self.eos_id, self.pad_id}
-        if self.bos_id is not None:
-            ids.add(self.bos_id)
-        return frozenset(ids)
-
 
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens plus pad/bos/eos; needs no files.
