@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .problem import Problem
 from .simulate import INF, simulate, simulate_from
@@ -78,7 +78,6 @@ class AnnealStats:
     seconds: float = 0.0
     start_energy: float = 0.0
     best_energy: float = 0.0
-    trace: list = field(default_factory=list)
 
     @property
     def evals_per_second(self) -> float:
@@ -96,7 +95,7 @@ class _Mover:
         base = 0
         for m in pb.models:
             n = 2 * m.pp
-            for c in range(m.pipelines * m.microbatches):
+            for _ in range(m.pipelines * m.microbatches):
                 for k in range(m.pp):
                     self.partner[base + k] = base + n - 1 - k
                     self.partner[base + n - 1 - k] = base + k
@@ -155,7 +154,6 @@ class _Mover:
         new = order[:]
         new[lo], new[hi] = b, a
         return s, lo, new
-
 
     def _critical(self, orders, edges) -> tuple | None:
         if not edges:

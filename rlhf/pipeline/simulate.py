@@ -62,7 +62,6 @@ def simulate_from(pb: Problem, orders, base_end: list, base_start_of, cut: float
     end = list(base_end)
     ptr, free = [], []
     for order in orders:
-        k = 0
         # prefix of old-started-before-cut subtasks; orders are edited only at
         # or after the cut so the prefix is unchanged
         lo, hi = 0, len(order)
@@ -113,10 +112,6 @@ def _walk(pb: Problem, orders, end: list, ptr: list, free: list) -> SimResult:
     return SimResult(end, INF if stuck else max(free), stuck)
 
 
-def makespan(pb: Problem, orders) -> float:
-    return simulate(pb, orders).makespan
-
-
 def stage_peak_memory(pb: Problem, orders) -> list:
     """Peak live activation memory per fused stage (timing-independent)."""
     mem = pb.arrays.mem
@@ -129,8 +124,3 @@ def stage_peak_memory(pb: Problem, orders) -> list:
                 peak = live
         peaks.append(peak)
     return peaks
-
-
-def start_times(pb: Problem, end: list) -> list:
-    dur = pb.arrays.dur
-    return [e - d for e, d in zip(end, dur)]

@@ -60,13 +60,13 @@ def validate(pb: Problem, schedule: Sequence[Sequence[Action]],
     ids, out = _placement_and_completeness(pb, schedule)
     if out:
         return out
-    out = _same_stage_order(pb, schedule, ids)
+    out = _same_stage_order(pb, ids)
     if out:
         return out
     out = _deadlock(pb, ids)
     if out:
         return out
-    return _memory(pb, schedule, ids, cap)
+    return _memory(pb, ids, cap)
 
 
 def check_schedule(pb: Problem, schedule, mem_cap: float | None = None) -> None:
@@ -102,7 +102,7 @@ def _placement_and_completeness(pb: Problem, schedule) -> tuple:
     return ids, out
 
 
-def _same_stage_order(pb: Problem, schedule, ids) -> list:
+def _same_stage_order(pb: Problem, ids) -> list:
     out = []
     acts = pb.actions
     for s, row in enumerate(ids):
@@ -131,7 +131,7 @@ def _deadlock(pb: Problem, ids) -> list:
     return out
 
 
-def _memory(pb: Problem, schedule, ids, cap) -> list:
+def _memory(pb: Problem, ids, cap) -> list:
     if cap is None:
         return []
     mem = pb.arrays.mem
