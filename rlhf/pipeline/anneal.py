@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 
 from .problem import Problem
-from .simulate import INF, simulate, simulate_from
+from .simulate import INF, order_peak, simulate, simulate_from
 
 MOVES = ("swap", "shift", "cross", "critical")
 
@@ -242,15 +242,6 @@ def critical_edges(pb: Problem, orders, end: list, rng: random.Random) -> list:
             return edges
 
 
-def _peak(order, mem) -> float:
-    live = peak = 0.0
-    for v in order:
-        live += mem[v]
-        if live > peak:
-            peak = live
-    return peak
-
-
 def _area(order, mem) -> float:
     """Mean live memory over the stage's positions (a smooth memory signal)."""
     live = total = 0.0
@@ -304,7 +295,7 @@ def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
         if prop is None:
             continue
         s, pos, new = prop
-        if cfg.mem_cap is not None and _peak(new, mem) > cfg.mem_cap + 1e-9:
+        if cfg.mem_cap is not None and order_peak(new, mem) > cfg.mem_cap + 1e-9:
             continue
         cand, r = _resimulate(pb, cur, s, pos, new, end, dur)
         stats.evaluations += 1
@@ -336,7 +327,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
     mover = _Mover(pb, cfg, rng)
     dur, mem = pb.arrays.dur, pb.arrays.mem
     cur = [list(o) for o in orders]
-    peaks = [_peak(o, mem) for o in cur]
+    peaks = [order_peak(o, mem) for o in cur]
     areas = [_area(o, mem) for o in cur]
     res = simulate(pb, cur)
 
@@ -362,7 +353,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
             continue
         s, pos, new = prop
         pk, ar = peaks[:], areas[:]
-        pk[s], ar[s] = _peak(new, mem), _area(new, mem)
+        pk[s], ar[s] = order_peak(new, mem), _area(new, mem)
         if cfg.mem_cap is not None and pk[s] > cfg.mem_cap + 1e-9:
             continue
         e = energy(pk, ar)
@@ -379,5 +370,5 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
             best, e_best = cur, e
             stats.improved += 1
     stats.seconds = time.perf_counter() - tic
-    stats.best_energy = max(_peak(o, mem) for o in best)
+    stats.best_energy = max(order_peak(o, mem) for o in best)
     return best, stats

@@ -112,15 +112,17 @@ def _walk(pb: Problem, orders, end: list, ptr: list, free: list) -> SimResult:
     return SimResult(end, INF if stuck else max(free), stuck)
 
 
+def order_peak(order, mem: list) -> float:
+    """Peak of the prefix sums of ``mem`` over one stage's ``order`` (0 if empty)."""
+    live = peak = 0.0
+    for v in order:
+        live += mem[v]
+        if live > peak:
+            peak = live
+    return peak
+
+
 def stage_peak_memory(pb: Problem, orders) -> list:
     """Peak live activation memory per fused stage (timing-independent)."""
     mem = pb.arrays.mem
-    peaks = []
-    for order in orders:
-        live = peak = 0.0
-        for v in order:
-            live += mem[v]
-            if live > peak:
-                peak = live
-        peaks.append(peak)
-    return peaks
+    return [order_peak(order, mem) for order in orders]
