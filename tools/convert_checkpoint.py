@@ -25,9 +25,8 @@ if _REPO not in sys.path:
 
 from rlhf.checkpoint import storage  # noqa: E402
 from rlhf.checkpoint.hf import HFConversionError, export_hf, read_hf_config, read_hf_state  # noqa: E402
-from rlhf.checkpoint.rlhf_state import ModelSlot, read_full_state, stage_files  # noqa: E402
+from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, read_full_state, stage_files  # noqa: E402
 
-TOKENIZER_DIR = "tokenizer"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json",
                     "chat_template.jinja", "generation_config.json")

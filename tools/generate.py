@@ -19,8 +19,6 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-TOKENIZER_DIR = "tokenizer"  # where convert_checkpoint.py puts an imported model's tokenizer
-
 
 def _is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
@@ -30,7 +28,7 @@ def load_model(path: str, model_name: str = "actor", iteration: int | None = Non
     """(model, config, tokenizer dir or None) of an HF directory or our checkpoint, unsharded, one rank."""
     from rlhf import platform
     from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
-    from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, saved_model_config
+    from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, load_rlhf_state, saved_model_config
     from rlhf.models.gpt import build_model
     from rlhf.parallel import Placement
     from rlhf.parallel.groups import build_task_groups, local_groups

@@ -35,6 +35,8 @@ from rlhf.models.config import ModelConfig
 from rlhf.parallel.reshard import ShardSpec, full_to_shard, named_global_parameters, owning_stage, shards_to_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+TOKENIZER_DIR = "tokenizer"
+"""``<root>/tokenizer``: the tokenizer files of a converted HF model (beside ``latest``, outside iter_*)."""
 
 
 @dataclass
@@ -65,6 +67,12 @@ def _layout(slot: ModelSlot) -> tuple[int, int, int, int, int]:
     if g is None:
         return 1, 0, 1, 0, 0
     return g.mesh.strategy.tp, g.tp_rank, g.mesh.strategy.pp, g.coord.pp, g.coord.dp
+
+
+def _rng_hooks() -> list[storage.RngHook]:
+    """The accelerator's RNG hook, when there is an accelerator (saved and restored per rank)."""
+    hook = storage.accelerator_rng_hook()
+    return [hook] if hook is not None else []
 
 
 def shard_name(model_name: str, stage: int, pp: int) -> str:
@@ -132,8 +140,7 @@ def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *
             shards.update(s)
             json_files.update(j)
     rank = dist.get_rank(group) if group is not None else 0
-    hooks = [h for h in [storage.accelerator_rng_hook()] if h is not None]
-    json_files[f"rng_rank{rank}"] = storage.capture_rng_state(hooks)
+    json_files[f"rng_rank{rank}"] = storage.capture_rng_state(_rng_hooks())
     state = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
     return storage.save_checkpoint(root, iteration, shards=shards, state=state, json_files=json_files,
                                    group=group, keep_last=keep_last)
@@ -278,7 +285,6 @@ def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Option
     rank = dist.get_rank(group) if group is not None else 0
     rng_file = f"rng_rank{rank}.json"
     if restore_rng and os.path.isfile(os.path.join(path, rng_file)):
-        hooks = [h for h in [storage.accelerator_rng_hook()] if h is not None]
-        storage.restore_rng_state(_read_json(path, rng_file), hooks)
+        storage.restore_rng_state(_read_json(path, rng_file), _rng_hooks())
     return LoadedRlhfState(iteration=it, path=path, data_position=state.get("data_position", {}),
                            extra=state.get("extra", {}))
