@@ -165,3 +165,15 @@ def test_search_is_deterministic_per_seed():
     a = search(pb, SearchConfig(budget_s=0.1, memory_budget_s=0.05, seed=5))
     b = search(pb, SearchConfig(budget_s=0.1, memory_budget_s=0.05, seed=5))
     assert a.orders == b.orders and a.makespan == b.makespan
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"move_weights": (1.0, -1.0, 1.0, 1.0)}, "move_weights"),
+    ({"move_weights": (1.0, 1.0, 1.0)}, "move_weights"),
+    ({"t0_scale": 0.0}, "t0_scale"),
+    ({"t0": -1.0}, "t0"),
+    ({"window": 0}, "window"),
+])
+def test_anneal_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        AnnealConfig(**kwargs)

@@ -47,8 +47,10 @@ MOVES = ("swap", "shift", "cross", "critical")
 class AnnealConfig:
     """``iters`` proposals; temperature from ``t0`` (None: the start's
     makespan x ``t0_scale``) down to ``t_end`` (None: t0 x 1e-4);
-    ``move_weights`` for swap/shift/cross; ``window``: the farthest a shift
-    or cross reaches; ``tie``: weight of the mean stage finish time."""
+    ``move_weights`` for swap/shift/cross/critical (see ``MOVES``);
+    ``window``: the farthest a shift, cross or critical move reaches;
+    ``tie``: weight of the mean stage finish time; ``mem_cap``: per-stage
+    activation cap a proposal must respect (None: no cap)."""
 
     iters: int = 20000
     t0: float | None = None
@@ -62,11 +64,15 @@ class AnnealConfig:
     def __post_init__(self):
         if self.iters < 0:
             raise ValueError(f"AnnealConfig.iters={self.iters} must be >= 0")
-        if len(self.move_weights) != len(MOVES) or sum(self.move_weights) <= 0:
+        if (len(self.move_weights) != len(MOVES) or any(w < 0 for w in self.move_weights)
+                or sum(self.move_weights) <= 0):
             raise ValueError(f"AnnealConfig.move_weights={self.move_weights} needs {len(MOVES)} "
                              "non-negative weights (swap, shift, cross, critical), not all zero")
         if self.window < 1:
             raise ValueError(f"AnnealConfig.window={self.window} must be >= 1")
+        if self.t0_scale <= 0 or (self.t0 is not None and self.t0 <= 0):
+            raise ValueError(f"AnnealConfig t0={self.t0}, t0_scale={self.t0_scale}: the initial "
+                             "temperature must be > 0 (t0 None or > 0, t0_scale > 0)")
 
 
 @dataclass
@@ -348,7 +354,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
         if rng.random() < 0.6:
             prop = memory_move(cur, peaks, mem, mover.partner, cfg.window, rng)
         else:
-            prop = mover.propose(cur, list)
+            prop = mover.propose(cur, list)  # list() = no critical edges: no critical moves here
         if prop is None:
             continue
         s, pos, new = prop
