@@ -84,8 +84,7 @@ def main(argv=None) -> int:
         res = search_mpi(pb, SearchConfig(budget_s=budget, memory_budget_s=mbudget))
         secs = time.perf_counter() - tic
         ser, sp = res.serial_makespan, max(res.serial_peak_mem)
-        gap = res.makespan / res.lower_bound - 1
-        gap = 0.0 if abs(gap) < 1e-9 else gap  # no "-0.00%" from rounding
+        gap = res.gap
         within += gap <= 0.01
         beats += res.makespan < res.greedy_makespan or res.greedy_makespan <= res.lower_bound * (1 + 1e-9)
         say(f"{f'{a}/{c} PP {pa}/{pc} mb{mb}':<22}"

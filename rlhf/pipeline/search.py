@@ -86,6 +86,12 @@ class SearchResult:
     def evals_per_second(self) -> float:
         return self.evaluations / self.anneal_seconds if self.anneal_seconds > 0 else 0.0
 
+    @property
+    def gap(self) -> float:
+        """Relative excess of the makespan over the lower bound (0.01 = 1%)."""
+        gap = self.makespan / self.lower_bound - 1
+        return 0.0 if abs(gap) < 1e-9 else gap  # no "-0.00%" from rounding
+
     def metrics(self) -> dict:
         return {"makespan": self.makespan, "lower_bound": self.lower_bound,
                 "serial_1f1b": self.serial_makespan, "greedy": self.greedy_makespan,
@@ -258,9 +264,7 @@ def format_summary(res: SearchResult) -> str:
     for name, ms, mem in rows:
         out.append(f"{name:<14}{ms:>18.2f}{res.serial_makespan / ms:>9.3f}{mem:>18.3f}"
                    f"{mem / sp if sp else float('nan'):>10.2f}")
-    gap = res.makespan / res.lower_bound - 1
-    gap = 0.0 if abs(gap) < 1e-9 else gap  # no "-0.00%" from rounding
-    out.append(f"annealed is {100 * gap:.2f}% above the lower "
+    out.append(f"annealed is {100 * res.gap:.2f}% above the lower "
                f"bound; start: {res.start_name}; {res.evaluations} evaluations, "
                f"{res.evals_per_second:.0f}/s; search {res.seconds:.1f}s")
     return "\n".join(out)
