@@ -74,3 +74,15 @@ def test_cli_cap_below_any_schedule(tmp_path):
     _, path = problem_file(tmp_path)
     r = run(["--problem", str(path), "--mem-cap", "0.5", "--budget", "0.1"])
     assert r.returncode == 2 and "memory cap" in r.stderr
+
+
+def test_cli_bad_flag_values_name_the_flag(tmp_path):
+    _, path = problem_file(tmp_path)
+    r = run(["--problem", str(path), "--mem-cap", "lots"])
+    assert r.returncode == 2 and "--mem-cap 'lots'" in r.stderr and "1.25x" in r.stderr
+    r = run(["--problem", str(path), "--t0-scale", "0"])
+    assert r.returncode == 2 and "--t0-scale" in r.stderr
+    r = run(["--problem", str(tmp_path / "missing.json")])
+    assert r.returncode == 2 and "--problem" in r.stderr and "missing.json" in r.stderr
+    r = run(["--model", "name=a,size=7B,tp=x,pp=2,mb=2,direction=down"])
+    assert r.returncode == 2 and "tp='x' must be an integer" in r.stderr

@@ -39,7 +39,15 @@ def parse_model(text: str) -> ModelShape:
         if "=" not in part:
             raise argparse.ArgumentTypeError(f"--model part {part!r} is not key=value")
         k, v = part.split("=", 1)
-        kv[k.strip()] = int(v) if k.strip() in INT_KEYS else v.strip()
+        k = k.strip()
+        if k in INT_KEYS:
+            try:
+                kv[k] = int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"--model {k}={v.strip()!r} must be an integer") from None
+        else:
+            kv[k] = v.strip()
     size = kv.pop("size", None)
     if size is not None:
         if size not in LLAMA:
@@ -48,31 +56,46 @@ def parse_model(text: str) -> ModelShape:
     kv["microbatches"] = kv.pop("mb", None)
     try:
         return ModelShape(**kv)
-    except TypeError as err:
-        raise argparse.ArgumentTypeError(f"--model {text!r}: {err}") from None
+    except (TypeError, ProblemError) as err:
+        # argparse would print a bare "invalid value" for these; keep the reason
+        raise argparse.ArgumentTypeError(
+            f"--model {text!r}: {err} (keys: name, size or layers/hidden/ffn/heads[/kv_heads], "
+            "tp, pp, mb, direction)") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--problem", type=Path, help="problem JSON (stages + models, latencies given)")
+    src.add_argument("--problem", type=Path,
+                     help="problem JSON (stages + models with per-stage latencies, "
+                          "DESIGN.md section 4); the cost-model flags below are then unused")
     src.add_argument("--model", type=parse_model, action="append",
                      help="model shape and layout (repeat per model), see above")
     ap.add_argument("--tokens", type=int, default=CostConfig.tokens_per_microbatch,
-                    help="tokens per micro-batch (cost model)")
-    ap.add_argument("--seq-len", type=int, default=CostConfig.seq_len)
-    ap.add_argument("--gpus", type=int, default=None, help="GPU count (checked against the layout)")
-    ap.add_argument("--gpu-tflops", type=float, default=CostConfig.gpu_flops / 1e12)
-    ap.add_argument("--mfu", type=float, default=CostConfig.mfu)
-    ap.add_argument("--comm", type=float, default=0.0, help="time per stage-to-stage transfer")
+                    help="tokens per micro-batch (cost model; default %(default)s)")
+    ap.add_argument("--seq-len", type=int, default=CostConfig.seq_len,
+                    help="sequence length for the attention FLOPs (cost model; default %(default)s)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPU count, checked to be a multiple of fused stages x the largest tp "
+                         "(cost model; default: not checked)")
+    ap.add_argument("--gpu-tflops", type=float, default=CostConfig.gpu_flops / 1e12,
+                    help="peak TFLOP/s of one GPU (cost model; default %(default)g, A100 bf16)")
+    ap.add_argument("--mfu", type=float, default=CostConfig.mfu,
+                    help="model FLOPs utilisation in (0, 1] (cost model; default %(default)g)")
+    ap.add_argument("--comm", type=float, default=0.0,
+                    help="ms per stage-to-stage transfer (cost model; default 0)")
     ap.add_argument("--mem-cap", default=None,
-                    help="per-stage activation cap: number (mem unit) or e.g. 1.25x of serial 1F1B peak")
-    ap.add_argument("--budget", type=float, default=30.0, help="nominal seconds of makespan annealing")
+                    help="per-stage activation cap: a number in the problem's memory unit, or "
+                         "e.g. 1.25x for a multiple of the serial 1F1B peak (default: no cap)")
+    ap.add_argument("--budget", type=float, default=30.0,
+                    help="nominal seconds of makespan annealing (default %(default)g)")
     ap.add_argument("--memory-budget", type=float, default=10.0,
-                    help="nominal seconds of the peak-memory pass")
+                    help="nominal seconds of the peak-memory pass (default %(default)g)")
     ap.add_argument("--t0-scale", type=float, default=1e-3,
-                    help="initial temperature / start makespan (RLHFuse: 1, the greedy makespan)")
-    ap.add_argument("--seed", type=int, default=0)
+                    help="makespan annealing's initial temperature / start makespan, > 0 "
+                         "(default %(default)g; RLHFuse: 1, the greedy makespan)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed; under mpiexec rank r uses seed + r (default %(default)s)")
     ap.add_argument("--out", type=Path, help="write the schedule JSON here")
     ap.add_argument("--plot", type=Path, help="write a Gantt chart PNG here")
     return ap.parse_args(argv)
@@ -80,7 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(args):
     if args.problem is not None:
-        return load_problem(args.problem)
+        try:
+            return load_problem(args.problem)
+        except (OSError, ValueError) as err:  # unreadable file, bad JSON, ProblemError
+            raise ProblemError(f"--problem {args.problem}: {err}") from None
     cfg = CostConfig(tokens_per_microbatch=args.tokens, seq_len=args.seq_len,
                      gpu_flops=args.gpu_tflops * 1e12, mfu=args.mfu, comm=args.comm, gpus=args.gpus)
     return build_problem(args.model, cfg)
@@ -89,22 +115,27 @@ def build(args):
 def resolve_cap(text, pb) -> float | None:
     if text is None:
         return None
-    if text.endswith("x"):
-        return float(text[:-1]) * max(serial_peak_memory(pb))
-    return float(text)
+    try:
+        if text.endswith("x"):
+            return float(text[:-1]) * max(serial_peak_memory(pb))
+        return float(text)
+    except ValueError:
+        raise ProblemError(f"--mem-cap {text!r} must be a number ({pb.mem_unit}) or a multiple of "
+                           "the serial 1F1B peak such as 1.25x") from None
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         pb = build(args)
-    except ProblemError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    cap = resolve_cap(args.mem_cap, pb)
-    cfg = SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget,
-                       seed=args.seed, mem_cap=cap, anneal=AnnealConfig(t0_scale=args.t0_scale))
-    try:
+        cap = resolve_cap(args.mem_cap, pb)
+        if args.t0_scale <= 0:
+            raise ProblemError(f"--t0-scale {args.t0_scale:g} must be > 0")
+        if args.budget < 0 or args.memory_budget < 0:
+            raise ProblemError(f"--budget {args.budget:g} and --memory-budget "
+                               f"{args.memory_budget:g} must be >= 0 (nominal seconds)")
+        cfg = SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget,
+                           seed=args.seed, mem_cap=cap, anneal=AnnealConfig(t0_scale=args.t0_scale))
         res = search_mpi(pb, cfg)
     except ProblemError as err:
         print(f"error: {err}", file=sys.stderr)
