@@ -49,13 +49,17 @@ def runs(tmp_path_factory):
     too_long = tmp / "too_long.jsonl"
     too_long.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x" * 100}) + "\n")
     overlong = ["--load", ours, "--out", str(tmp / "never.jsonl"), "--prompts", str(too_long), "--tokenizer", "byte"]
+    bad_flag = argvs["ours"][:argvs["ours"].index("--out")] + ["--out", str(tmp / "never.jsonl"), "--top-k", "-1",
+                                                                "--prompts", str(prompts), "--tokenizer", "byte"]
     code = (f"import sys; sys.path.insert(0, {TOOLS!r}); import generate\n"
             + "".join(f"assert generate.main({a!r}) == 0\n" for a in argvs.values())
-            + f"try:\n    generate.main({overlong!r})\nexcept SystemExit as e:\n    print('EXIT:', e)\n")
+            + f"try:\n    generate.main({overlong!r})\nexcept SystemExit as e:\n    print('EXIT:', e)\n"
+            + f"try:\n    generate.main({bad_flag!r})\nexcept SystemExit as e:\n    print('BAD FLAG:', e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {k: [json.loads(line) for line in open(a[a.index("--out") + 1])] for k, a in argvs.items()}
     out["overlong_exit"] = [line for line in proc.stdout.splitlines() if line.startswith("EXIT:")]
+    out["bad_flag_exit"] = [line for line in proc.stdout.splitlines() if line.startswith("BAD FLAG:")]
     return model, out
 
 
@@ -89,3 +93,8 @@ def test_prompt_longer_than_context_is_refused_with_its_line(runs):
     assert len(out["overlong_exit"]) == 1
     message = out["overlong_exit"][0]
     assert "too_long.jsonl:2:" in message and "101 tokens" in message
+
+
+def test_invalid_sampling_flag_is_refused_naming_the_flag(runs):
+    _, out = runs
+    assert out["bad_flag_exit"] == ["BAD FLAG: generate: --top-k: top_k=-1 is invalid: must be >= 0 (0 disables)"]

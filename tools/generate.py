@@ -20,6 +20,11 @@ if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
 
+# engine config / sampling field -> the flag that sets it (for error messages)
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+          "top_p": "--top-p", "num_blocks": "--kv-blocks"}
+
+
 def _is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json"))
 
@@ -43,7 +48,8 @@ def load_model(path: str, model_name: str = "actor", iteration: int | None = Non
         return model.eval(), cfg, path
     cfg, role = saved_model_config(path, model_name, iteration)
     if role != "lm":
-        raise ValueError(f"{path}: model {model_name!r} has role {role!r}; generation needs an LM")
+        raise SystemExit(f"generate: --model-name {model_name}: model of --load {path} has role {role!r}; "
+                         "generation needs an LM (role 'lm', e.g. actor)")
     model = build_model(cfg, "lm", groups)
     load_rlhf_state(path, {model_name: ModelSlot(cfg, role, model, groups)}, iteration, restore_rng=False)
     tok_dir = os.path.join(path, TOKENIZER_DIR)
@@ -62,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: latest)")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS id")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores sampling flags)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy, like --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
@@ -73,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(path: str, tokenizer, add_bos: bool) -> tuple[list[dict], list[list[int]]]:
     """Records of a prompts JSONL file and their token ids; errors name file:line."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"generate: --prompts {path}: no such file (expected JSONL with a 'prompt' per line)")
     records, ids = [], []
     bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
     with open(path, encoding="utf-8") as f:
@@ -99,14 +107,22 @@ def sampling_params(args, index: int, eos_id: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf.data import build_tokenizer
+    from rlhf.checkpoint.hf import HFConversionError
+    from rlhf.checkpoint.storage import CheckpointError
+    from rlhf.data import TokenizerError, build_tokenizer
     from rlhf.engine import Engine, EngineConfig, EngineConfigError, NeverFitsError, Request
 
     args = build_parser().parse_args(argv)
-    model, cfg, tok_dir = load_model(args.load, args.model_name, args.iteration)
+    try:
+        model, cfg, tok_dir = load_model(args.load, args.model_name, args.iteration)
+    except (CheckpointError, HFConversionError) as e:
+        raise SystemExit(f"generate: --load {args.load}: {e}") from None
     if args.tokenizer is None and tok_dir is None:
         raise SystemExit(f"generate: {args.load} has no tokenizer files; pass --tokenizer byte or a directory")
-    tokenizer = build_tokenizer(args.tokenizer or tok_dir)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer or tok_dir)
+    except TokenizerError as e:
+        raise SystemExit(f"generate: {'--tokenizer: ' if args.tokenizer else ''}{e}") from None
     records, prompt_ids = read_prompts(args.prompts, tokenizer, not args.no_bos)
     try:
         engine = Engine(model, None, cfg, EngineConfig(num_blocks=args.kv_blocks,
@@ -114,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         requests = [Request(str(i), tuple(ids), sampling_params(args, i, tokenizer.eos_id))
                     for i, ids in enumerate(prompt_ids)]
     except EngineConfigError as e:
-        raise SystemExit(f"generate: {e}") from None
+        flag = _FLAGS.get(e.field_name)
+        raise SystemExit(f"generate: {flag + ': ' if flag else ''}{e}") from None
     for record, request in zip(records, requests):
         try:
             engine.check_fits(request)

@@ -10,7 +10,11 @@ from dataclasses import dataclass, field
 
 
 class EngineConfigError(ValueError):
-    """An invalid engine or sampling configuration; the message names the field."""
+    """An invalid engine or sampling configuration; the message names the field, ``field_name`` holds it."""
+
+    def __init__(self, message: str, field_name: str):
+        super().__init__(message)
+        self.field_name = field_name
 
 
 class CapacityError(RuntimeError):
@@ -27,7 +31,7 @@ class NeverFitsError(CapacityError):
 
 def _check(cond: bool, name: str, value, constraint: str) -> None:
     if not cond:
-        raise EngineConfigError(f"{name}={value!r} is invalid: must be {constraint}")
+        raise EngineConfigError(f"{name}={value!r} is invalid: must be {constraint}", name)
 
 
 @dataclass(frozen=True)
