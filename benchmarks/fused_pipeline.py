@@ -194,11 +194,18 @@ def _print_makespans(title: str, res: dict, check: bool = True) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--unit-ms", type=float, default=40.0, help="sleep per schedule time unit")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per schedule (after a warm-up)")
-    ap.add_argument("--trace-dir", default=None, help="write Chrome traces of the last runs here")
-    ap.add_argument("--skip-real", action="store_true", help="sleep mode only")
+    ap.add_argument("--unit-ms", type=float, default=40.0,
+                    help="sleep mode: ms slept per schedule time unit (default %(default)g)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per schedule after a warm-up; the median is reported (default %(default)s)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="write Chrome traces of each schedule's last run here (default: none)")
+    ap.add_argument("--skip-real", action="store_true", help="sleep mode only (skip the tiny models)")
     args = ap.parse_args(argv)
+    if args.unit_ms <= 0:
+        ap.error(f"--unit-ms {args.unit_ms:g} must be > 0")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} must be >= 1")
     sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
     from dist_launcher import launch
 

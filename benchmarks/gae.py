@@ -141,8 +141,11 @@ def sweep_blocks() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep-blocks", action="store_true", help="also time block sizes 16..256")
-    parser.add_argument("--default-malloc", action="store_true", help="keep glibc's default trimming")
+    parser.add_argument("--sweep-blocks", action="store_true",
+                        help="also time the matrix form for block sizes 16..256")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's default trimming instead of re-executing with raised "
+                             "MALLOC_*_THRESHOLD_ (see the module docstring)")
     args = parser.parse_args()
     if not args.default_malloc and any(os.environ.get(k) != v for k, v in _MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})

@@ -117,12 +117,18 @@ def kv_memory(model, groups, prompt_len: int = 100, new: int = 64) -> dict[bool,
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--long", type=int, default=256, help="max_new_tokens of the long-tail samples")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=128, help="workload size (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="static batch size, and the engine's max running sequences (default %(default)s)")
+    ap.add_argument("--long", type=int, default=256,
+                    help="max_new_tokens of the long-tail samples, every 10th (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved runs per system, the fastest is reported (default %(default)s)")
     args = ap.parse_args()
+    for flag in ("samples", "batch", "long", "threads", "repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag} {getattr(args, flag)} must be >= 1")
     torch.set_num_threads(args.threads)
     work = workload(args.samples, args.long)
     with tempfile.TemporaryDirectory() as d:
