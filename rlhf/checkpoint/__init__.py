@@ -1,37 +1,9 @@
 """Checkpoints: atomic, verified storage (``storage``); HF import/export lives beside it.
 
-Only the storage API is re-exported here; see :mod:`rlhf.checkpoint.storage`.
+Only the storage API is re-exported here, exactly the names in
+:data:`rlhf.checkpoint.storage.__all__` (listed once, there).
 """
-from .storage import (
-    CheckpointError,
-    LoadedCheckpoint,
-    RngHook,
-    accelerator_rng_hook,
-    capture_rng_state,
-    checkpoint_path,
-    latest_iteration,
-    list_checkpoints,
-    load_checkpoint,
-    prune_checkpoints,
-    resolve_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-    verify_checkpoint,
-)
+from . import storage
+from .storage import *  # noqa: F401,F403 -- the names of storage.__all__
 
-__all__ = [
-    "CheckpointError",
-    "LoadedCheckpoint",
-    "RngHook",
-    "accelerator_rng_hook",
-    "capture_rng_state",
-    "checkpoint_path",
-    "latest_iteration",
-    "list_checkpoints",
-    "load_checkpoint",
-    "prune_checkpoints",
-    "resolve_checkpoint",
-    "restore_rng_state",
-    "save_checkpoint",
-    "verify_checkpoint",
-]
+__all__ = list(storage.__all__)
