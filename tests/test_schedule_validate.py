@@ -94,3 +94,20 @@ def test_schedule_file_round_trip(tmp_path):
     save_schedule(tmp_path / "s.json", pb, sched, {"makespan": 1.0})
     pb2, sched2, metrics = load_schedule(tmp_path / "s.json")
     assert pb2 == pb and sched2 == sched and metrics == {"makespan": 1.0}
+
+
+def test_schedule_file_model_stage_is_implied_or_checked():
+    from rlhf.pipeline.schedule_io import schedule_from_dict, schedule_to_dict
+
+    pb = small()
+    d = schedule_to_dict(pb, to_actions(pb, greedy_fused(pb)))
+    for stage in d["schedule"]:
+        for a in stage:
+            del a["model_stage"]
+    _, implied, _ = schedule_from_dict(d)
+    assert implied == to_actions(pb, greedy_fused(pb))
+    d["schedule"][0][0]["model_stage"] = 1  # actor F0 of stage 0 claims model stage 1
+    _, wrong, _ = schedule_from_dict(d)
+    assert rules(pb, wrong) == [("placement", 0, "actor[p0].F0@s1"),
+                                ("duplicate", 1, "actor[p0].F0@s1"),
+                                ("missing", 0, "actor[p0].F0@s0")]

@@ -22,17 +22,19 @@ def action_to_dict(a: Action) -> dict:
 
 
 def action_from_dict(pb: Problem, d: dict, fused_stage: int) -> Action:
-    """The model stage follows from the fused stage; ``model_stage`` if given
-    must agree."""
+    """The model stage follows from the fused stage.  A ``model_stage`` in
+    ``d`` is taken as written (not checked here): :func:`validate.validate`
+    reports a ``placement`` violation when it disagrees with the fused stage."""
     try:
         model = pb.models[pb.model_index[d["model"]]]
         pipeline, mb, op = int(d["pipeline"]), int(d["mb"]), str(d["op"])
     except KeyError as err:
         raise ProblemError(f"stage {fused_stage}: action {d} lacks or names unknown {err}") from None
-    s = fused_stage if model.direction == "down" else pb.stages - 1 - fused_stage
-    j = s - pipeline * model.pp
     if "model_stage" in d:
         j = int(d["model_stage"])
+    else:
+        s = fused_stage if model.direction == "down" else pb.stages - 1 - fused_stage
+        j = s - pipeline * model.pp
     return Action(model.name, pipeline, mb, op, j)
 
 
