@@ -25,7 +25,8 @@ class AdvantageConfig:
     gamma, lam: discount and GAE lambda in [0, 1].
     whiten: whiten GAE advantages over the batch's valid tokens.
     norm_by_std: GRPO divides by the group std (False = Dr. GRPO style).
-    eps: added to standard deviations.
+    eps: added to the GRPO group std and inside the REINFORCE++ whitening
+        (GAE whitening keeps ``masked_whiten``'s own eps).
     """
 
     estimator: str = "gae"
