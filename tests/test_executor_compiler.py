@@ -193,6 +193,14 @@ def test_json_roundtrip_and_file(tmp_path):
         C.compile_rank(C.schedule_from_dict(d), PLACE_K2, 0)
     with pytest.raises(C.ScheduleError, match="malformed schedule: schedule file version 2"):
         C.schedule_from_dict({**d, "version": 2})
+    path.write_text(json.dumps({**d, "version": 2}))
+    with pytest.raises(C.ScheduleError, match=f"schedule file {path}: malformed schedule: .*version 2"):
+        C.load_schedule(path)
+    path.write_text("{not json")
+    with pytest.raises(C.ScheduleError, match=f"schedule file {path}: "):
+        C.load_schedule(path)
+    with pytest.raises(C.ScheduleError, match="No such file"):
+        C.load_schedule(tmp_path / "missing.json")
 
 
 def test_timeline_bubbles_and_chrome_trace():

@@ -98,7 +98,15 @@ def schedule_from_dict(d: dict) -> Schedule:
 
 
 def load_schedule(path: str | Path) -> Schedule:
-    return schedule_from_dict(json.loads(Path(path).read_text()))
+    """Read a schedule file; ScheduleError naming ``path`` if it is unreadable or malformed."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ScheduleError(f"schedule file {path}: {exc}") from None
+    try:
+        return schedule_from_dict(d)
+    except ScheduleError as exc:
+        raise ScheduleError(f"schedule file {path}: {exc}") from None
 
 
 def make_schedule(pb: Problem, orders, metrics: dict | None = None) -> Schedule:
