@@ -45,15 +45,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = raw_logp.argmax(dim=-1)
     logp = raw_logp
     for row, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy and p.logprobs_of == "raw":
+        if p.greedy:  # argmax above; greedy samples from the raw distribution, so its log-probs stay raw
             continue
-        filtered_logp = torch.log_softmax(filter_logits(logits[row], p), dim=-1) if not p.greedy else None
-        if not p.greedy:
-            # the generator lives on the CPU so that its state is portable (migration)
-            probs = filtered_logp.exp().cpu()
-            tokens[row] = torch.multinomial(probs, 1, generator=g).to(tokens.device)[0]
+        filtered_logp = torch.log_softmax(filter_logits(logits[row], p), dim=-1)
+        # .cpu(): the generator lives on the CPU so that its state is portable (migration)
+        probs = filtered_logp.exp().cpu()
+        tokens[row] = torch.multinomial(probs, 1, generator=g).to(tokens.device)[0]
         if p.logprobs_of == "sampling":
             if logp is raw_logp:
                 logp = raw_logp.clone()
-            logp[row] = filtered_logp if filtered_logp is not None else raw_logp[row]
+            logp[row] = filtered_logp
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
