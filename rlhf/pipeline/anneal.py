@@ -9,7 +9,8 @@ non-critical stages are preferred on the makespan plateaus.  Temperature:
 never worse than the start.
 
 Moves, all on one random stage (a proposal that breaks a same-stage F-before-B
-rule is redrawn; one that deadlocks across stages is rejected by simulation):
+rule is dropped, and still counts against ``iters``; one that deadlocks across
+stages is rejected by simulation):
 
 * ``swap``  - swap two adjacent subtasks (RLHFuse's neighbour);
 * ``shift`` - move one subtask to another position within ``window``;
