@@ -266,6 +266,16 @@ def _energy(res, orders, tie: float) -> float:
     return res.makespan + tie * finish
 
 
+def _temperatures(cfg: AnnealConfig, reference: float) -> tuple:
+    """(initial temperature, cooling factor per proposal): ``t0`` (None:
+    ``reference`` x ``t0_scale``) cooled geometrically to ``t_end`` (None:
+    t0 x 1e-4) over ``iters`` proposals."""
+    t0 = cfg.t0 if cfg.t0 is not None else reference * cfg.t0_scale
+    t_end = cfg.t_end if cfg.t_end is not None else t0 * 1e-4
+    cool = (t_end / t0) ** (1.0 / max(1, cfg.iters)) if t0 > 0 else 1.0
+    return t0, cool
+
+
 def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
                     target: float | None = None) -> tuple:
     """Anneal ``orders`` for makespan; returns (best orders, AnnealStats).
@@ -280,10 +290,8 @@ def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
     e_cur = _energy(res, cur, cfg.tie)
     best, e_best, ms_best = cur, e_cur, res.makespan
     stats = AnnealStats(start_energy=res.makespan)
-    t0 = cfg.t0 if cfg.t0 is not None else res.makespan * cfg.t0_scale
-    t_end = cfg.t_end if cfg.t_end is not None else t0 * 1e-4
-    cool = (t_end / t0) ** (1.0 / max(1, cfg.iters)) if t0 > 0 else 1.0
-    temp, end = t0, res.end
+    temp, cool = _temperatures(cfg, res.makespan)
+    end = res.end
     crit = []
 
     def critical():
@@ -344,10 +352,8 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
     e_cur = energy(peaks, areas)
     best, e_best = cur, e_cur
     stats = AnnealStats(start_energy=max(peaks))
-    t0 = cfg.t0 if cfg.t0 is not None else max(max(peaks), 1e-9) * cfg.t0_scale
-    t_end = cfg.t_end if cfg.t_end is not None else t0 * 1e-4
-    cool = (t_end / t0) ** (1.0 / max(1, cfg.iters))
-    temp, end = t0, res.end
+    temp, cool = _temperatures(cfg, max(max(peaks), 1e-9))
+    end = res.end
     limit = makespan_limit + 1e-9
     tic = time.perf_counter()
     for _ in range(cfg.iters):
