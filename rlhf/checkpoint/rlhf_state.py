@@ -182,9 +182,7 @@ def read_full_state(root: str, model_name: str, iteration: Optional[int] = None,
 
     ``names`` limits what is read (default: every weight of the model).
     """
-    it = storage.resolve_checkpoint(root, iteration)
-    path = storage.checkpoint_path(root, it)
-    meta = _model_meta(path, model_name)
+    path, meta = _resolve_model(root, model_name, iteration)
     cfg = ModelConfig.from_dict(meta["config"])
     if names is None:
         names = _all_names(path, model_name, meta["pp"])
@@ -194,9 +192,14 @@ def read_full_state(root: str, model_name: str, iteration: Optional[int] = None,
 
 def saved_model_config(root: str, model_name: str, iteration: Optional[int] = None) -> tuple[ModelConfig, str]:
     """(config, role) of a model in a checkpoint (``latest`` by default), without reading tensors."""
-    path = storage.checkpoint_path(root, storage.resolve_checkpoint(root, iteration))
-    meta = _model_meta(path, model_name)
+    _, meta = _resolve_model(root, model_name, iteration)
     return ModelConfig.from_dict(meta["config"]), meta["role"]
+
+
+def _resolve_model(root: str, model_name: str, iteration: Optional[int]) -> tuple[str, dict]:
+    """(verified checkpoint directory, model meta) of ``model_name`` (``latest`` when ``iteration`` is None)."""
+    path = storage.checkpoint_path(root, storage.resolve_checkpoint(root, iteration))
+    return path, _model_meta(path, model_name)
 
 
 def _model_meta(path: str, model_name: str) -> dict:
