@@ -54,7 +54,8 @@ class Engine:
     """Paged-KV, continuously batched generation with the actor's TP-sharded weights.
 
     ``model``: this rank's actor_gen GPTModel (pp=1), filled by `reshard`;
-    ``groups``: its TaskGroups (TP group used for the forward's collectives).
+    ``groups``: its TaskGroups (TP group used for the forward's collectives), or None for
+    one process without TP (as tools/generate.py runs it).
     """
 
     def __init__(self, model: torch.nn.Module, groups, model_cfg: ModelConfig,
