@@ -90,6 +90,14 @@ class AnnealStats:
     def evals_per_second(self) -> float:
         return self.evaluations / self.seconds if self.seconds > 0 else 0.0
 
+    def add(self, other: "AnnealStats") -> None:
+        """Accumulate another pass's counts and time (a search's totals)."""
+        self.proposals += other.proposals
+        self.evaluations += other.evaluations
+        self.accepted += other.accepted
+        self.improved += other.improved
+        self.seconds += other.seconds
+
 
 class _Mover:
     """Draws a valid-looking edit of one stage (same-stage F-before-B kept)."""

@@ -168,13 +168,13 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     ms = simulate(pb, best).makespan
     mem_iters = int(cfg.memory_budget_s * per_s)
     if cap is None:  # makespan proposals left by an early stop go to the ladder
+        # (stats.proposals counts only the makespan passes at this point)
         ladder = iters - stats.proposals + mem_iters // 2
         best, name = _cap_ladder(pb, pool, best, name, ms, ladder, cfg, stats)
         mem_iters -= mem_iters // 2
     mcfg = replace(cfg.anneal, iters=mem_iters, mem_cap=cap, t0_scale=0.05)
     best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=ms)
-    stats.evaluations += st.evaluations
-    stats.seconds += st.seconds
+    stats.add(st)
     check_schedule(pb, to_actions(pb, best), mem_cap=cap)
     return SearchResult(
         problem=pb, orders=best, makespan=simulate(pb, best).makespan,
@@ -198,9 +198,7 @@ def _anneal_starts(pb, starts, cap, iters, target, cfg, stats) -> tuple:
         orders, st = anneal_makespan(pb, start.orders, acfg, seed=cfg.seed + 104729 * k,
                                      target=target)
         iters -= st.proposals
-        stats.proposals += st.proposals
-        stats.evaluations += st.evaluations
-        stats.seconds += st.seconds
+        stats.add(st)
         ms = simulate(pb, orders).makespan
         found.append((round(ms, 6), max(stage_peak_memory(pb, orders)), k, orders, start.name))
     _, _, _, best, name = min(found, key=lambda x: x[:3])
@@ -223,8 +221,7 @@ def _cap_ladder(pb, pool, best, name, makespan, iters, cfg, stats) -> tuple:
         orders, st = anneal_makespan(pb, fits[0].orders, acfg, seed=cfg.seed + 15485863 * (k + 1),
                                      target=makespan)
         iters -= st.proposals
-        stats.evaluations += st.evaluations
-        stats.seconds += st.seconds
+        stats.add(st)
         if simulate(pb, orders).makespan > makespan * (1 + 1e-9):
             break
         best, name = orders, f"{fits[0].name} within cap {cap / serial_peak:g}x"
