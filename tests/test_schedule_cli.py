@@ -86,3 +86,5 @@ def test_cli_bad_flag_values_name_the_flag(tmp_path):
     assert r.returncode == 2 and "--problem" in r.stderr and "missing.json" in r.stderr
     r = run(["--model", "name=a,size=7B,tp=x,pp=2,mb=2,direction=down"])
     assert r.returncode == 2 and "tp='x' must be an integer" in r.stderr
+    r = run(["--model", "name=a,size=7B,tp=1,pp=2,mb=2,direction=down", "--mfu", "0"])
+    assert r.returncode == 2 and "--mfu: CostConfig.mfu=0.0 must lie in (0, 1]" in r.stderr

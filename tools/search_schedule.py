@@ -107,8 +107,14 @@ def build(args):
             return load_problem(args.problem)
         except (OSError, ValueError) as err:  # unreadable file, bad JSON, ProblemError
             raise ProblemError(f"--problem {args.problem}: {err}") from None
-    cfg = CostConfig(tokens_per_microbatch=args.tokens, seq_len=args.seq_len,
-                     gpu_flops=args.gpu_tflops * 1e12, mfu=args.mfu, comm=args.comm, gpus=args.gpus)
+    flags = {"tokens_per_microbatch": "--tokens", "seq_len": "--seq-len", "gpu_flops": "--gpu-tflops",
+             "mfu": "--mfu", "comm": "--comm", "gpus": "--gpus"}
+    try:
+        cfg = CostConfig(tokens_per_microbatch=args.tokens, seq_len=args.seq_len,
+                         gpu_flops=args.gpu_tflops * 1e12, mfu=args.mfu, comm=args.comm, gpus=args.gpus)
+    except ProblemError as err:
+        flag = next((f for k, f in flags.items() if f"CostConfig.{k}=" in str(err)), "cost model")
+        raise ProblemError(f"{flag}: {err}") from None
     return build_problem(args.model, cfg)
 
 

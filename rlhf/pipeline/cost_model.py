@@ -86,6 +86,18 @@ class CostConfig:
     comm: float = 0.0
     gpus: int | None = None
 
+    def __post_init__(self):
+        for field in ("tokens_per_microbatch", "seq_len", "gpu_flops", "act_bytes_per_token_hidden",
+                      "bwd_over_fwd"):
+            if getattr(self, field) <= 0:
+                raise ProblemError(f"CostConfig.{field}={getattr(self, field)!r} must be > 0")
+        if not 0 < self.mfu <= 1:
+            raise ProblemError(f"CostConfig.mfu={self.mfu!r} must lie in (0, 1] (model FLOPs utilisation)")
+        if self.comm < 0:
+            raise ProblemError(f"CostConfig.comm={self.comm!r} must be >= 0 (ms per transfer)")
+        if self.gpus is not None and self.gpus < 1:
+            raise ProblemError(f"CostConfig.gpus={self.gpus!r} must be a positive GPU count or None")
+
 
 def build_problem(shapes, cfg: CostConfig = CostConfig()) -> Problem:
     """Fused problem for models sharing the same GPUs (see module docstring)."""
