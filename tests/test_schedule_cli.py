@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.pipeline.lower_bound import serial_peak_memory
 from rlhf.pipeline.problem import ModelSpec, Problem
 from rlhf.pipeline.schedule_io import load_schedule
 from rlhf.pipeline.search import SearchConfig, search
@@ -41,7 +42,8 @@ def test_cli_problem_file_out_and_plot(tmp_path):
     for row in ("serial 1F1B", "greedy fused", "annealed", "lower bound", "evaluations"):
         assert row in r.stdout
     pb2, sched, metrics = load_schedule(out)
-    assert validate(pb2, sched) == [] and pb2.mem_cap is not None
+    assert validate(pb2, sched) == []
+    assert pb2.mem_cap == pytest.approx(1.25 * max(serial_peak_memory(pb)))  # "1.25x" resolved
     assert metrics["lower_bound"] <= metrics["makespan"] <= metrics["greedy"] * 1.25 + 1e-9
     assert png.stat().st_size > 1000
 
