@@ -297,7 +297,8 @@ def load_hf_weights(model: torch.nn.Module, groups, hf_dir: str, role: str = "lm
     info = read_hf_config(hf_dir)
     tp = groups.mesh.strategy.tp
     if info.config.vocab_size % tp:
-        raise HFConversionError(f"vocab_size={info.config.vocab_size} is not divisible by tp={tp}")
+        raise HFConversionError(f"{hf_dir}: vocab_size={info.config.vocab_size} is not divisible by tp={tp}; "
+                                f"use a tp that divides it (each TP rank holds an equal vocabulary slice)")
     params = named_global_parameters(model)
     full = read_hf_state(hf_dir, info, role, params)
     unmapped = sorted(set(params) - set(full))
