@@ -193,17 +193,33 @@ def _lower_action(pb: Problem, a: Action, mesh, replica: int, tp: int) -> list:
     return [i for i in (recv, core, send) if i]
 
 
+def _checked_slots(sched: Schedule, placements: dict, microbatches: dict | None) -> dict:
+    """Validity, micro-batch counts and placements checked, then ``{rank: Slot}``."""
+    check_schedule(sched)
+    check_microbatches(sched, microbatches or {})
+    return rank_slots(sched, placements)
+
+
 def compile_rank(sched: Schedule, placements: dict, rank: int,
                  microbatches: dict | None = None) -> tuple:
     """This rank's instruction list; refuses (ScheduleError) a schedule that is
     cyclic or does not match ``placements`` ({model: TaskMesh}) or
     ``microbatches`` ({model: count per pipeline}), before any communication."""
-    check_schedule(sched)
-    check_microbatches(sched, microbatches or {})
-    slots = rank_slots(sched, placements)
+    slots = _checked_slots(sched, placements, microbatches)
     if rank not in slots:
         raise ScheduleError(f"rank {rank} is not in the fused pipeline (ranks {sorted(slots)})")
-    slot, pb = slots[rank], sched.problem
+    return _program(sched, placements, slots[rank])
+
+
+def compile_all(sched: Schedule, placements: dict, microbatches: dict | None = None) -> dict:
+    """``{rank: instructions}`` for every rank of the fused pipeline (checked once)."""
+    slots = _checked_slots(sched, placements, microbatches)
+    return {r: _program(sched, placements, slots[r]) for r in sorted(slots)}
+
+
+def _program(sched: Schedule, placements: dict, slot: Slot) -> tuple:
+    """The instructions of the rank at ``slot`` (inputs already checked)."""
+    pb = sched.problem
     out = []
     for a in sched.stages[slot.fused]:
         m = pb.models[pb.model_index[a.model]]
@@ -213,12 +229,6 @@ def compile_rank(sched: Schedule, placements: dict, rank: int,
     for name in sched.model_names:
         out += [Instr(REDUCE_GRADS, model=name), Instr(OPTIMIZER_STEP, model=name)]
     return tuple(out)
-
-
-def compile_all(sched: Schedule, placements: dict, microbatches: dict | None = None) -> dict:
-    """``{rank: instructions}`` for every rank of the fused pipeline."""
-    ranks = sorted(rank_slots(sched, placements))
-    return {r: compile_rank(sched, placements, r, microbatches) for r in ranks}
 
 
 def check_deadlock_free(programs: dict) -> None:
