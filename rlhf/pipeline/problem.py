@@ -162,8 +162,7 @@ class Problem:
         if not (0 <= a.pipeline < m.pipelines and 0 <= a.mb < m.microbatches
                 and 0 <= a.stage < m.pp and a.op in OPS):
             raise ProblemError(f"{a}: pipeline/mb/stage/op out of range for model {m.name!r}")
-        k = a.stage if a.op == "F" else 2 * m.pp - 1 - a.stage
-        return self._bases[i] + (a.pipeline * m.microbatches + a.mb) * 2 * m.pp + k
+        return self.node_id_fast(i, a.pipeline, a.mb, a.stage, a.op == "F")
 
     def node_id_fast(self, model: int, pipeline: int, mb: int, stage: int, fwd: bool) -> int:
         """``node_id`` by model index, without range checks."""
