@@ -38,11 +38,11 @@ class Timeline:
 
     def compute_busy(self) -> float:
         """Seconds spent in FORWARD/BACKWARD."""
-        return sum(e.end - e.start for e in self.events if e.kind in COMPUTE_KINDS)
+        return _compute_busy(self.to_list())
 
     def compute_end(self) -> float:
         """End of the last FORWARD/BACKWARD (0 if none)."""
-        return max((e.end for e in self.events if e.kind in COMPUTE_KINDS), default=0.0)
+        return _compute_end(self.to_list())
 
     def to_list(self) -> list:
         return [(e.label, e.kind, e.start, e.end) for e in self.events]
@@ -57,17 +57,25 @@ def gather(timeline: Timeline, group=None) -> list:
     return out
 
 
+def _compute_busy(events: list) -> float:
+    """Seconds of FORWARD/BACKWARD in ``(label, kind, start, end)`` events."""
+    return sum(end - start for _, kind, start, end in events if kind in COMPUTE_KINDS)
+
+
+def _compute_end(events: list) -> float:
+    """End of the last FORWARD/BACKWARD in ``(label, kind, start, end)`` events (0 if none)."""
+    return max((end for _, kind, _, end in events if kind in COMPUTE_KINDS), default=0.0)
+
+
 def makespan(per_rank: list) -> float:
     """Longest compute end over ranks: the measured counterpart of the simulator's makespan."""
-    return max((max((e[3] for e in evs if e[1] in COMPUTE_KINDS), default=0.0) for _, evs in per_rank),
-               default=0.0)
+    return max((_compute_end(evs) for _, evs in per_rank), default=0.0)
 
 
 def bubble_fractions(per_rank: list) -> dict:
     """``{rank: idle share of the makespan}``: 1 - compute busy time / makespan."""
     span = makespan(per_rank)
-    return {rank: 1.0 - sum(e[3] - e[2] for e in evs if e[1] in COMPUTE_KINDS) / span
-            for rank, evs in per_rank} if span > 0 else {}
+    return {rank: 1.0 - _compute_busy(evs) / span for rank, evs in per_rank} if span > 0 else {}
 
 
 def chrome_trace(per_rank: list) -> dict:
