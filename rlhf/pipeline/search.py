@@ -12,8 +12,8 @@ Starting pool: the greedy fused schedule, backfilled schedules (one model's
 1F1B fixed, the others in its gaps, with bounded or unbounded warm-up) and
 dynamic list-scheduling rules (warm-up depth per model x model priority x
 B-or-F first, also built under caps of 1.0/1.25/1.5x the serial peak); with a
-memory cap only starts within the cap (serial 1F1B, the leanest usual start,
-is among them; if none fits, :func:`pick_starts` raises ProblemError).
+memory cap only the starts within the cap are kept (serial 1F1B is one
+candidate; if none fits, :func:`pick_starts` raises ProblemError).
 Two starts are annealed for makespan: the lowest-memory start within 1% of
 the best start's makespan, within its own peak memory (half the budget, less
 if it reaches the lower bound), and the best start (the rest).
