@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from rlhf.checkpoint import storage
 from rlhf.models.config import ModelConfig
-from rlhf.parallel.reshard import ShardSpec, full_to_shard, named_global_parameters, owning_stage, shards_to_full
+from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full, named_global_parameters, owning_stage
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TOKENIZER_DIR = "tokenizer"
@@ -79,27 +79,19 @@ def shard_name(model_name: str, stage: int, pp: int) -> str:
     return f"{model_name}_stage{stage}of{pp}"
 
 
-def _gather_full(local: torch.Tensor, spec: ShardSpec, slot: ModelSlot) -> torch.Tensor:
-    """The full tensor of a TP-sharded ``local`` (collective over the slot's TP group)."""
-    if not spec.parallel or spec.tp == 1:
-        return local.detach().clone()
-    shards = [torch.empty_like(local) for _ in range(spec.tp)]
-    dist.all_gather(shards, local.detach().contiguous(), group=slot.groups.tp)
-    return shards_to_full(shards, spec)
-
-
 def _stage_tensors(slot: ModelSlot) -> dict[str, torch.Tensor]:
     """Full params and AdamW moments of this rank's stage (TP ranks of one replica call together)."""
     tp = _layout(slot)[0]
     state = slot.optimizer.state if slot.optimizer is not None else {}
+    tp_group = slot.groups.tp if slot.groups is not None else None
     out = {}
     for name, param in named_global_parameters(slot.model).items():
         spec = ShardSpec.of(param, tp)
-        out[name] = _gather_full(param.data, spec, slot)
+        out[name] = gather_tp_full(param.data, spec, tp_group)
         st = state.get(param, {})
         for key in MOMENTS:
             if key in st:
-                out[f"{key}/{name}"] = _gather_full(st[key], spec, slot)
+                out[f"{key}/{name}"] = gather_tp_full(st[key], spec, tp_group)
         if "step" in st:
             out[f"step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
     return out

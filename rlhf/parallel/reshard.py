@@ -238,17 +238,21 @@ def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str
 
 
 @torch.no_grad()
+def gather_tp_full(local: torch.Tensor, spec: ShardSpec, tp_group) -> torch.Tensor:
+    """The full tensor of TP shard ``local`` (a parameter, its gradient or an optimizer moment).
+
+    Collective over ``tp_group`` for TP-parallel tensors; a copy otherwise.
+    """
+    local = local.detach().contiguous()
+    if not spec.parallel or spec.tp == 1:
+        return local.clone()
+    shards = [torch.empty_like(local) for _ in range(spec.tp)]
+    dist.all_gather(shards, local, group=tp_group)
+    return shards_to_full(shards, spec)
+
+
 def gather_tp_full_weights(model: torch.nn.Module, groups: TaskGroups, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors of this stage's parameters (or their gradients), all-gathered over TP."""
     tp = groups.mesh.strategy.tp
-    out = {}
-    for name, param in named_global_parameters(model).items():
-        local = (param.grad if grads else param.data).contiguous()
-        spec = ShardSpec.of(param, tp)
-        if not spec.parallel or tp == 1:
-            out[name] = local.clone()
-            continue
-        shards = [torch.empty_like(local) for _ in range(tp)]
-        dist.all_gather(shards, local, group=groups.tp)
-        out[name] = shards_to_full(shards, spec)
-    return out
+    return {name: gather_tp_full(param.grad if grads else param.data, ShardSpec.of(param, tp), groups.tp)
+            for name, param in named_global_parameters(model).items()}
