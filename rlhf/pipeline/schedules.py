@@ -72,6 +72,7 @@ def serial_1f1b(pb: Problem) -> list:
 
 
 def model_alone(pb: Problem, model: int) -> Problem:
+    """``pb`` with only model ``model`` (its subtask ids then start at 0)."""
     return Problem(pb.stages, (pb.models[model],), pb.comm, pb.mem_cap, pb.time_unit, pb.mem_unit)
 
 
@@ -214,6 +215,8 @@ class _Candidates:
 
 
 def rule_schedule(pb: Problem, rule: Rule, mem_cap: float | None = None) -> list | None:
+    """:func:`list_schedule` under ``rule``: model i keeps at most
+    ``pp - j + rule.extra[i]`` micro-batches in flight at model stage j."""
     limits = [[None if e is None else m.pp - j + e for j in range(m.pp)]
               for m, e in zip(pb.models, rule.extra)]
     return list_schedule(pb, rule.key(pb), limits=limits, mem_cap=mem_cap)

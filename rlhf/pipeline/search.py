@@ -157,6 +157,9 @@ def pick_starts(pool: list, tol: float = 0.01) -> list:
 
 
 def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
+    """One deterministic search (see the module docstring): same ``pb``, ``cfg``
+    and seed give the same orders.  The result is validated within the cap
+    (``cfg.mem_cap``, else ``pb.mem_cap``); ProblemError if no start fits it."""
     tic = time.perf_counter()
     cap = cfg.mem_cap if cfg.mem_cap is not None else pb.mem_cap
     lb = makespan_lower_bound(pb)
