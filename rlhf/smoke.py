@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.parallel.data_parallel import average_gradients
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.placement import TASK_MODEL
 from rlhf.parallel.reshard import reshard
@@ -31,20 +32,6 @@ ROLE_OF_TASK = {"actor_gen": "lm", "ref_inf": "lm", "reward_inf": "value", "crit
 def _replica_batch(tokens: torch.Tensor, groups, mbs: int) -> torch.Tensor:
     d = groups.coord.dp
     return tokens[d * mbs:(d + 1) * mbs]
-
-
-def _dp_average_and_step(model, groups, lr: float) -> None:
-    """Average gradients over the task's DP group, then a plain SGD step."""
-    dp = groups.mesh.strategy.dp
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is None:
-                continue
-            if dp > 1:
-                dist.all_reduce(p.grad, group=groups.dp)
-                p.grad /= dp
-            p -= lr * p.grad
-            p.grad = None
 
 
 def _gather_report(local: dict) -> dict:
@@ -65,6 +52,8 @@ def run_smoke(args, placement) -> None:
         task: build_model(args.models[TASK_MODEL[task]], ROLE_OF_TASK[task], g, seed=args.seed)
         for task, g in groups.items() if g is not None
     }
+    optimizers = {task: torch.optim.SGD(models[task].parameters(), lr=1e-2)
+                  for task in ("actor_train", "critic_train") if task in models}
     mbs, seq = args.micro_batch_size, args.seq_length
     vocab = args.models["actor"].vocab_size
     for it in range(args.iterations):
@@ -76,7 +65,7 @@ def run_smoke(args, placement) -> None:
             g = groups[task]
             if g is not None:
                 ids = _replica_batch(tokens, g, mbs)
-                local.update(_run_task(task, models[task], g, ids, args))
+                local.update(_run_task(task, models[task], g, ids, optimizers.get(task)))
             dist.barrier()
             times[f"time_{task}_s"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -93,7 +82,7 @@ def run_smoke(args, placement) -> None:
             print("  times: " + ", ".join(f"{k[5:-2]}={v * 1000:.0f}ms" for k, v in times.items()), flush=True)
 
 
-def _run_task(task: str, model, g, ids: torch.Tensor, args) -> dict:
+def _run_task(task: str, model, g, ids: torch.Tensor, optimizer) -> dict:
     """One task's work on this rank; returns scalars to report (last stage only)."""
     if task in ("actor_gen", "ref_inf"):
         logits = pipeline_forward(model, g, ids)
@@ -108,5 +97,7 @@ def _run_task(task: str, model, g, ids: torch.Tensor, args) -> dict:
             model, g, ids, lambda logits: -vocab_parallel_log_probs(logits[:, :-1], ids[:, 1:], g.tp).mean())
     else:
         loss = pipeline_forward_backward(model, g, ids, lambda values: F.mse_loss(values, torch.zeros_like(values)))
-    _dp_average_and_step(model, g, lr=1e-2)
+    average_gradients(model, g.dp)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     return {} if loss is None else {f"{task}_loss": loss.item()}

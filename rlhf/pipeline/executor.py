@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
+from rlhf.parallel.data_parallel import average_gradients
 
 from . import compiler as C
 from .p2p import post_send, recv_into
@@ -82,19 +83,7 @@ class StageCompute:
         return None if x is None else x.grad
 
     def reduce_grads(self, rt: ModelRuntime) -> None:
-        """Average accumulated grads over the model's DP group (one flat all-reduce)."""
-        params = [p for p in rt.module.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        dp = dist.get_world_size(rt.groups.dp)
-        if dp == 1:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, group=rt.groups.dp)
-        flat /= dp
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p.grad))
+        average_gradients(rt.module, rt.groups.dp)
 
     def step(self, rt: ModelRuntime) -> None:
         rt.optimizer.step()
