@@ -6,6 +6,7 @@ import warnings
 from rlhf import platform
 from rlhf.arguments import parse_args
 from rlhf.parallel import Placement, PlacementError
+from rlhf.parallel.placement import load_plan
 
 
 def main(argv=None) -> int:
@@ -16,9 +17,7 @@ def main(argv=None) -> int:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        plan = Placement.from_file(args.placement, world).meshes if args.placement else {}
-        plan = {task: {"ranks": list(m.ranks), "dp": m.strategy.dp, "pp": m.strategy.pp,
-                       "tp": m.strategy.tp, "reverse_pp": m.reverse_pp} for task, m in plan.items()}
+        plan = load_plan(args.placement) if args.placement else {}
         plan.update(args.plan_overrides)
         placement = Placement.from_plan(plan, world)
         placement.validate_models(args.models)

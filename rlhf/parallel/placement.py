@@ -79,20 +79,7 @@ class Placement:
     @classmethod
     def from_file(cls, path: str | Path, world_size: int) -> "Placement":
         """Build from a JSON or YAML plan file."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-            if path.suffix in (".yaml", ".yml"):
-                import yaml
-
-                plan = yaml.safe_load(text)
-            else:
-                plan = json.loads(text)
-        except (OSError, ValueError) as exc:
-            raise PlacementError(f"placement file {path}: {exc}") from None
-        if not isinstance(plan, dict):
-            raise PlacementError(f"placement file {path}: expected a mapping of task -> mesh")
-        return cls.from_plan(plan, world_size)
+        return cls.from_plan(load_plan(path), world_size)
 
     def validate_models(self, model_configs: dict) -> None:
         """Check each task's strategy against the model it runs (heads, layers, vocab)."""
@@ -100,6 +87,24 @@ class Placement:
             cfg = model_configs.get(TASK_MODEL[task])
             if cfg is not None:
                 check_strategy_fits_model(task, mesh.strategy, cfg)
+
+
+def load_plan(path: str | Path) -> dict:
+    """The plan dict of a JSON or YAML placement file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            plan = yaml.safe_load(text)
+        else:
+            plan = json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise PlacementError(f"placement file {path}: {exc}") from None
+    if not isinstance(plan, dict):
+        raise PlacementError(f"placement file {path}: expected a mapping of task -> mesh")
+    return plan
 
 
 def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
