@@ -24,9 +24,7 @@ import argparse
 import os
 import platform as host
 import statistics
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PLAN = {"actor_train": {"ranks": "0-3", "pp": 4},
         "critic_train": {"ranks": "0-3", "pp": 4, "reverse_pp": True}}
 TASKS = {"actor": "actor_train", "critic": "critic_train"}
@@ -206,8 +204,7 @@ def main(argv=None) -> None:
         ap.error(f"--unit-ms {args.unit_ms:g} must be > 0")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats} must be >= 1")
-    sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
-    from dist_launcher import launch
+    from rlhf.testing.distributed import launch
 
     print(f"machine: {host.node()} {host.machine()}, {os.cpu_count()} cores, 4 gloo ranks; "
           f"actor pp4 down + critic pp4 up, {MICROBATCHES} micro-batches each")

@@ -28,15 +28,13 @@ import statistics
 import sys
 import time
 import weakref
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._reference import gae_loop  # noqa: E402
-from rlhf.algorithms.gae import DEFAULT_BLOCK, compute_gae  # noqa: E402
+from rlhf.algorithms.gae import DEFAULT_BLOCK, compute_gae
+from rlhf.testing.reference import gae_loop
 
 GAMMA, LAM, BATCH = 0.99, 0.95, 64
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}

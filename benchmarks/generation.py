@@ -22,17 +22,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform as host
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rlhf import platform  # noqa: E402
-from rlhf.engine import Engine, EngineConfig, Request, SamplingParams  # noqa: E402
-from rlhf.models import ModelConfig  # noqa: E402
+from rlhf import platform
+from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+from rlhf.models import ModelConfig
 
 CFG = ModelConfig(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=4, num_kv_heads=2,
                   vocab_size=2048, max_seq_len=512)

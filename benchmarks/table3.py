@@ -18,13 +18,11 @@ import os
 import platform
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf.pipeline.cost_model import build_problem, llama  # noqa: E402
-from rlhf.pipeline.lower_bound import serial_peak_memory  # noqa: E402
-from rlhf.pipeline.search import SearchConfig, search_mpi  # noqa: E402
+from rlhf.pipeline.cost_model import build_problem, llama
+from rlhf.pipeline.lower_bound import serial_peak_memory
+from rlhf.pipeline.search import SearchConfig, search_mpi
 
 # (actor, critic, actor pp, critic pp, micro-batches): paper's
 # (greedy, ours, optimal) speedup and (greedy, ours) memory

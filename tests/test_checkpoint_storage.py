@@ -28,7 +28,6 @@ from rlhf.checkpoint import (
 )
 from rlhf.checkpoint import storage
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_shards(seed, ranks=(0, 1)):
@@ -145,8 +144,7 @@ def test_bad_state_keeps_previous(tmp_path):
 
 
 KILL_SCRIPT = textwrap.dedent("""
-    import os, sys, torch
-    sys.path.insert(0, {repo!r})
+    import os, torch
     from rlhf.checkpoint import storage
     real, n = storage._write_safetensors, [0]
     def writer(path, tensors):
@@ -163,7 +161,7 @@ KILL_SCRIPT = textwrap.dedent("""
 def test_killed_process_leaves_previous_loadable(tmp_path):
     root = str(tmp_path)
     save(root, 1)
-    script = KILL_SCRIPT.format(repo=REPO, root=root, kill_at=3)
+    script = KILL_SCRIPT.format(root=root, kill_at=3)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 17, proc.stderr
     leftovers = tmp_entries(root)

@@ -7,7 +7,7 @@ migration and TP2 change nothing in the output.
 
 import pytest
 
-from dist_launcher import launch
+from rlhf.testing.distributed import launch
 
 
 @pytest.fixture(scope="module")

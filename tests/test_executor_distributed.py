@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from dist_launcher import launch
+from rlhf.testing.distributed import launch
 from test_executor_compiler import cyclic_schedule
 from rlhf.pipeline import compiler
 from rlhf.pipeline.problem import ModelSpec, Problem

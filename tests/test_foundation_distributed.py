@@ -9,7 +9,7 @@ unsharded logits.
 
 import pytest
 
-from dist_launcher import launch
+from rlhf.testing.distributed import launch
 
 TOL = 1e-5
 

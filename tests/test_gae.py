@@ -1,14 +1,11 @@
-"""Matrix-form GAE against the recursive loop (benchmarks/_reference.py)."""
-import sys
+"""Matrix-form GAE against the recursive loop (rlhf/testing/reference.py)."""
 from itertools import product
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._reference import gae_loop  # noqa: E402
-from rlhf.algorithms import compute_gae, discounted_returns, discounted_suffix_sum  # noqa: E402
+from rlhf.algorithms import compute_gae, discounted_returns, discounted_suffix_sum
+from rlhf.testing.reference import gae_loop
 
 SETTINGS = list(product([1.0, 0.99, 0.95, 0.0], repeat=2))  # (gamma, lam)
 

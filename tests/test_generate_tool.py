@@ -13,10 +13,9 @@ import sys
 import pytest
 import torch
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-sys.path.insert(0, TOOLS)
-import convert_checkpoint  # noqa: E402
-import generate  # noqa: E402
+from rlhf.testing.tools import load_tool
+
+convert_checkpoint = load_tool("convert_checkpoint")
 
 PROMPTS = [{"prompt": "Hello", "id": 1}, {"prompt": "RLHF on CPU: ", "id": 2}, {"prompt": "x", "id": 3}]
 NEW_TOKENS = 12
@@ -51,7 +50,7 @@ def runs(tmp_path_factory):
     overlong = ["--load", ours, "--out", str(tmp / "never.jsonl"), "--prompts", str(too_long), "--tokenizer", "byte"]
     bad_flag = argvs["ours"][:argvs["ours"].index("--out")] + ["--out", str(tmp / "never.jsonl"), "--top-k", "-1",
                                                                 "--prompts", str(prompts), "--tokenizer", "byte"]
-    code = (f"import sys; sys.path.insert(0, {TOOLS!r}); import generate\n"
+    code = ("from rlhf.testing.tools import load_tool; generate = load_tool('generate')\n"
             + "".join(f"assert generate.main({a!r}) == 0\n" for a in argvs.values())
             + f"try:\n    generate.main({overlong!r})\nexcept SystemExit as e:\n    print('EXIT:', e)\n"
             + f"try:\n    generate.main({bad_flag!r})\nexcept SystemExit as e:\n    print('BAD FLAG:', e)\n")

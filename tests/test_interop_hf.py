@@ -6,20 +6,19 @@ back must reproduce the original safetensors exactly.
 """
 
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_launcher import launch
 from rlhf.checkpoint.hf import (HFConversionError, export_hf, fuse_qkv, hf_sources, read_hf_config, read_hf_state,
                                split_qkv)
 from rlhf.parallel.reshard import owning_stage
 from rlhf.models import ModelConfig
+from rlhf.testing.distributed import launch
+from rlhf.testing.tools import load_tool
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import convert_checkpoint  # noqa: E402
+convert_checkpoint = load_tool("convert_checkpoint")
 
 TOL = 1e-4
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -7,9 +7,11 @@ import sys
 import pytest
 import torch
 
-from dist_launcher import TESTS_DIR, launch
 from rlhf.checkpoint import CheckpointError
 from rlhf.checkpoint.rlhf_state import load_rlhf_state, read_full_state
+from rlhf.testing.distributed import launch
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,8 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     from scenario_rlhf_state import tiny_slot
 
     root = str(tmp_path)
-    code = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import scenario_rlhf_state as s; s.save_then_die({root!r})"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    code = f"import scenario_rlhf_state as s; s.save_then_die({root!r})"  # `python -c` imports from its cwd
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=TESTS_DIR)
     assert proc.returncode == 9, proc.stderr
     partial = [n for n in os.listdir(root) if n.startswith(".tmp_iter_0000002")]
     assert partial and "actor_stage0of1.safetensors" in os.listdir(os.path.join(root, partial[0]))

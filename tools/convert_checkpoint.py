@@ -19,13 +19,9 @@ import sys
 
 import torch
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-
-from rlhf.checkpoint import storage  # noqa: E402
-from rlhf.checkpoint.hf import HFConversionError, export_hf, read_hf_config, read_hf_state  # noqa: E402
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, read_full_state, stage_files  # noqa: E402
+from rlhf.checkpoint import storage
+from rlhf.checkpoint.hf import HFConversionError, export_hf, read_hf_config, read_hf_state
+from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, read_full_state, stage_files
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                     "merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json",

@@ -15,11 +15,6 @@ import json
 import os
 import sys
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-
-
 # engine config / sampling field -> the flag that sets it (for error messages)
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
           "top_p": "--top-p", "num_blocks": "--kv-blocks"}

@@ -21,14 +21,13 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf.pipeline.anneal import AnnealConfig  # noqa: E402
-from rlhf.pipeline.cost_model import LLAMA, CostConfig, ModelShape, build_problem  # noqa: E402
-from rlhf.pipeline.lower_bound import serial_peak_memory  # noqa: E402
-from rlhf.pipeline.problem import ProblemError  # noqa: E402
-from rlhf.pipeline.schedule_io import load_problem, save_schedule  # noqa: E402
-from rlhf.pipeline.search import SearchConfig, format_summary, search_mpi  # noqa: E402
+from rlhf.pipeline.anneal import AnnealConfig
+from rlhf.pipeline.cost_model import LLAMA, CostConfig, ModelShape, build_problem
+from rlhf.pipeline.lower_bound import serial_peak_memory
+from rlhf.pipeline.problem import ProblemError
+from rlhf.pipeline.schedule_io import load_problem, save_schedule
+from rlhf.pipeline.search import SearchConfig, format_summary, search_mpi
 
 INT_KEYS = {"layers", "hidden", "ffn", "heads", "kv_heads", "tp", "pp", "mb"}
 

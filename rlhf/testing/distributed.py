@@ -1,7 +1,9 @@
 """Run a function on N gloo ranks in fresh processes and collect what each returns.
 
 Each process pays the megatron import, so a test module launches once and
-runs several checks in that launch (see DESIGN.md section 6).
+runs several checks in that launch. Workers are spawned, so they start with
+the parent's import path: a target module that the caller can import (a
+test's scenario module beside it, a benchmark script) imports in the workers too.
 """
 
 from __future__ import annotations
@@ -9,12 +11,9 @@ from __future__ import annotations
 import importlib
 import os
 import socket
-import sys
 import traceback
 
 import torch.multiprocessing as mp
-
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _free_port() -> int:
@@ -24,7 +23,6 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, target: str, kwargs: dict, queue) -> None:
-    sys.path.insert(0, TESTS_DIR)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
