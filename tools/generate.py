@@ -20,37 +20,6 @@ _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", 
           "top_p": "--top-p", "num_blocks": "--kv-blocks"}
 
 
-def _is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json"))
-
-
-def load_model(path: str, model_name: str = "actor", iteration: int | None = None):
-    """(model, config, tokenizer dir or None) of an HF directory or our checkpoint, unsharded, one rank."""
-    from rlhf import platform
-    from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
-    from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, load_rlhf_state, saved_model_config
-    from rlhf.models.gpt import build_model
-    from rlhf.parallel import Placement
-    from rlhf.parallel.groups import build_task_groups, local_groups
-
-    platform.init_distributed()
-    build_task_groups(Placement.from_plan({}, 1))
-    groups = local_groups()
-    if _is_hf_dir(path):
-        cfg = read_hf_config(path).config
-        model = build_model(cfg, "lm", groups)
-        load_hf_weights(model, groups, path, "lm")
-        return model.eval(), cfg, path
-    cfg, role = saved_model_config(path, model_name, iteration)
-    if role != "lm":
-        raise SystemExit(f"generate: --model-name {model_name}: model of --load {path} has role {role!r}; "
-                         "generation needs an LM (role 'lm', e.g. actor)")
-    model = build_model(cfg, "lm", groups)
-    load_rlhf_state(path, {model_name: ModelSlot(cfg, role, model, groups)}, iteration, restore_rng=False)
-    tok_dir = os.path.join(path, TOKENIZER_DIR)
-    return model.eval(), cfg, tok_dir if os.path.isdir(tok_dir) else None
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="our checkpoint root or an HF model directory")
@@ -103,15 +72,17 @@ def sampling_params(args, index: int, eos_id: int):
 
 def main(argv: list[str] | None = None) -> int:
     from rlhf.checkpoint.hf import HFConversionError
+    from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.checkpoint.storage import CheckpointError
     from rlhf.data import TokenizerError, build_tokenizer
     from rlhf.engine import Engine, EngineConfig, EngineConfigError, NeverFitsError, Request
 
     args = build_parser().parse_args(argv)
     try:
-        model, cfg, tok_dir = load_model(args.load, args.model_name, args.iteration)
+        loaded = load_unsharded_lm(args.load, args.model_name, args.iteration)
     except (CheckpointError, HFConversionError) as e:
         raise SystemExit(f"generate: --load {args.load}: {e}") from None
+    model, cfg, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
     if args.tokenizer is None and tok_dir is None:
         raise SystemExit(f"generate: {args.load} has no tokenizer files; pass --tokenizer byte or a directory")
     try:
