@@ -25,9 +25,10 @@ import os
 import platform as host
 import statistics
 
+from rlhf.tasks import TRAIN_TASK
+
 PLAN = {"actor_train": {"ranks": "0-3", "pp": 4},
         "critic_train": {"ranks": "0-3", "pp": 4, "reverse_pp": True}}
-TASKS = {"actor": "actor_train", "critic": "critic_train"}
 MICROBATCHES = 4
 
 
@@ -79,7 +80,7 @@ def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
     pb, unit = sleep_problem(), unit_ms / 1000.0
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     runtimes = {name: ModelRuntime(name, placement[task], [{}] * MICROBATCHES)
-                for name, task in TASKS.items()}
+                for name, task in TRAIN_TASK.items()}
     compute = SleepCompute(pb, unit)
     out = {}
     for label, orders in schedules(pb).items():
@@ -116,9 +117,9 @@ def _real_runtimes(groups) -> dict:
     gen = torch.Generator().manual_seed(0)
     mbs = [{"input_ids": torch.randint(0, 256, (2, 64), generator=gen)} for _ in range(MICROBATCHES)]
     out = {}
-    for name, (cfg, role, loss) in shapes.items():
-        g = groups[TASKS[name]]
-        module = build_model(cfg, role, g, seed=1)
+    for name, (cfg, kind, loss) in shapes.items():
+        g = groups[TRAIN_TASK[name]]
+        module = build_model(cfg, kind, g.pg_collection, g.stage, seed=1)
         out[name] = ModelRuntime(name, g.mesh, mbs, module, g, torch.optim.SGD(module.parameters(), lr=1e-4),
                                  loss, cfg.hidden_size)
     return out
@@ -130,7 +131,7 @@ def fitted_problem(runs: list, placement):
 
     specs = []
     for m in sleep_problem().models:
-        mesh = placement[TASKS[m.name]]
+        mesh = placement[TRAIN_TASK[m.name]]
         cost = {}
         for op in ("F", "B"):
             for j in range(m.pp):

@@ -66,7 +66,7 @@ def build_models(out_dir: str):
     platform.init_distributed()
     build_task_groups(Placement.from_plan({}, 1))
     groups = local_groups()
-    ours = build_model(CFG, "lm", groups, seed=0)
+    ours = build_model(CFG, "lm", groups.pg_collection, groups.stage, seed=0)
     load_hf_weights(ours, groups, out_dir)
     return hf, ours, groups
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
-from rlhf.parallel.mesh import TASKS
-
-ROLES = ("actor", "critic", "reference", "reward")
-"""The four models; reference shares the actor's shape, reward the critic's."""
+from rlhf.tasks import TASKS
 
 
 def _task_flag(task: str) -> str:

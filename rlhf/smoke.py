@@ -21,12 +21,9 @@ from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.parallel.data_parallel import average_gradients
 from rlhf.parallel.groups import build_task_groups
-from rlhf.parallel.placement import TASK_MODEL
 from rlhf.parallel.reshard import reshard
 from rlhf.pipeline.microbatch import pipeline_forward, pipeline_forward_backward
-
-ROLE_OF_TASK = {"actor_gen": "lm", "ref_inf": "lm", "reward_inf": "value", "critic_inf": "value",
-                "actor_train": "lm", "critic_train": "value"}
+from rlhf.tasks import TASK_MODEL, TASKS, task_kind
 
 
 def _replica_batch(tokens: torch.Tensor, groups, mbs: int) -> torch.Tensor:
@@ -49,7 +46,7 @@ def run_smoke(args, placement) -> None:
     """Build the six task models and run ``args.iterations`` smoke iterations."""
     groups = build_task_groups(placement)
     models = {
-        task: build_model(args.models[TASK_MODEL[task]], ROLE_OF_TASK[task], g, seed=args.seed)
+        task: build_model(args.models[TASK_MODEL[task]], task_kind(task), g.pg_collection, g.stage, seed=args.seed)
         for task, g in groups.items() if g is not None
     }
     optimizers = {task: torch.optim.SGD(models[task].parameters(), lr=1e-2)
@@ -60,7 +57,7 @@ def run_smoke(args, placement) -> None:
         torch.manual_seed(args.seed + it)
         tokens = torch.randint(0, vocab, (mbs * dist.get_world_size(), seq))
         local, times = {}, {}
-        for task in ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train"):
+        for task in TASKS:
             start = time.perf_counter()
             g = groups[task]
             if g is not None:

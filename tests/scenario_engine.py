@@ -72,7 +72,7 @@ def check_vs_hf(local) -> dict:
     with tempfile.TemporaryDirectory() as d:
         hf = tiny_hf_llama(HF_CFG, seed=3, out_dir=d)
         cfg = read_hf_config(d).config
-        model = build_model(cfg, "lm", local, seed=1)
+        model = build_model(cfg, "lm", local.pg_collection, local.stage, seed=1)
         load_hf_weights(model, local, d)
     prompts = _prompts(4, seed=1)
     ours = _tokens(Engine(model, local, cfg, EngineConfig(num_blocks=64, block_size=8)).generate(
@@ -177,16 +177,16 @@ def check_sampling_and_errors(model, local) -> dict:
 def check_tp2(groups, placement, local) -> dict:
     """TP2 engine on weights resharded from DP2 training replicas vs TP1; then a second reshard."""
     g, train_g = groups["actor_gen"], groups["actor_train"]
-    gen = build_model(CFG, "lm", g, seed=999)
+    gen = build_model(CFG, "lm", g.pg_collection, g.stage, seed=999)
     reqs = _requests(_prompts(4, seed=5), GREEDY) + _requests(_prompts(2, seed=6), SAMPLED, tag="s")
     cfg = EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=24)
     engine, out, rounds = None, {}, []
     for round_, seed in enumerate((SEED, SEED + 1)):  # the engine sees each reshard without reloading
-        train = build_model(CFG, "lm", train_g, seed=seed)
+        train = build_model(CFG, "lm", train_g.pg_collection, train_g.stage, seed=seed)
         reshard(placement["actor_train"], (train_g, train), placement["actor_gen"], (g, gen), CFG.num_layers)
         engine = engine or Engine(gen, g, CFG, cfg)
         tp2 = engine.generate(reqs)
-        tp1 = Engine(build_model(CFG, "lm", local, seed=seed), local, CFG, cfg).generate(reqs)
+        tp1 = Engine(build_model(CFG, "lm", local.pg_collection, local.stage, seed=seed), local, CFG, cfg).generate(reqs)
         rounds.append(_tokens(tp2))
         out[f"tp2_equal_{round_}"] = _tokens(tp2) == _tokens(tp1)
         out[f"tp2_logprob_err_{round_}"] = max(abs(a - b) for x, y in zip(tp1, tp2)
@@ -239,7 +239,7 @@ def run():
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     groups = build_task_groups(placement)
     local = local_groups()
-    model = build_model(CFG, "lm", local, seed=SEED)
+    model = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED)
     out = {"rank": rank}
     out.update(check_tp2(groups, placement, local))
     out.update(check_migration(model, local))

@@ -60,9 +60,9 @@ def make_microbatches(seed: int = 0) -> list:
 
 def reference_step(name: str, mbs: list) -> tuple:
     """Unsharded single-process training: (weights before, weights after) by global name."""
-    task, role, seed = MODELS[name]
+    task, kind, seed = MODELS[name]
     local = local_groups()
-    model = build_model(CFG, role, local, seed=seed)
+    model = build_model(CFG, kind, local.pg_collection, local.stage, seed=seed)
     before = gather_tp_full_weights(model, local)
     total = 0.0
     for mb in mbs:
@@ -77,9 +77,9 @@ def make_runtimes(groups: dict, full: dict, mbs: list) -> dict:
     """Stage modules loaded with the reference weights; each DP replica gets its
     contiguous share of the micro-batches."""
     out = {}
-    for name, (task, role, seed) in MODELS.items():
+    for name, (task, kind, seed) in MODELS.items():
         g = groups[task]
-        module = build_model(CFG, role, g, seed=seed + 100)
+        module = build_model(CFG, kind, g.pg_collection, g.stage, seed=seed + 100)
         load_full_weights(module, g, full[name])
         share = len(mbs) // g.mesh.strategy.dp
         mine = mbs[g.coord.dp * share:(g.coord.dp + 1) * share]

@@ -56,17 +56,17 @@ def run():
     targets = torch.randn(4, 16)
     results = {}
 
-    ref_lm = build_model(CFG, "lm", local, seed=7)
+    ref_lm = build_model(CFG, "lm", local.pg_collection, local.stage, seed=7)
     full_lm = gather_tp_full_weights(ref_lm, local)
     ref_loss = _lm_loss(stage_forward(ref_lm, ids), ids)
     ref_loss.backward()
     ref_lm_grads = gather_tp_full_weights(ref_lm, local, grads=True)
-    ref_val = build_model(CFG, "value", local, seed=8)
+    ref_val = build_model(CFG, "value", local.pg_collection, local.stage, seed=8)
     full_val = gather_tp_full_weights(ref_val, local)
 
     # actor_train TP2 x PP2: pipeline forward/backward, loss and gradients.
     g = groups["actor_train"]
-    actor = build_model(CFG, "lm", g, seed=99)
+    actor = build_model(CFG, "lm", g.pg_collection, g.stage, seed=99)
     load_full_weights(actor, g, full_lm)
     loss = pipeline_forward_backward(actor, g, ids, lambda logits: _lm_loss(logits, ids, g.tp))
     if loss is not None:
@@ -76,7 +76,7 @@ def run():
 
     # critic_train PP2 x DP2, reversed: each replica trains on its half, grads averaged over DP.
     g = groups["critic_train"]
-    critic = build_model(CFG, "value", g, seed=98)
+    critic = build_model(CFG, "value", g.pg_collection, g.stage, seed=98)
     load_full_weights(critic, g, full_val)
     half = slice(2 * g.coord.dp, 2 * g.coord.dp + 2)
     loss = pipeline_forward_backward(critic, g, ids[half], lambda v: F.mse_loss(v, targets[half]))
@@ -95,7 +95,7 @@ def run():
     # reward_inf TP1 on ranks {0, 1}: values and loss of an unsharded copy.
     g = groups["reward_inf"]
     if g is not None:
-        reward = build_model(CFG, "value", g, seed=97)
+        reward = build_model(CFG, "value", g.pg_collection, g.stage, seed=97)
         load_full_weights(reward, g, full_val)
         values = stage_forward(reward, ids)
         F.mse_loss(values, targets).backward()
@@ -105,7 +105,7 @@ def run():
     # actor_gen TP2 x DP2, resharded from actor_train (TP2 x PP2); ref_inf TP1 on {2, 3}.
     for task in ("actor_gen", "ref_inf"):
         g = groups[task]
-        target = build_model(CFG, "lm", g, seed=55) if g is not None else None
+        target = build_model(CFG, "lm", g.pg_collection, g.stage, seed=55) if g is not None else None
         reshard(placement["actor_train"], (groups["actor_train"], actor), placement[task], (g, target),
                 CFG.num_layers)
         if g is not None:

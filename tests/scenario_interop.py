@@ -43,7 +43,7 @@ def _forward(model, groups, ids, hidden_size):
 @torch.no_grad()
 def _check(case: dict, groups, layout: str, ids, out_root: str, seed: int) -> dict:
     cfg = read_hf_config(case["dir"]).config
-    model = build_model(cfg, case["role"], groups, seed=seed)
+    model = build_model(cfg, case["role"], groups.pg_collection, groups.stage, seed=seed)
     head_before = model.output_layer.weight.clone() if groups.is_last_stage else None
     load_hf_weights(model, groups, case["dir"], case["role"])
     result = {}

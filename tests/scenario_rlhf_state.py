@@ -20,7 +20,8 @@ from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
-from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full_weights, named_global_parameters
+from rlhf.models.naming import named_global_parameters
+from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full_weights
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=256, max_seq_len=64, qkv_bias=True)
@@ -46,7 +47,7 @@ def _slot(role, groups, seed, full=None, moments=None):
     """A model slot on ``groups`` with AdamW + LambdaLR; filled from ``full``/``moments`` when given."""
     if groups is None:
         return ModelSlot(CFG, role)
-    model = build_model(CFG, role, groups, seed=seed)
+    model = build_model(CFG, role, groups.pg_collection, groups.stage, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
     if full is not None:
@@ -81,8 +82,8 @@ def run(root: str):
     rank = dist.get_rank()
     groups = build_task_groups(Placement.from_plan(PLAN, dist.get_world_size()))
     local = local_groups()
-    full = {"actor": gather_tp_full_weights(build_model(CFG, "lm", local, seed=7), local),
-            "critic": gather_tp_full_weights(build_model(CFG, "value", local, seed=8), local)}
+    full = {"actor": gather_tp_full_weights(build_model(CFG, "lm", local.pg_collection, local.stage, seed=7), local),
+            "critic": gather_tp_full_weights(build_model(CFG, "value", local.pg_collection, local.stage, seed=8), local)}
     moments = {k: _moments(v) for k, v in full.items()}
 
     saved = {"actor": _slot("lm", groups["actor_train"], 99, full["actor"], moments["actor"]),

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from rlhf.checkpoint.hf import (HFConversionError, export_hf, fuse_qkv, hf_sources, read_hf_config, read_hf_state,
                                split_qkv)
-from rlhf.parallel.reshard import owning_stage
 from rlhf.models import ModelConfig
+from rlhf.models.naming import owning_stage
 from rlhf.testing.distributed import launch
 from rlhf.testing.tools import load_tool
 

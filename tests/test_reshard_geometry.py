@@ -5,7 +5,8 @@ import itertools
 import pytest
 import torch
 
-from rlhf.parallel.reshard import ShardSpec, _overlaps, full_to_shard, owning_stage, shards_to_full
+from rlhf.models.naming import owning_stage
+from rlhf.parallel.reshard import ShardSpec, _overlaps, full_to_shard, shards_to_full
 
 
 @pytest.mark.parametrize("stride, dim", [(1, 0), (2, 0), (1, 1)])
@@ -52,7 +53,7 @@ def test_owning_stage():
 def test_global_names_use_global_layers_and_local_spec_norms():
     from types import SimpleNamespace
 
-    from rlhf.parallel.reshard import global_name
+    from rlhf.models.naming import global_name
 
     stage = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=5),
                                                             SimpleNamespace(layer_number=6)]))

@@ -292,7 +292,8 @@ def load_hf_weights(model: torch.nn.Module, groups, hf_dir: str, role: str = "lm
 
     A value model built from a causal LM keeps its freshly initialised head.
     """
-    from rlhf.parallel.reshard import load_full_weights, named_global_parameters
+    from rlhf.models.naming import named_global_parameters
+    from rlhf.parallel.reshard import load_full_weights
 
     info = read_hf_config(hf_dir)
     tp = groups.mesh.strategy.tp

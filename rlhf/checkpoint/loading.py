@@ -44,14 +44,14 @@ def load_unsharded_lm(path: str, model_name: str = "actor", iteration: int | Non
     groups = local_groups()
     if is_hf_dir(path):
         cfg = read_hf_config(path).config
-        model = build_model(cfg, "lm", groups)
+        model = build_model(cfg, "lm", groups.pg_collection, groups.stage)
         load_hf_weights(model, groups, path, "lm")
         return LoadedModel(model.eval(), cfg, path)
     cfg, role = saved_model_config(path, model_name, iteration)
     if role != "lm":
         raise CheckpointError(f"model {model_name!r} has role {role!r}; generation needs an LM "
                               "(role 'lm', e.g. actor; choose it with --model-name)")
-    model = build_model(cfg, "lm", groups)
+    model = build_model(cfg, "lm", groups.pg_collection, groups.stage)
     load_rlhf_state(path, {model_name: ModelSlot(cfg, role, model, groups)}, iteration, restore_rng=False)
     tok_dir = os.path.join(path, TOKENIZER_DIR)
     return LoadedModel(model.eval(), cfg, tok_dir if os.path.isdir(tok_dir) else None)

@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from rlhf.checkpoint import storage
 from rlhf.models.config import ModelConfig
-from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full, named_global_parameters, owning_stage
+from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TOKENIZER_DIR = "tokenizer"

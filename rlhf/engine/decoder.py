@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from rlhf.engine.attention import AttentionMeta, make_attention
 from rlhf.models.config import ModelConfig
-from rlhf.parallel.reshard import named_global_parameters
+from rlhf.models.naming import named_global_parameters
 
 
 @dataclass

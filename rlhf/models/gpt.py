@@ -1,21 +1,43 @@
-"""Build megatron-core GPTModel stages for a task: LM (actor/reference) or value (critic/reward).
+"""Build megatron-core GPTModel stages: LM (actor/reference) or value (critic/reward) kind.
 
-Each model is built for one rank of one task with that task's explicit
-process-group collection, so models with different (dp, pp, tp) coexist in
-one set of processes. megatron's local layer spec is the default (it runs on
-CPU and GPU); the TransformerEngine spec is an opt-in for GPUs with TE.
+A model is built from its shape, its kind, an explicit megatron
+``ProcessGroupCollection`` and the facts of its pipeline stage; it knows
+nothing of meshes or tasks (the parallel package makes the collection), so models
+with different (dp, pp, tp) coexist in one set of processes. megatron's local
+layer spec is the default (it runs on CPU and GPU); the TransformerEngine spec
+is an opt-in (``transformer_impl``) for GPUs with TE.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from rlhf import platform
 from rlhf.models.config import ModelConfig
-from rlhf.parallel.groups import TaskGroups
+from rlhf.tasks import KINDS
 
-ROLES = ("lm", "value")
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Stage ``index`` of a ``count``-stage pipeline (logical order: 0 embeds, count-1 has the head)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"pipeline stage index {self.index} is outside 0..{self.count - 1}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
 
 
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = torch.float32):
@@ -60,7 +82,7 @@ def _layer_spec(transformer_impl: str):
     """megatron's local layer spec, or the TransformerEngine one (GPU, TE installed).
 
     The TE spec fuses the pre-attention and pre-MLP norms into the following
-    linear layers; `rlhf.parallel.reshard.global_name` maps those parameter
+    linear layers; `rlhf.models.naming.global_name` maps those parameter
     names back to the local spec's, so conversion and resharding see one naming.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -92,33 +114,40 @@ class ValueHead(torch.nn.Module):
         return F.linear(hidden, self.weight), None
 
 
-def build_model(cfg: ModelConfig, role: str, groups: TaskGroups, seed: int = 1234,
-                dtype: torch.dtype = torch.float32, transformer_impl: str = "local") -> torch.nn.Module:
-    """This rank's stage of a ``role`` model for the task described by ``groups``.
+def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage = PipelineStage(),
+                seed: int = 1234, dtype: torch.dtype = torch.float32,
+                transformer_impl: str = "local") -> torch.nn.Module:
+    """This rank's ``stage`` of a model of ``kind`` (``lm`` or ``value``), sharded over ``pg_collection``.
 
-    Ranks of one stage share the seed, so with CPU initialisation every TP rank
-    draws the same full weights and keeps its slice.
+    megatron takes the TP size from ``pg_collection.tp`` and the stage's layers
+    from ``pg_collection.pp`` (its rank() and size()), so that group must
+    report ``stage``. Ranks of one stage share the seed, so with CPU
+    initialisation every TP rank draws the same full weights and keeps its slice.
     """
     from megatron.core.models.gpt import GPTModel
 
-    if role not in ROLES:
-        raise ValueError(f"unknown model role {role!r}; valid: {ROLES}")
+    if kind not in KINDS:
+        raise ValueError(f"unknown model kind {kind!r}; valid: {KINDS}")
+    pp = pg_collection.pp
+    if (pp.rank(), pp.size()) != (stage.index, stage.count):
+        raise ValueError(f"pg_collection.pp reports stage {pp.rank()} of {pp.size()} but the model is built as "
+                         f"stage {stage.index} of {stage.count}; megatron assigns layers by that group, so "
+                         "pass a pp group whose rank() is the logical stage")
     platform.setup_megatron()
-    s = groups.mesh.strategy
-    platform.seed_model_parallel_rng(seed + 1000 * groups.coord.pp)
+    platform.seed_model_parallel_rng(seed + 1000 * stage.index)
     model = GPTModel(
-        config=transformer_config(cfg, s.tp, s.pp, dtype),
+        config=transformer_config(cfg, pg_collection.tp.size(), stage.count, dtype),
         transformer_layer_spec=_layer_spec(transformer_impl),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
-        pre_process=groups.is_first_stage,
-        post_process=groups.is_last_stage,
+        pre_process=stage.is_first,
+        post_process=stage.is_last,
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=int(cfg.rope_theta),
-        pg_collection=groups.pg_collection,
+        pg_collection=pg_collection,
     )
-    if role == "value" and groups.is_last_stage:
+    if kind == "value" and stage.is_last:
         model.output_layer = ValueHead(cfg.hidden_size, cfg.init_std).to(dtype)
     return model.to(platform.device())
 

@@ -1,10 +1,9 @@
 """Device meshes, per-task process groups and weight resharding."""
 
-from rlhf.parallel.mesh import TASKS, Coord, ParallelStrategy, PlacementError, TaskMesh
+from rlhf.parallel.mesh import Coord, ParallelStrategy, PlacementError, TaskMesh
 from rlhf.parallel.placement import Placement, check_strategy_fits_model
 
 __all__ = [
-    "TASKS",
     "Coord",
     "ParallelStrategy",
     "Placement",

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from rlhf.parallel.mesh import TASKS, Coord, ParallelStrategy, TaskMesh
+from rlhf.models.gpt import PipelineStage
+from rlhf.parallel.mesh import Coord, ParallelStrategy, TaskMesh
 from rlhf.parallel.placement import Placement
+from rlhf.tasks import TASKS
 
 
 class LogicalStageGroup:
@@ -50,6 +52,11 @@ class TaskGroups:
     pp: dist.ProcessGroup
     mp: dist.ProcessGroup
     mesh_group: dist.ProcessGroup
+
+    @property
+    def stage(self) -> PipelineStage:
+        """This rank's logical pipeline stage, as ``build_model`` takes it."""
+        return PipelineStage(self.coord.pp, self.mesh.strategy.pp)
 
     @property
     def is_first_stage(self) -> bool:

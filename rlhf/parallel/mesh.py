@@ -18,9 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TASKS = ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train")
-"""The six tasks of a PPO iteration, in the order groups are created."""
-
 
 class PlacementError(ValueError):
     """An invalid placement; the message names the task and the broken rule."""

@@ -19,17 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.parallel.mesh import TASKS, ParallelStrategy, PlacementError, TaskMesh
-
-TASK_MODEL = {
-    "actor_gen": "actor",
-    "ref_inf": "reference",
-    "reward_inf": "reward",
-    "critic_inf": "critic",
-    "actor_train": "actor",
-    "critic_train": "critic",
-}
-"""Which model each task runs."""
+from rlhf.parallel.mesh import ParallelStrategy, PlacementError, TaskMesh
+from rlhf.tasks import TASK_MODEL, TASKS
 
 
 def parse_ranks(spec, task: str) -> tuple[int, ...]:

@@ -1,7 +1,7 @@
 """Move a model's weights between (mesh, strategy) layouts with point-to-point collectives.
 
-Vocabulary: a *global name* is a parameter's name in the unsharded model
-(``decoder.layers.{global layer}.…``); its *full* tensor is the unsharded one.
+Vocabulary: a *global name* (rlhf/models/naming.py) is a parameter's name in
+the unsharded model; its *full* tensor is the unsharded one.
 megatron splits a TP-parallel parameter along ``partition_dim`` into ``tp``
 slices; with ``partition_stride`` k (SwiGLU's fc1 has k=2: [gate; up]) the full
 dimension is k blocks, each split into tp parts, and a rank keeps its part of
@@ -22,36 +22,14 @@ sees messages in one global order (no deadlock, no file round trip).
 
 from __future__ import annotations
 
-import re
 import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from rlhf.models.naming import named_global_parameters, owning_stage
 from rlhf.parallel.groups import TaskGroups
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_TE_FUSED_NORMS = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
-"""TransformerEngine-spec parameter names -> the local spec's names."""
-
-
-def global_name(model: torch.nn.Module, name: str) -> str:
-    """The unsharded local-spec name of parameter ``name`` of a pipeline stage."""
-    m = _LAYER.match(name)
-    if not m:
-        return name
-    layer = model.decoder.layers[int(m.group(1))]
-    suffix = name[m.end():]
-    return f"decoder.layers.{layer.layer_number - 1}." + _TE_FUSED_NORMS.get(suffix, suffix)
-
-
-def named_global_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-    """This stage's parameters keyed by global name."""
-    return {global_name(model, n): p for n, p in model.named_parameters()}
 
 
 @dataclass(frozen=True)
@@ -109,14 +87,6 @@ def _overlaps(src: ShardSpec, src_rank: int, dst: ShardSpec, dst_rank: int, full
             if lo < hi:
                 out.append((s_loc + lo - s_full, d_loc + lo - d_full, hi - lo))
     return out
-
-
-def owning_stage(name: str, num_layers: int, pp: int) -> int:
-    """Pipeline stage holding global parameter ``name`` when ``num_layers`` are split over ``pp``."""
-    m = _LAYER.match(name)
-    if m:
-        return int(m.group(1)) // (num_layers // pp)
-    return 0 if name.startswith("embedding.") else pp - 1
 
 
 def _source_rank(src_mesh, stage: int, src_tp: int, dst_rank: int) -> int:

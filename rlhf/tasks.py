@@ -1,0 +1,42 @@
+"""The six tasks of a PPO iteration and the four models they run: the one task table.
+
+    task          model      kind    what it does
+    actor_gen     actor      lm      generates the responses (the engine)
+    ref_inf       reference  lm      log-probs of the frozen reference policy
+    reward_inf    reward     value   the sequence score
+    critic_inf    critic     value   per-token values
+    actor_train   actor      lm      PPO policy update
+    critic_train  critic     value   value regression
+
+A model's *kind* is its head: ``lm`` (vocab-parallel logits) or ``value`` (one
+scalar per token). Tasks of one model share its shape and, through
+resharding, its weights.
+"""
+
+from __future__ import annotations
+
+TASKS = ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train")
+"""In iteration order; every rank creates the tasks' process groups in this order."""
+
+MODELS = ("actor", "reference", "reward", "critic")
+
+KINDS = ("lm", "value")
+
+TASK_MODEL = {
+    "actor_gen": "actor",
+    "ref_inf": "reference",
+    "reward_inf": "reward",
+    "critic_inf": "critic",
+    "actor_train": "actor",
+    "critic_train": "critic",
+}
+
+MODEL_KIND = {"actor": "lm", "reference": "lm", "reward": "value", "critic": "value"}
+
+TRAIN_TASK = {"actor": "actor_train", "critic": "critic_train"}
+"""The task that updates each trained model (reference and reward stay frozen)."""
+
+
+def task_kind(task: str) -> str:
+    """``lm`` or ``value``: the head of the model that ``task`` runs."""
+    return MODEL_KIND[TASK_MODEL[task]]
