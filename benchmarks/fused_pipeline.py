@@ -33,7 +33,7 @@ MICROBATCHES = 4
 
 
 def sleep_problem():
-    from rlhf.pipeline.problem import ModelSpec, Problem
+    from rlhf.schedule.problem import ModelSpec, Problem
 
     def spec(name, direction, f):
         return ModelSpec(name, 4, 1, MICROBATCHES, direction, [f] * 4, [2 * f] * 4, [1.0] * 4)
@@ -42,8 +42,8 @@ def sleep_problem():
 
 def schedules(pb, budget_s: float = 0.2) -> dict:
     """{label: per-stage orders} for serial 1F1B and the searched (annealed) fused schedule."""
-    from rlhf.pipeline.schedules import serial_1f1b
-    from rlhf.pipeline.search import SearchConfig, search
+    from rlhf.schedule.generators import serial_1f1b
+    from rlhf.schedule.search import SearchConfig, search
 
     fused = search(pb, SearchConfig(budget_s=budget_s, memory_budget_s=budget_s / 4)).orders
     return {"serial_1f1b": serial_1f1b(pb), "annealed": fused}
@@ -72,9 +72,9 @@ def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
     import torch.distributed as dist
 
     from rlhf.parallel import Placement
-    from rlhf.pipeline.compiler import make_schedule
+    from rlhf.schedule.schedule import Schedule
     from rlhf.pipeline.executor import ModelRuntime, SleepCompute
-    from rlhf.pipeline.simulate import simulate
+    from rlhf.schedule.simulate import simulate
     from rlhf.pipeline.timeline import makespan
 
     pb, unit = sleep_problem(), unit_ms / 1000.0
@@ -84,7 +84,7 @@ def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
     compute = SleepCompute(pb, unit)
     out = {}
     for label, orders in schedules(pb).items():
-        runs = _timed_runs(make_schedule(pb, orders), runtimes, compute, repeats,
+        runs = _timed_runs(Schedule.from_orders(pb, orders), runtimes, compute, repeats,
                            _trace(trace_dir, "sleep", label))
         out[label] = (simulate(pb, orders).makespan * unit,
                       statistics.median(makespan(r) for r in runs))
@@ -127,7 +127,7 @@ def _real_runtimes(groups) -> dict:
 
 def fitted_problem(runs: list, placement):
     """A Problem whose per-stage F/B costs (ms) are the mean measured durations."""
-    from rlhf.pipeline.problem import ModelSpec, Problem
+    from rlhf.schedule.problem import ModelSpec, Problem
 
     specs = []
     for m in sleep_problem().models:
@@ -146,7 +146,7 @@ def fitted_problem(runs: list, placement):
 
 
 def _summary(pb, orders, runs) -> dict:
-    from rlhf.pipeline.simulate import simulate
+    from rlhf.schedule.simulate import simulate
     from rlhf.pipeline.timeline import bubble_fractions, makespan
 
     bubbles = [bubble_fractions(r) for r in runs]
@@ -161,17 +161,17 @@ def real_rank(repeats: int, trace_dir=None) -> dict:
 
     from rlhf.parallel import Placement
     from rlhf.parallel.groups import build_task_groups
-    from rlhf.pipeline.compiler import make_schedule
-    from rlhf.pipeline.schedules import serial_1f1b
+    from rlhf.schedule.schedule import Schedule
+    from rlhf.schedule.generators import serial_1f1b
 
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     runtimes = _real_runtimes(build_task_groups(placement))
     base = sleep_problem()
-    serial_runs = _timed_runs(make_schedule(base, serial_1f1b(base)), runtimes, None, repeats,
+    serial_runs = _timed_runs(Schedule.from_orders(base, serial_1f1b(base)), runtimes, None, repeats,
                               _trace(trace_dir, "real", "serial_1f1b"))
     pb = fitted_problem(serial_runs, placement)  # same on every rank: events were all-gathered
     fused = schedules(pb)["annealed"]
-    fused_runs = _timed_runs(make_schedule(pb, fused), runtimes, None, repeats,
+    fused_runs = _timed_runs(Schedule.from_orders(pb, fused), runtimes, None, repeats,
                              _trace(trace_dir, "real", "annealed"))
     return {"serial_1f1b": _summary(pb, serial_1f1b(pb), serial_runs),
             "annealed": _summary(pb, fused, fused_runs),

@@ -8,7 +8,7 @@ Per setting: speedup over serial 1F1B of the greedy, annealed and
 lower-bound makespans, and greedy / annealed peak activation memory relative
 to serial 1F1B, beside the paper's numbers; then, for 65B/33B PP 16/8 with
 32 micro-batches, the speedup reached under --mem-cap 1.0x, 1.25x, 1.5x and
-without a cap.  Latencies come from rlhf.pipeline.cost_model (LLaMA shapes,
+without a cap.  Latencies come from rlhf.schedule.cost_model (LLaMA shapes,
 tp 8 for every model, 4096 tokens per micro-batch).
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 import time
 
 
-from rlhf.pipeline.cost_model import build_problem, llama
-from rlhf.pipeline.lower_bound import serial_peak_memory
-from rlhf.pipeline.search import SearchConfig, search_mpi
+from rlhf.schedule.cost_model import build_problem, llama
+from rlhf.schedule.lower_bound import serial_peak_memory
+from rlhf.schedule.search import SearchConfig, search_mpi
 
 # (actor, critic, actor pp, critic pp, micro-batches): paper's
 # (greedy, ours, optimal) speedup and (greedy, ours) memory

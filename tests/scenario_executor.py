@@ -18,8 +18,9 @@ from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
 from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
-from rlhf.pipeline import compiler
 from rlhf.pipeline.executor import ModelRuntime, run_step
+from rlhf.schedule.io import schedule_from_dict
+from rlhf.schedule.schedule import ScheduleError
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=64, max_seq_len=16)
@@ -117,9 +118,9 @@ class _CommCounter:
 def _refusal(sched_dict: dict, runtimes: dict) -> dict:
     with _CommCounter() as counter:
         try:
-            run_step(compiler.schedule_from_dict(sched_dict), runtimes)
+            run_step(schedule_from_dict(sched_dict), runtimes)
             message = None
-        except compiler.ScheduleError as exc:
+        except ScheduleError as exc:
             message = str(exc)
     return {"message": message, "comm_calls": counter.calls}
 
@@ -131,7 +132,7 @@ def _train(cfg: str, schedules: dict, groups: dict, refs: dict, mbs: list, resul
     after = {}
     for label, d in schedules.items():
         runtimes = make_runtimes(groups, full, mbs)
-        res = run_step(compiler.schedule_from_dict(d), runtimes,
+        res = run_step(schedule_from_dict(d), runtimes,
                        trace_path=trace_path if label == "fused" else None)
         if label == "fused":
             results["events"][cfg] = len(res.timeline.events)

@@ -11,10 +11,13 @@ import pytest
 
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.pipeline import compiler as C
-from rlhf.pipeline.anneal import AnnealConfig, anneal_makespan
-from rlhf.pipeline.problem import ModelSpec, Problem
-from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
 from rlhf.pipeline.timeline import Timeline, bubble_fractions, chrome_trace, makespan
+from rlhf.schedule.anneal import AnnealConfig, anneal_makespan
+from rlhf.schedule.generators import greedy_fused, serial_1f1b
+from rlhf.schedule.io import load_schedule, schedule_from_dict, schedule_to_dict
+from rlhf.schedule.problem import ModelSpec, Problem
+from rlhf.schedule.schedule import Schedule, ScheduleError
+from rlhf.schedule.validate import check_schedule
 
 
 def spec(name, pp, pipelines, mbs, direction, f=1.0, b=2.0):
@@ -53,7 +56,7 @@ def random_topological(pb, seed):
 def test_exact_program_two_stage_serial():
     pb = Problem(2, (spec("a", 2, 1, 2, "down"),))
     place = {"a": mesh("actor_train", [5, 7], 2)}
-    progs = C.compile_all(C.make_schedule(pb, serial_1f1b(pb)), place)
+    progs = C.compile_all(Schedule.from_orders(pb, serial_1f1b(pb)), place)
     assert [str(i) for i in progs[5]] == [
         "FORWARD a[p0].mb0@s0", "SEND_ACT a[p0].mb0@s0 peer=7 tag=0",
         "FORWARD a[p0].mb1@s0", "SEND_ACT a[p0].mb1@s0 peer=7 tag=4",
@@ -67,7 +70,7 @@ def test_exact_program_two_stage_serial():
 
 
 def test_reversed_critic_peers():
-    progs = C.compile_all(C.make_schedule(PB, serial_1f1b(PB)), PLACE)
+    progs = C.compile_all(Schedule.from_orders(PB, serial_1f1b(PB)), PLACE)
     critic_f0 = [str(i) for i in progs[3] if i.model == "critic" and i.mb == 0 and i.kind in C.SENDS]
     # critic stage 0 sits on rank 3 and sends its activation to rank 2
     assert critic_f0 == ["SEND_ACT critic[p0].mb0@s0 peer=2 tag=32"]
@@ -79,7 +82,7 @@ def test_valid_schedules_compile_deadlock_free(pb, place):
               anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=300), seed=1)[0]]
     orders += [random_topological(pb, seed) for seed in range(20)]
     for o in orders:
-        progs = C.compile_all(C.make_schedule(pb, o), place)
+        progs = C.compile_all(Schedule.from_orders(pb, o), place)
         C.check_deadlock_free(progs)  # also: every send received exactly once
         for r, prog in progs.items():
             assert sum(i.kind in C.COMPUTE for i in prog) == sum(
@@ -87,7 +90,7 @@ def test_valid_schedules_compile_deadlock_free(pb, place):
 
 
 def test_copies_use_their_own_ranks():
-    progs = C.compile_all(C.make_schedule(PB, serial_1f1b(PB)), PLACE_X2)
+    progs = C.compile_all(Schedule.from_orders(PB, serial_1f1b(PB)), PLACE_X2)
     peers = {r: {i.peer for i in prog if i.peer >= 0} for r, prog in progs.items()}
     assert peers[0] == {1} and peers[4] == {5} and peers[5] == {4, 6}
 
@@ -96,37 +99,37 @@ def test_cyclic_programs_detected_by_replay():
     o = serial_1f1b(Problem(2, (spec("a", 2, 1, 2, "down"),)))
     pb = Problem(2, (spec("a", 2, 1, 2, "down"),))
     place = {"a": mesh("actor_train", [0, 1], 2)}
-    good = C.compile_all(C.make_schedule(pb, o), place)
+    good = C.compile_all(Schedule.from_orders(pb, o), place)
     bad = dict(good)
     bad[1] = tuple(i for i in good[1] if i.kind != C.SEND_GRAD)
-    with pytest.raises(C.ScheduleError, match="programs deadlock; ranks wait at {0: 'RECV_GRAD"):
+    with pytest.raises(ScheduleError, match="programs deadlock; ranks wait at {0: 'RECV_GRAD"):
         C.check_deadlock_free(bad)
 
 
 def test_pair_order_for_tagless_backends():
-    C.check_pair_order(C.compile_all(C.make_schedule(PB, serial_1f1b(PB)), PLACE))
-    with pytest.raises(C.ScheduleError, match=r"rank \d -> \d: message #\d+ is sent as tag \d+ but "
+    C.check_pair_order(C.compile_all(Schedule.from_orders(PB, serial_1f1b(PB)), PLACE))
+    with pytest.raises(ScheduleError, match=r"rank \d -> \d: message #\d+ is sent as tag \d+ but "
                                               r"received as tag \d+; this backend matches messages by order"):
-        C.check_pair_order(C.compile_all(C.make_schedule(PB, greedy_fused(PB)), PLACE))
+        C.check_pair_order(C.compile_all(Schedule.from_orders(PB, greedy_fused(PB)), PLACE))
 
 
 def _swap_stage(sched, s, pick_a, pick_b):
     row = list(sched.stages[s])
     a, b = row.index(next(filter(pick_a, row))), row.index(next(filter(pick_b, row)))
     row.insert(b, row.pop(a))
-    return C.Schedule(sched.problem, sched.stages[:s] + (tuple(row),) + sched.stages[s + 1:])
+    return Schedule(sched.problem, sched.stages[:s] + (tuple(row),) + sched.stages[s + 1:])
 
 
 def cyclic_schedule(pb):
     """Serial 1F1B with actor B0@s0 moved before F1@s0 on stage 0 and F1@s1
     before B0@s1 on stage 1: B0@s0 <- B0@s1 <- F1@s1 <- F1@s0 <- B0@s0."""
     is_ = lambda op, mb: lambda a: a.model == "actor" and a.op == op and a.mb == mb  # noqa: E731
-    sched = _swap_stage(C.make_schedule(pb, serial_1f1b(pb)), 0, is_("B", 0), is_("F", 1))
+    sched = _swap_stage(Schedule.from_orders(pb, serial_1f1b(pb)), 0, is_("B", 0), is_("F", 1))
     return _swap_stage(sched, 1, is_("F", 1), is_("B", 0))
 
 
 def test_cyclic_order_refused():
-    with pytest.raises(C.ScheduleError, match=r"\[deadlock\] stage 0: actor\[p0\].B0@s0 at position 1 "
+    with pytest.raises(ScheduleError, match=r"\[deadlock\] stage 0: actor\[p0\].B0@s0 at position 1 "
                                               r"waits for actor\[p0\].B0@s1 on stage 1, which never runs"):
         C.compile_rank(cyclic_schedule(PB), PLACE, 0)
 
@@ -147,23 +150,23 @@ def test_cyclic_order_refused():
                                           "pipeline but the executor was given 2"),
 ])
 def test_mismatch_refused(pb, place, counts, message):
-    with pytest.raises(C.ScheduleError, match=message):
-        C.compile_rank(C.make_schedule(pb, serial_1f1b(pb)), place, 0, counts)
+    with pytest.raises(ScheduleError, match=message):
+        C.compile_rank(Schedule.from_orders(pb, serial_1f1b(pb)), place, 0, counts)
 
 
 def test_dp_not_multiple_of_pipelines_refused():
     pb = Problem(4, (spec("actor", 2, 2, 3, "down"),))
-    with pytest.raises(C.ScheduleError, match="runs 2 pipelines but placement dp=3"):
-        C.rank_slots(C.make_schedule(pb, serial_1f1b(pb)), {"actor": mesh("actor_train", range(6), 2, dp=3)})
+    with pytest.raises(ScheduleError, match="runs 2 pipelines but placement dp=3"):
+        C.rank_slots(Schedule.from_orders(pb, serial_1f1b(pb)), {"actor": mesh("actor_train", range(6), 2, dp=3)})
 
 
 def test_rank_outside_refused():
-    with pytest.raises(C.ScheduleError, match=r"rank 9 is not in the fused pipeline \(ranks \[0, 1, 2, 3\]\)"):
-        C.compile_rank(C.make_schedule(PB, serial_1f1b(PB)), PLACE, 9)
+    with pytest.raises(ScheduleError, match=r"rank 9 is not in the fused pipeline \(ranks \[0, 1, 2, 3\]\)"):
+        C.compile_rank(Schedule.from_orders(PB, serial_1f1b(PB)), PLACE, 9)
 
 
 def test_stage_contents_checked():
-    sched = C.make_schedule(PB, serial_1f1b(PB))
+    sched = Schedule.from_orders(PB, serial_1f1b(PB))
     full = [list(r) for r in sched.stages]
     rows = [r[1:] if s == 0 else r for s, r in enumerate(full)]
     moved = full[0][0]
@@ -174,33 +177,33 @@ def test_stage_contents_checked():
         (rows[:3], "schedule has 3 stage lists, expected 4"),
     ]
     for rows_, message in cases:
-        with pytest.raises(C.ScheduleError, match=message):
-            C.check_schedule(C.Schedule(PB, tuple(tuple(r) for r in rows_)))
+        with pytest.raises(ScheduleError, match=message):
+            check_schedule(Schedule(PB, tuple(tuple(r) for r in rows_)))
 
 
 def test_json_roundtrip_and_file(tmp_path):
-    sched = C.make_schedule(PB_K2, greedy_fused(PB_K2), {"makespan": 1.0})
-    d = C.schedule_to_dict(sched)
+    sched = Schedule.from_orders(PB_K2, greedy_fused(PB_K2), {"makespan": 1.0})
+    d = schedule_to_dict(sched)
     assert d["schedule"][2][0] == {"model": "actor", "pipeline": 1, "mb": 0, "op": "F", "model_stage": 0}
     path = tmp_path / "s.json"
     path.write_text(json.dumps(d))
-    assert C.load_schedule(path) == sched
+    assert load_schedule(path) == sched
     for e in d["schedule"][3]:
         e.pop("model_stage")  # optional: derived from the fused stage
-    assert C.schedule_from_dict(d) == sched
+    assert schedule_from_dict(d) == sched
     d["schedule"][3][0]["model_stage"] = (sched.stages[3][0].stage + 1) % 2  # not its stage
-    with pytest.raises(C.ScheduleError, match="belongs on fused stage"):
-        C.compile_rank(C.schedule_from_dict(d), PLACE_K2, 0)
-    with pytest.raises(C.ScheduleError, match="malformed schedule: schedule file version 2"):
-        C.schedule_from_dict({**d, "version": 2})
+    with pytest.raises(ScheduleError, match="belongs on fused stage"):
+        C.compile_rank(schedule_from_dict(d), PLACE_K2, 0)
+    with pytest.raises(ScheduleError, match="malformed schedule: schedule file version 2"):
+        schedule_from_dict({**d, "version": 2})
     path.write_text(json.dumps({**d, "version": 2}))
-    with pytest.raises(C.ScheduleError, match=f"schedule file {path}: malformed schedule: .*version 2"):
-        C.load_schedule(path)
+    with pytest.raises(ScheduleError, match=f"schedule file {path}: malformed schedule: .*version 2"):
+        load_schedule(path)
     path.write_text("{not json")
-    with pytest.raises(C.ScheduleError, match=f"schedule file {path}: "):
-        C.load_schedule(path)
-    with pytest.raises(C.ScheduleError, match="No such file"):
-        C.load_schedule(tmp_path / "missing.json")
+    with pytest.raises(ScheduleError, match=f"schedule file {path}: "):
+        load_schedule(path)
+    with pytest.raises(ScheduleError, match="No such file"):
+        load_schedule(tmp_path / "missing.json")
 
 
 def test_timeline_bubbles_and_chrome_trace():

@@ -15,12 +15,13 @@ import json
 
 import pytest
 
+from rlhf.schedule.generators import greedy_fused, serial_1f1b
+from rlhf.schedule.io import schedule_to_dict
+from rlhf.schedule.problem import ModelSpec, Problem
+from rlhf.schedule.schedule import Schedule
+from rlhf.schedule.search import SearchConfig, search
 from rlhf.testing.distributed import launch
 from test_executor_compiler import cyclic_schedule
-from rlhf.pipeline import compiler
-from rlhf.pipeline.problem import ModelSpec, Problem
-from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
-from rlhf.pipeline.search import SearchConfig, search
 
 TOL = 1e-5
 
@@ -52,14 +53,14 @@ def annealed(pb):
 
 
 SCHEDULES = {
-    "serial": lambda pb: compiler.make_schedule(pb, serial_1f1b(pb)),
-    "fused": lambda pb: compiler.make_schedule(pb, annealed(pb)),
-    "greedy": lambda pb: compiler.make_schedule(pb, greedy_fused(pb)),
+    "serial": lambda pb: Schedule.from_orders(pb, serial_1f1b(pb)),
+    "fused": lambda pb: Schedule.from_orders(pb, annealed(pb)),
+    "greedy": lambda pb: Schedule.from_orders(pb, greedy_fused(pb)),
 }
 REFUSED = {
-    "microbatches": lambda: compiler.make_schedule(problem(8), serial_1f1b(problem(8))),
-    "pp": lambda: compiler.make_schedule(problem(pp=2), serial_1f1b(problem(pp=2))),
-    "direction": lambda: compiler.make_schedule(problem(critic_direction="down"),
+    "microbatches": lambda: Schedule.from_orders(problem(8), serial_1f1b(problem(8))),
+    "pp": lambda: Schedule.from_orders(problem(pp=2), serial_1f1b(problem(pp=2))),
+    "direction": lambda: Schedule.from_orders(problem(critic_direction="down"),
                                                 serial_1f1b(problem(critic_direction="down"))),
     "cyclic": lambda: cyclic_schedule(problem()),
 }
@@ -80,10 +81,10 @@ def trace_path(tmp_path_factory):
 def results(trace_path):
     configs = {}
     for name, (plan_, pb, labels) in CONFIGS.items():
-        schedules = {k: compiler.schedule_to_dict(SCHEDULES[k](pb)) for k in labels}
+        schedules = {k: schedule_to_dict(SCHEDULES[k](pb)) for k in labels}
         assert schedules["fused"]["schedule"] != schedules["serial"]["schedule"]
         configs[name] = {"plan": plan_, "schedules": schedules}
-    refused = {k: compiler.schedule_to_dict(f()) for k, f in REFUSED.items()}
+    refused = {k: schedule_to_dict(f()) for k, f in REFUSED.items()}
     return launch(4, "scenario_executor:run", configs=configs, refused=refused,
                   trace_path=str(trace_path))
 

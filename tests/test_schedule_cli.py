@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.pipeline.lower_bound import serial_peak_memory
-from rlhf.pipeline.problem import ModelSpec, Problem
-from rlhf.pipeline.schedule_io import load_schedule
-from rlhf.pipeline.search import SearchConfig, search
-from rlhf.pipeline.validate import validate
+from rlhf.schedule.lower_bound import serial_peak_memory
+from rlhf.schedule.problem import ModelSpec, Problem
+from rlhf.schedule.io import load_schedule
+from rlhf.schedule.search import SearchConfig, search
+from rlhf.schedule.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "search_schedule.py"
@@ -41,8 +41,9 @@ def test_cli_problem_file_out_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     for row in ("serial 1F1B", "greedy fused", "annealed", "lower bound", "evaluations"):
         assert row in r.stdout
-    pb2, sched, metrics = load_schedule(out)
-    assert validate(pb2, sched) == []
+    sched = load_schedule(out)
+    pb2, metrics = sched.problem, sched.metrics
+    assert validate(pb2, sched.stages) == []
     assert pb2.mem_cap == pytest.approx(1.25 * max(serial_peak_memory(pb)))  # "1.25x" resolved
     assert metrics["lower_bound"] <= metrics["makespan"] <= metrics["greedy"] * 1.25 + 1e-9
     assert png.stat().st_size > 1000
@@ -65,7 +66,7 @@ def test_mpi_two_ranks_keep_the_best_seed(tmp_path):
     r = run(["--problem", str(path), "--budget", "0.2", "--memory-budget", "0.1", "--seed", "3",
              "--out", str(out)], mpi=2)
     assert r.returncode == 0, r.stderr
-    _, _, metrics = load_schedule(out)
+    metrics = load_schedule(out).metrics
     singles = [search(pb, SearchConfig(budget_s=0.2, memory_budget_s=0.1, seed=s)) for s in (3, 4)]
     best = min(singles, key=lambda x: (x.makespan, max(x.peak_mem)))
     assert metrics["makespan"] == pytest.approx(best.makespan)

@@ -1,8 +1,8 @@
-"""Problem model, subtask numbering and the FLOP cost model (rlhf.pipeline)."""
+"""Problem model, subtask numbering and the FLOP cost model (rlhf.schedule)."""
 import pytest
 
-from rlhf.pipeline.cost_model import CostConfig, ModelShape, build_problem, llama
-from rlhf.pipeline.problem import Action, ModelSpec, Problem, ProblemError, stage_nodes
+from rlhf.schedule.cost_model import CostConfig, ModelShape, build_problem, llama
+from rlhf.schedule.problem import Action, ModelSpec, Problem, ProblemError, stage_nodes
 
 
 def two_models(mb_a=4, mb_c=2):

@@ -1,17 +1,17 @@
-"""Schedules, simulator, lower bound and annealing (rlhf.pipeline)."""
+"""Schedules, simulator, lower bound and annealing (rlhf.schedule)."""
 import itertools
 import random
 
 import pytest
 
-from rlhf.pipeline.anneal import AnnealConfig, anneal_makespan
-from rlhf.pipeline.lower_bound import makespan_lower_bound, serial_peak_memory
-from rlhf.pipeline.problem import ModelSpec, Problem, stage_nodes, to_actions
-from rlhf.pipeline.schedules import (backfill_schedule, greedy_fused, serial_1f1b,
+from rlhf.schedule.anneal import AnnealConfig, anneal_makespan
+from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
+from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
+from rlhf.schedule.generators import (backfill_schedule, greedy_fused, serial_1f1b,
                                      serial_1f1b_makespan)
-from rlhf.pipeline.search import SearchConfig, search
-from rlhf.pipeline.simulate import simulate, simulate_from, stage_peak_memory
-from rlhf.pipeline.validate import validate
+from rlhf.schedule.search import SearchConfig, search
+from rlhf.schedule.simulate import simulate, simulate_from, stage_peak_memory
+from rlhf.schedule.validate import validate
 
 
 def uniform(pp, m, f, b, pipelines=1, direction="down", name="m"):
@@ -132,7 +132,7 @@ def test_annealing_valid_not_worse_than_greedy_within_cap(seed):
     if seed % 2:
         cap = 1.25 * max(serial_peak_memory(pb))
     res = search(pb, SearchConfig(budget_s=0.05, memory_budget_s=0.02, seed=seed, mem_cap=cap))
-    assert validate(pb, res.schedule, cap) == []
+    assert validate(pb, res.schedule.stages, cap) == []
     assert res.makespan >= makespan_lower_bound(pb) - 1e-9
     if cap is None:
         assert res.makespan <= res.greedy_makespan + 1e-9

@@ -2,10 +2,11 @@
 subtask and the rule; schedule files round-trip."""
 import pytest
 
-from rlhf.pipeline.problem import Action, ModelSpec, Problem, to_actions
-from rlhf.pipeline.schedule_io import load_schedule, save_schedule
-from rlhf.pipeline.schedules import greedy_fused, serial_1f1b
-from rlhf.pipeline.validate import ScheduleError, check_schedule, validate
+from rlhf.schedule.generators import greedy_fused, serial_1f1b
+from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
+from rlhf.schedule.problem import Action, ModelSpec, Problem, to_actions
+from rlhf.schedule.schedule import Schedule, ScheduleError
+from rlhf.schedule.validate import check_schedule, validate
 
 
 def small():
@@ -75,7 +76,7 @@ def test_deadlock_across_stages():
     got = rules(pb, s)
     assert got == [("deadlock", 0, "actor[p0].B0@s0"), ("deadlock", 1, "actor[p0].F1@s1")]
     with pytest.raises(ScheduleError, match="cyclic dependency"):
-        check_schedule(pb, s)
+        check_schedule(Schedule(pb, tuple(tuple(row) for row in s)))
 
 
 def test_memory_cap():
@@ -91,23 +92,21 @@ def test_memory_cap():
 def test_schedule_file_round_trip(tmp_path):
     pb = small()
     sched = to_actions(pb, greedy_fused(pb))
-    save_schedule(tmp_path / "s.json", pb, sched, {"makespan": 1.0})
-    pb2, sched2, metrics = load_schedule(tmp_path / "s.json")
-    assert pb2 == pb and sched2 == sched and metrics == {"makespan": 1.0}
+    save_schedule(tmp_path / "s.json", Schedule(pb, sched, {"makespan": 1.0}))
+    loaded = load_schedule(tmp_path / "s.json")
+    assert loaded.problem == pb and loaded.stages == sched and loaded.metrics == {"makespan": 1.0}
 
 
 def test_schedule_file_model_stage_is_implied_or_checked():
-    from rlhf.pipeline.schedule_io import schedule_from_dict, schedule_to_dict
-
     pb = small()
-    d = schedule_to_dict(pb, to_actions(pb, greedy_fused(pb)))
+    d = schedule_to_dict(Schedule.from_orders(pb, greedy_fused(pb)))
     for stage in d["schedule"]:
         for a in stage:
             del a["model_stage"]
-    _, implied, _ = schedule_from_dict(d)
+    implied = schedule_from_dict(d).stages
     assert implied == to_actions(pb, greedy_fused(pb))
     d["schedule"][0][0]["model_stage"] = 1  # actor F0 of stage 0 claims model stage 1
-    _, wrong, _ = schedule_from_dict(d)
+    wrong = schedule_from_dict(d).stages
     assert rules(pb, wrong) == [("placement", 0, "actor[p0].F0@s1"),
                                 ("duplicate", 1, "actor[p0].F0@s1"),
                                 ("missing", 0, "actor[p0].F0@s0")]

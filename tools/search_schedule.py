@@ -21,13 +21,13 @@ import argparse
 import sys
 from pathlib import Path
 
-
-from rlhf.pipeline.anneal import AnnealConfig
-from rlhf.pipeline.cost_model import LLAMA, CostConfig, ModelShape, build_problem
-from rlhf.pipeline.lower_bound import serial_peak_memory
-from rlhf.pipeline.problem import ProblemError
-from rlhf.pipeline.schedule_io import load_problem, save_schedule
-from rlhf.pipeline.search import SearchConfig, format_summary, search_mpi
+from rlhf.schedule.anneal import AnnealConfig
+from rlhf.schedule.cost_model import LLAMA, CostConfig, ModelShape, build_problem
+from rlhf.schedule.io import load_problem, save_schedule
+from rlhf.schedule.lower_bound import serial_peak_memory
+from rlhf.schedule.problem import ProblemError
+from rlhf.schedule.schedule import Schedule
+from rlhf.schedule.search import SearchConfig, format_summary, search_mpi, world_comm
 
 INT_KEYS = {"layers", "hidden", "ffn", "heads", "kv_heads", "tp", "pp", "mb"}
 
@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--problem", type=Path,
-                     help="problem JSON (stages + models with per-stage latencies, "
-                          "DESIGN.md section 4); the cost-model flags below are then unused")
+                     help="problem JSON (stages + models with per-stage latencies; format in "
+                          "docs/schedule_search.md, 'Schedule file'); the cost-model flags below are then unused")
     src.add_argument("--model", type=parse_model, action="append",
                      help="model shape and layout (repeat per model), see above")
     ap.add_argument("--tokens", type=int, default=CostConfig.tokens_per_microbatch,
@@ -145,20 +145,16 @@ def main(argv=None) -> int:
     except ProblemError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    try:
-        from mpi4py import MPI
-        rank = MPI.COMM_WORLD.Get_rank()
-    except ImportError:
-        rank = 0
-    if rank != 0:
+    comm = world_comm()
+    if comm is not None and comm.Get_rank() != 0:
         return 0
     print(format_summary(res))
     if args.out:
         out_pb = pb.with_mem_cap(cap) if cap is not None else pb
-        save_schedule(args.out, out_pb, res.schedule, res.metrics())
+        save_schedule(args.out, Schedule.from_orders(out_pb, res.orders, res.metrics()))
         print(f"schedule written to {args.out}")
     if args.plot:
-        from rlhf.pipeline.plot import gantt
+        from rlhf.schedule.plot import gantt
         gantt(pb, res.orders, args.plot,
               f"{' / '.join(m.name for m in pb.models)}: makespan {res.makespan:.0f} {pb.time_unit}, "
               f"{res.serial_makespan / res.makespan:.2f}x over serial 1F1B")

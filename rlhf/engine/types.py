@@ -1,7 +1,7 @@
 """Public data types of the generation engine: config, requests, results, errors.
 
 Everything here is plain data; the live objects (model, process groups) are
-passed to `Engine` separately (STYLE 1).
+passed to `Engine` separately.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Fused pipeline schedules (RLHFuse section 5): problem model, cost model,
-1F1B / greedy / annealed schedules, lower bound, validation, schedule files.
+"""Pipeline runtime: running schedules (rlhf/schedule) on real ranks.
 
-The search side imports no torch (see docs/schedule_search.md).
+``compiler`` lowers a schedule and the models' placements into per-rank
+instructions (pure), ``executor`` runs them, ``p2p`` is the one
+point-to-point primitive, ``microbatch`` runs one micro-batch through a
+task's pipeline, ``timeline`` records and exports what ran.
 """
-from .problem import Action, ModelSpec, Problem, ProblemError
-from .validate import ScheduleError, Violation, check_schedule, validate
-
-__all__ = ["Action", "ModelSpec", "Problem", "ProblemError", "ScheduleError", "Violation",
-           "check_schedule", "validate"]

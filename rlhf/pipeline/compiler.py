@@ -1,7 +1,7 @@
 """Instruction compiler: a fused schedule + the models' placements -> per-rank programs.
 
 This module owns the mapping from fused stages to ranks and the lowering of a
-schedule (DESIGN.md section 4) into instructions.  It is pure: no torch, no
+schedule (rlhf/schedule) into instructions.  It is pure: no torch, no
 communication, so a schedule that does not fit the placements (or has a
 cyclic order) is refused before any rank sends a byte.
 
@@ -31,14 +31,11 @@ stage, direction), so messages between one pair of ranks never mix.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from . import schedule_io
-from .problem import Action, Problem, ProblemError, to_actions, to_ids
-from .validate import ScheduleError as ValidationError
-from .validate import validate
+from rlhf.schedule.problem import Action, Problem
+from rlhf.schedule.schedule import Schedule, ScheduleError
+from rlhf.schedule.validate import check_schedule
 
 RECV_ACT, FORWARD, SEND_ACT = "RECV_ACT", "FORWARD", "SEND_ACT"
 RECV_GRAD, BACKWARD, SEND_GRAD = "RECV_GRAD", "BACKWARD", "SEND_GRAD"
@@ -46,23 +43,6 @@ WAIT_SENDS, REDUCE_GRADS, OPTIMIZER_STEP = "WAIT_SENDS", "REDUCE_GRADS", "OPTIMI
 COMPUTE = (FORWARD, BACKWARD)
 SENDS = (SEND_ACT, SEND_GRAD)
 RECVS = (RECV_ACT, RECV_GRAD)
-
-
-class ScheduleError(ValueError):
-    """A schedule that is invalid or does not match the placements (says what differs)."""
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A problem and its per-fused-stage orders of compute actions."""
-
-    problem: Problem
-    stages: tuple
-    metrics: dict | None = None
-
-    @property
-    def model_names(self) -> tuple:
-        return tuple(m.name for m in self.problem.models)
 
 
 @dataclass(frozen=True)
@@ -85,46 +65,6 @@ class Instr:
             return f"{self.kind} {self.model}"
         s = f"{self.kind} {self.model}[p{self.pipeline}].mb{self.mb}@s{self.stage}"
         return s + (f" peer={self.peer} tag={self.tag}" if self.peer >= 0 else "")
-
-
-# -- schedule file (read, written and validated by the search's own modules) ----------
-def schedule_from_dict(d: dict) -> Schedule:
-    """Parse the schedule JSON structure (``schedule_io``); ScheduleError if malformed."""
-    try:
-        pb, stages, metrics = schedule_io.schedule_from_dict(d)
-    except (ProblemError, KeyError, TypeError, ValueError) as exc:
-        raise ScheduleError(f"malformed schedule: {exc}") from None
-    return Schedule(pb, stages, metrics)
-
-
-def load_schedule(path: str | Path) -> Schedule:
-    """Read a schedule file; ScheduleError naming ``path`` if it is unreadable or malformed."""
-    try:
-        d = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ScheduleError(f"schedule file {path}: {exc}") from None
-    try:
-        return schedule_from_dict(d)
-    except ScheduleError as exc:
-        raise ScheduleError(f"schedule file {path}: {exc}") from None
-
-
-def make_schedule(pb: Problem, orders, metrics: dict | None = None) -> Schedule:
-    """A Schedule from per-stage subtask-id lists (the search's representation)."""
-    return Schedule(pb, to_actions(pb, orders), metrics)
-
-
-def schedule_to_dict(sched: Schedule) -> dict:
-    return schedule_io.schedule_to_dict(sched.problem, sched.stages, sched.metrics)
-
-
-def check_schedule(sched: Schedule) -> list:
-    """Per-stage subtask ids after ``validate.validate`` (placement, completeness,
-    order, acyclic, memory cap); raises ScheduleError listing the violations."""
-    bad = validate(sched.problem, sched.stages)
-    if bad:
-        raise ScheduleError(str(ValidationError(bad)))
-    return to_ids(sched.problem, sched.stages)
 
 
 # -- placements ------------------------------------------------------------------

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from rlhf import platform
 from rlhf.parallel.data_parallel import average_gradients
 
+from rlhf.schedule.schedule import Schedule
+
 from . import compiler as C
 from .p2p import post_send, recv_into
 from .timeline import Timeline, gather, write_chrome_trace
@@ -227,11 +229,11 @@ class StepResult:
     per_rank: list | None = None
 
 
-def run_step(schedule: C.Schedule, runtimes: dict, compute=None, trace_path=None,
+def run_step(schedule: Schedule, runtimes: dict, compute=None, trace_path=None,
              gather_timeline: bool = False, group=None) -> StepResult:
     """One mini-batch step of every model in ``schedule`` on this rank.
 
-    Refuses (C.ScheduleError) a schedule that is cyclic or does not match the
+    Refuses (ScheduleError) a schedule that is cyclic or does not match the
     runtimes' placements and micro-batch counts before any communication (and,
     on backends that ignore message tags, one whose rank pairs would receive
     messages out of send order).

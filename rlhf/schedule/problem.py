@@ -1,6 +1,6 @@
 """The fused-pipeline scheduling problem: models, stages, subtasks (actions).
 
-This module owns the problem model of DESIGN.md section 4 and the numbering of
+This module owns the problem model (docs/schedule_search.md) and the numbering of
 its subtasks.  A *model* (actor, critic, ...) has ``pp`` stages and
 ``pipelines`` copies of its pipeline (the fusion factor); pipeline ``p``
 occupies fused stages ``p*pp .. p*pp+pp-1`` ("down") or their mirror
@@ -201,7 +201,8 @@ class Problem:
     def from_dict(cls, d: dict) -> "Problem":
         for field in ("stages", "models"):
             if field not in d:
-                raise ProblemError(f"problem JSON lacks {field!r} (see DESIGN.md section 4)")
+                raise ProblemError(f"problem JSON lacks {field!r} (see docs/schedule_search.md, "
+                                  "'Schedule file')")
         return cls(stages=int(d["stages"]),
                    models=tuple(ModelSpec.from_dict(m) for m in d["models"]),
                    comm=float(d.get("comm", 0.0)), mem_cap=d.get("mem_cap"),

@@ -24,7 +24,7 @@ from __future__ import annotations
 from itertools import combinations
 
 from .problem import Problem
-from .schedules import serial_1f1b
+from .generators import serial_1f1b
 from .simulate import stage_peak_memory
 
 

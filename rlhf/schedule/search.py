@@ -33,9 +33,10 @@ from itertools import product
 
 from .anneal import AnnealConfig, AnnealStats, anneal_makespan, anneal_memory
 from .lower_bound import makespan_lower_bound, serial_peak_memory
-from .problem import Problem, ProblemError, to_actions
-from .schedules import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
+from .problem import Problem, ProblemError
+from .generators import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
                         serial_1f1b_makespan)
+from .schedule import Schedule
 from .simulate import simulate, stage_peak_memory
 from .validate import check_schedule
 
@@ -80,8 +81,8 @@ class SearchResult:
     seconds: float = 0.0
 
     @property
-    def schedule(self) -> tuple:
-        return to_actions(self.problem, self.orders)
+    def schedule(self) -> Schedule:
+        return Schedule.from_orders(self.problem, self.orders, self.metrics())
 
     @property
     def evals_per_second(self) -> float:
@@ -179,7 +180,7 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     mcfg = replace(cfg.anneal, iters=mem_iters, mem_cap=cap, t0_scale=0.05)
     best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=ms)
     stats.add(st)
-    check_schedule(pb, to_actions(pb, best), mem_cap=cap)
+    check_schedule(Schedule.from_orders(pb, best), mem_cap=cap)
     return SearchResult(
         problem=pb, orders=best, makespan=simulate(pb, best).makespan,
         peak_mem=stage_peak_memory(pb, best), greedy_makespan=simulate(pb, greedy).makespan,
@@ -232,15 +233,21 @@ def _cap_ladder(pb, pool, best, name, makespan, iters, cfg, stats) -> tuple:
     return best, name
 
 
+def world_comm():
+    """mpi4py's ``COMM_WORLD`` (one rank when not under mpiexec), or None without mpi4py."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD
+
+
 def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> SearchResult:
     """One search per MPI rank (seed + rank); every rank returns the best.
-    Without mpi4py or outside mpiexec this is :func:`search`."""
+    Without mpi4py this is :func:`search`."""
+    comm = comm or world_comm()
     if comm is None:
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            return search(pb, cfg)
-        comm = MPI.COMM_WORLD
+        return search(pb, cfg)
     rank = comm.Get_rank()
     res = search(pb, replace(cfg, seed=cfg.seed + rank))
     key = (res.makespan, max(res.peak_mem), rank)

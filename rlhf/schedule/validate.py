@@ -1,4 +1,4 @@
-"""Validation of any fused schedule (DESIGN.md section 4).
+"""Validation of any fused schedule (the rules of docs/schedule_search.md, "Schedule file").
 
 A schedule is per fused stage a sequence of :class:`Action` s.  It is valid
 when
@@ -14,7 +14,8 @@ when
 * ``memory``      - no stage's live activation memory exceeds the cap.
 
 Each failure is a :class:`Violation` naming the rule, the stage and the
-subtask; :func:`check_schedule` raises :class:`ScheduleError` listing them.
+subtask; :func:`check_schedule` raises :class:`~rlhf.schedule.schedule.ScheduleError`
+listing them.
 Later rules are checked only when the earlier ones pass (a deadlock check
 needs a complete schedule).
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .problem import Action, Problem, ProblemError
+from .schedule import Schedule, ScheduleError
 from .simulate import simulate
 
 
@@ -36,17 +38,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.rule}] stage {self.stage}: {self.message}"
-
-
-class ScheduleError(ValueError):
-    """An invalid schedule; ``violations`` lists every failure found."""
-
-    def __init__(self, violations: Sequence[Violation]):
-        self.violations = tuple(violations)
-        shown = "\n  ".join(str(v) for v in self.violations[:20])
-        more = len(self.violations) - 20
-        super().__init__(f"invalid schedule ({len(self.violations)} violations):\n  {shown}"
-                         + (f"\n  ... and {more} more" if more > 0 else ""))
 
 
 def validate(pb: Problem, schedule: Sequence[Sequence[Action]],
@@ -69,10 +60,15 @@ def validate(pb: Problem, schedule: Sequence[Sequence[Action]],
     return _memory(pb, ids, cap)
 
 
-def check_schedule(pb: Problem, schedule, mem_cap: float | None = None) -> None:
-    bad = validate(pb, schedule, mem_cap)
+def check_schedule(schedule: Schedule, mem_cap: float | None = None) -> list:
+    """The per-stage subtask ids of a valid ``schedule``; ScheduleError listing
+    every violation otherwise (``mem_cap`` defaults to the problem's)."""
+    bad = validate(schedule.problem, schedule.stages, mem_cap)
     if bad:
-        raise ScheduleError(bad)
+        shown = "\n  ".join(str(v) for v in bad[:20])
+        more = f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else ""
+        raise ScheduleError(f"invalid schedule ({len(bad)} violations):\n  {shown}{more}", bad)
+    return schedule.orders
 
 
 def _placement_and_completeness(pb: Problem, schedule) -> tuple:
