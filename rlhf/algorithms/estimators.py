@@ -9,12 +9,15 @@ Callers never branch on a name: ``compute_advantages(config.estimator, ...)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 
 import torch
 
 from rlhf.algorithms.gae import compute_gae, discounted_returns
 from rlhf.algorithms.losses import masked_whiten
+
+if TYPE_CHECKING:
+    from rlhf.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,19 @@ class AdvantageInputs:
     values: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
     group_index: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_batch(cls, batch: Batch, token_rewards: torch.Tensor) -> AdvantageInputs:
+        """Inputs of one ``rlhf.batch.Batch``: token_rewards [N, R] (KL penalty +
+        score, response-aligned like the batch), mask = ``batch.response_mask``,
+        the batch's values and scores, group_index = ``batch.prompt_ids``."""
+        mask = batch.response_mask
+        if token_rewards.shape != mask.shape:
+            raise ValueError(f"AdvantageInputs.from_batch: token_rewards shape {tuple(token_rewards.shape)}; "
+                             f"expected the batch's response shape {tuple(mask.shape)} [N, R]")
+        # prompt_ids is host metadata; GRPO groups on the scores' device.
+        group_index = batch.prompt_ids.to(mask.device, non_blocking=True)
+        return cls(token_rewards, mask, values=batch.values, scores=batch.scores, group_index=group_index)
 
     def require(self, estimator: str, *names: str) -> None:
         missing = [name for name in names if getattr(self, name) is None]

@@ -1,0 +1,236 @@
+"""rlhf/batch.py: construction from engine results, position -> response
+alignment, split/concat/select, validation, and AdvantageInputs.from_batch."""
+import pytest
+import torch
+
+from rlhf.algorithms import AdvantageConfig, AdvantageInputs, compute_advantages
+from rlhf.batch import TENSOR_FIELDS, Batch
+from rlhf.engine.types import SampleResult
+
+PAD = 99
+
+
+def _sample(request_id, index, prompt, tokens, reason):
+    logprobs = tuple(-0.5 * (index + 1) - 0.125 * k for k in range(len(tokens)))
+    return SampleResult(request_id, index, tuple(prompt), tuple(tokens), logprobs, reason, 0.0)
+
+
+def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batch:
+    """A valid batch with every optional field set; pads and zeros where the convention says."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_lengths = torch.randint(1, 6, (n,), generator=g)
+    response_lengths = torch.randint(0, 5, (n,), generator=g)
+    width = int((prompt_lengths + response_lengths).max()) + extra_t
+    response_width = int(response_lengths.max()) + extra_r
+    tokens = torch.full((n, width), PAD)
+    mask = torch.zeros(n, response_width)
+    for i in range(n):
+        used = int(prompt_lengths[i] + response_lengths[i])
+        tokens[i, :used] = torch.randint(0, 50, (used,), generator=g)
+        mask[i, :int(response_lengths[i])] = 1.0
+
+    def response_field():
+        return torch.randn(n, response_width, generator=g) * mask
+
+    return Batch(tokens=tokens, pad_id=PAD, prompt_lengths=prompt_lengths, response_lengths=response_lengths,
+                 prompt_ids=torch.arange(n) // 2, sample_indices=torch.arange(n) % 2,
+                 finish_reasons=tuple(("stop", "length", "context")[i % 3] for i in range(n)),
+                 old_logprobs=response_field(), ref_logprobs=response_field(), values=response_field(),
+                 advantages=response_field(), returns=response_field(), scores=torch.randn(n, generator=g))
+
+
+def _assert_same(a: Batch, b: Batch) -> None:
+    assert a.pad_id == b.pad_id and a.finish_reasons == b.finish_reasons
+    for name in TENSOR_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_from_samples_exact_layout():
+    samples = [
+        _sample("q0", 0, [5, 6, 7], [8, 9], "stop"),
+        _sample("q0", 1, [5, 6, 7], [10], "length"),
+        _sample("q1", 0, [11], [12, 13, 14, 15], "context"),
+        _sample("q2", 0, [16, 17], [], "length"),
+    ]
+    batch = Batch.from_samples(samples, pad_id=PAD, prompt_ids={"q0": 4, "q1": 2, "q2": 7})
+    assert torch.equal(batch.tokens, torch.tensor([
+        [5, 6, 7, 8, 9],
+        [5, 6, 7, 10, PAD],
+        [11, 12, 13, 14, 15],
+        [16, 17, PAD, PAD, PAD],
+    ]))
+    assert batch.tokens.dtype == torch.int64 and batch.pad_id == PAD
+    assert batch.prompt_lengths.tolist() == [3, 3, 1, 2]
+    assert batch.response_lengths.tolist() == [2, 1, 4, 0]
+    assert batch.sequence_lengths.tolist() == [5, 4, 5, 2]
+    assert batch.prompt_ids.tolist() == [4, 4, 2, 7]
+    assert batch.sample_indices.tolist() == [0, 1, 0, 0]
+    assert batch.finish_reasons == ("stop", "length", "context", "length")
+    assert batch.response_width == 4 and len(batch) == 4
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.float32)
+    assert batch.response_mask.dtype == torch.float32 and torch.equal(batch.response_mask, mask)
+    want_logprobs = torch.tensor([[-0.5, -0.625, 0, 0], [-1.0, 0, 0, 0], [-0.5, -0.625, -0.75, -0.875], [0, 0, 0, 0]])
+    assert batch.old_logprobs.dtype == torch.float32 and torch.equal(batch.old_logprobs, want_logprobs)
+    assert all(getattr(batch, f) is None for f in ("ref_logprobs", "values", "advantages", "returns", "scores"))
+
+
+def test_from_samples_refuses_unmapped_requests_and_uneven_logprobs():
+    with pytest.raises(ValueError, match=r"request ids \['q1'\] have no entry in prompt_ids"):
+        Batch.from_samples([_sample("q0", 0, [1], [2], "stop"), _sample("q1", 0, [1], [2], "stop")], PAD, {"q0": 0})
+    bad = SampleResult("q0", 0, (1,), (2, 3), (-1.0,), "stop", 0.0)
+    with pytest.raises(ValueError, match=r"len\(logprobs\) != len\(tokens\)"):
+        Batch.from_samples([bad], PAD, {"q0": 0})
+
+
+@pytest.mark.parametrize("extra_positions", [-1, 0, 3])  # T' = T - 1, T, T + 2
+def test_response_from_positions_matches_loop(extra_positions):
+    batch = _random_batch(seed=1, n=7)
+    width = batch.tokens.shape[1] + extra_positions
+    per_position = torch.randn(len(batch), width, generator=torch.Generator().manual_seed(2))
+    want = torch.zeros(len(batch), batch.response_width)
+    for i in range(len(batch)):
+        p = int(batch.prompt_lengths[i])
+        for k in range(int(batch.response_lengths[i])):
+            want[i, k] = per_position[i, p - 1 + k]
+    assert torch.equal(batch.response_from_positions(per_position), want)
+
+
+def test_response_from_positions_turns_next_token_logprobs_into_old_logprobs():
+    # Log-probs computed per position (of tokens[:, t+1] at t) land where the engine's did.
+    samples = [_sample("a", 0, [3, 4, 5], [6, 7], "stop"), _sample("b", 0, [8], [9, 10, 11], "length")]
+    batch = Batch.from_samples(samples, PAD, {"a": 0, "b": 1})
+    per_position = torch.full((2, batch.tokens.shape[1] - 1), 123.0)
+    per_position[0, 2:4] = torch.tensor(samples[0].logprobs)  # predicts tokens 3, 4
+    per_position[1, 0:3] = torch.tensor(samples[1].logprobs)  # predicts tokens 1, 2, 3
+    assert torch.equal(batch.response_from_positions(per_position), batch.old_logprobs)
+    with pytest.raises(ValueError, match=r"per_position shape \(2, 3\).*T' >= 4"):
+        batch.response_from_positions(per_position[:, :3])
+
+
+@pytest.mark.parametrize("sizes", [1, 3, 4, 9, [2, 0, 5, 2], [9], [0, 9]])
+def test_split_then_concat_is_identity(sizes):
+    batch = _random_batch(seed=3, n=9)
+    parts = batch.split(sizes)
+    want_sizes = sizes if isinstance(sizes, list) else [9 // sizes + (i < 9 % sizes) for i in range(sizes)]
+    assert [len(p) for p in parts] == want_sizes
+    start = 0
+    for part in parts:  # each part is its own contiguous rows
+        _assert_same(part, batch.select(range(start, start + len(part))))
+        start += len(part)
+    _assert_same(Batch.concat(parts), batch)
+
+
+def test_split_near_equal_and_bad_sizes():
+    batch = _random_batch(seed=4, n=7)
+    assert [len(p) for p in batch.split(3)] == [3, 2, 2]
+    with pytest.raises(ValueError, match="summing to len"):
+        batch.split([3, 3])
+    with pytest.raises(ValueError, match="count >= 1"):
+        batch.split(0)
+
+
+@pytest.mark.parametrize("indices", [[4, 0, 3, 1, 2], [2, 2, 0, 4, 2, 0], []])
+def test_select_matches_per_sample_rows(indices):
+    batch = _random_batch(seed=5, n=5)
+    picked = batch.select(indices)
+    assert len(picked) == len(indices)
+    assert picked.finish_reasons == tuple(batch.finish_reasons[i] for i in indices)
+    for name in TENSOR_FIELDS:
+        for row, i in enumerate(indices):
+            assert torch.equal(getattr(picked, name)[row], getattr(batch, name)[i]), (name, row)
+    with pytest.raises(ValueError, match=r"expected indices in \[0, 5\)"):
+        batch.select([0, 5])
+
+
+def test_concat_pads_tokens_and_response_fields():
+    narrow = Batch.from_samples([_sample("a", 0, [1, 2], [3], "stop")], PAD, {"a": 0})
+    wide = Batch.from_samples([_sample("b", 0, [4], [5, 6, 7], "length")], PAD, {"b": 1})
+    joined = Batch.concat([narrow, wide])
+    assert torch.equal(joined.tokens, torch.tensor([[1, 2, 3, PAD], [4, 5, 6, 7]]))
+    assert torch.equal(joined.old_logprobs, torch.tensor([[-0.5, 0, 0], [-0.5, -0.625, -0.75]]))
+    assert torch.equal(joined.response_mask, torch.tensor([[1.0, 0, 0], [1, 1, 1]]))
+    assert joined.prompt_ids.tolist() == [0, 1] and joined.finish_reasons == ("stop", "length")
+
+
+def test_with_fields_and_to():
+    batch = Batch.from_samples([_sample("a", 0, [1, 2], [3, 4], "stop")], PAD, {"a": 0})
+    ref = torch.tensor([[-1.0, -2.0]])
+    added = batch.with_fields(ref_logprobs=ref, scores=torch.tensor([0.5]))
+    assert batch.ref_logprobs is None and added.ref_logprobs is ref and torch.equal(added.tokens, batch.tokens)
+    with pytest.raises(ValueError, match="Batch.with_fields: unknown fields \\['ref_logprob'\\]"):
+        batch.with_fields(ref_logprob=ref)
+    moved = added.to("meta")  # metadata stays on the host
+    assert moved.tokens.is_meta and moved.old_logprobs.is_meta and moved.scores.is_meta
+    assert not moved.prompt_lengths.is_meta and moved.prompt_lengths.tolist() == [2]
+
+
+def _bad(batch: Batch, **fields):
+    return lambda: batch.with_fields(**fields)
+
+
+def _validation_cases():
+    b = Batch.from_samples([_sample("a", 0, [1, 2], [3, 4], "stop"), _sample("a", 1, [1, 2], [5], "length")],
+                           PAD, {"a": 0})
+    return [
+        ("prompt_ids", r"Batch.prompt_ids: got shape \(3,\).*N = 2", _bad(b, prompt_ids=torch.tensor([0, 0, 0]))),
+        ("values rows", r"Batch.values: got shape \(3, 2\).*N = 2", _bad(b, values=torch.zeros(3, 2))),
+        ("R too small", r"Batch.old_logprobs: got shape \(2, 1\).*R >= 2 = max\(response_lengths\)",
+         _bad(b, old_logprobs=torch.zeros(2, 1))),
+        ("R differs", r"Batch.values: got shape \(2, 3\).*R = 2 columns, as old_logprobs",
+         _bad(b, values=torch.zeros(2, 3))),
+        ("T too small", r"Batch.tokens: got shape \(2, 3\).*T >= 4", _bad(b, tokens=b.tokens[:, :3])),
+        ("tokens dtype", r"Batch.tokens: got shape \(2, 4\) torch.float32.*int64", _bad(b, tokens=b.tokens.float())),
+        ("logprobs dtype", r"Batch.ref_logprobs: got shape \(2, 2\) torch.int64.*floating",
+         _bad(b, ref_logprobs=torch.zeros(2, 2, dtype=torch.int64))),
+        ("lengths dtype", r"Batch.response_lengths: got shape \(2,\) torch.int32",
+         _bad(b, response_lengths=torch.tensor([2, 1], dtype=torch.int32))),
+        ("finish reason", r"Batch.finish_reasons: got 'eos'; expected each one of", _bad(b, finish_reasons=("stop", "eos"))),
+        ("finish count", r"Batch.finish_reasons: got 1 reasons", _bad(b, finish_reasons=("stop",))),
+        ("empty prompt", r"Batch.prompt_lengths: got a value 0; expected values >= 1",
+         _bad(b, prompt_lengths=torch.tensor([0, 2]))),
+        ("host metadata", r"Batch.sample_indices: got .* on meta; expected a CPU tensor",
+         _bad(b, sample_indices=torch.zeros(2, dtype=torch.int64, device="meta"))),
+        ("scores device", r"Batch.scores: got .* on meta; expected a tensor on cpu", _bad(b, scores=torch.zeros(2, device="meta"))),
+        ("pad_id", r"Batch.pad_id: got 1.5", _bad(b, pad_id=1.5)),
+        ("concat fields", r"Batch.concat: Batch.scores is None in batches \[0\]",
+         lambda: Batch.concat([b, b.with_fields(scores=torch.zeros(2))])),
+        ("concat pad_id", r"Batch.concat: pad_id differs between batches \(\[0, 99\]\)",
+         lambda: Batch.concat([b, b.with_fields(pad_id=0)])),
+        ("concat empty", r"Batch.concat: got no batches", lambda: Batch.concat([])),
+    ]
+
+
+@pytest.mark.parametrize("case", _validation_cases(), ids=lambda c: c[0])
+def test_validation_names_the_field(case):
+    _, message, build = case
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+def test_advantage_inputs_from_batch_grpo_groups_by_prompt_id():
+    batch = _random_batch(seed=6, n=8).with_fields(prompt_ids=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]))
+    rewards = torch.randn(len(batch), batch.response_width) * batch.response_mask
+    config = AdvantageConfig(estimator="grpo")
+    got = compute_advantages(AdvantageInputs.from_batch(batch, rewards), config)
+    mask = torch.zeros(len(batch), batch.response_width)
+    for i, length in enumerate(batch.response_lengths.tolist()):
+        mask[i, :length] = 1
+    by_hand = AdvantageInputs(rewards, mask, scores=batch.scores, group_index=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]))
+    want = compute_advantages(by_hand, config)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"token_rewards shape \(8, 1\)"):
+        AdvantageInputs.from_batch(batch, rewards[:, :1])
+
+
+def test_advantage_inputs_from_batch_gae_uses_values_and_mask():
+    batch = _random_batch(seed=7, n=6)
+    rewards = torch.randn(len(batch), batch.response_width)
+    inputs = AdvantageInputs.from_batch(batch, rewards)
+    assert inputs.values is batch.values and inputs.scores is batch.scores
+    assert torch.equal(inputs.group_index, batch.prompt_ids)
+    config = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8)
+    want = compute_advantages(AdvantageInputs(rewards, batch.response_mask, values=batch.values), config)
+    torch.testing.assert_close(compute_advantages(inputs, config), want, rtol=0, atol=0)
