@@ -95,7 +95,7 @@ def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
 def _lm_loss(logits, mb, groups):
     from rlhf.models.logprobs import vocab_parallel_log_probs
 
-    return -vocab_parallel_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], groups.tp).mean()
+    return -vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], groups.tp).mean()
 
 
 def _value_loss(values, mb, groups):
@@ -106,6 +106,7 @@ def _real_runtimes(groups) -> dict:
     """Actor: 8 layers, hidden 256; critic: 4 layers, hidden 128 (micro-batches 2 x 64 tokens)."""
     import torch
 
+    from rlhf.batch import Batch
     from rlhf.models import ModelConfig
     from rlhf.models.gpt import build_model
     from rlhf.pipeline.executor import ModelRuntime
@@ -115,7 +116,11 @@ def _real_runtimes(groups) -> dict:
               "critic": (ModelConfig(num_layers=4, hidden_size=128, ffn_hidden_size=256, vocab_size=256,
                                      max_seq_len=64), "value", _value_loss)}
     gen = torch.Generator().manual_seed(0)
-    mbs = [{"input_ids": torch.randint(0, 256, (2, 64), generator=gen)} for _ in range(MICROBATCHES)]
+    n = 2 * MICROBATCHES  # micro-batches of 2 samples x 64 tokens (a 1-token prompt + 63 response tokens)
+    mbs = Batch(tokens=torch.randint(0, 256, (n, 64), generator=gen), pad_id=0,
+                prompt_lengths=torch.ones(n, dtype=torch.int64), response_lengths=torch.full((n,), 63),
+                prompt_ids=torch.arange(n), sample_indices=torch.zeros(n, dtype=torch.int64),
+                finish_reasons=("length",) * n).split(MICROBATCHES)
     out = {}
     for name, (cfg, kind, loss) in shapes.items():
         g = groups[TRAIN_TASK[name]]

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.algorithms import policy_loss, value_loss
+from rlhf.batch import Batch
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model, stage_forward
 from rlhf.models.logprobs import vocab_parallel_log_probs
@@ -28,35 +29,34 @@ MODELS = {"actor": ("actor_train", "lm", 11), "critic": ("critic_train", "value"
 MICROBATCHES, MB_SIZE, SEQ, LR = 4, 2, 8, 0.5
 
 
-def actor_loss(logits, mb, groups):
-    logprobs = vocab_parallel_log_probs(logits[:, :-1], mb["input_ids"][:, 1:], groups.tp)
-    return policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"])[0]
+def actor_loss(logits, mb: Batch, groups):
+    logprobs = mb.response_from_positions(vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], groups.tp))
+    return policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask)[0]
 
 
-def critic_loss(values, mb, groups):
-    return value_loss(values[:, :-1], mb["old_values"], mb["returns"], mb["mask"])[0]
+def critic_loss(values, mb: Batch, groups):
+    return value_loss(mb.response_from_positions(values), mb.values, mb.returns, mb.response_mask)[0]
 
 
 LOSSES = {"actor": actor_loss, "critic": critic_loss}
 
 
 def make_microbatches(seed: int = 0) -> list:
-    """Fixed synthetic PPO micro-batches (old log-probs, advantages, returns)."""
+    """Fixed synthetic PPO micro-batches: one-token prompts with SEQ-1 response tokens
+    (the first sample of each micro-batch stops 2 tokens early), old log-probs,
+    old values, advantages, returns; the batch split into MICROBATCHES parts."""
     g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(MICROBATCHES):
-        shape = (MB_SIZE, SEQ - 1)
-        mask = torch.ones(shape)
-        mask[0, -2:] = 0.0
-        out.append({
-            "input_ids": torch.randint(0, CFG.vocab_size, (MB_SIZE, SEQ), generator=g),
-            "old_logprobs": -4.2 + 0.1 * torch.randn(shape, generator=g),
-            "advantages": torch.randn(shape, generator=g),
-            "old_values": 0.05 * torch.randn(shape, generator=g),
-            "returns": torch.randn(shape, generator=g),
-            "mask": mask,
-        })
-    return out
+    n, shape = MICROBATCHES * MB_SIZE, (MICROBATCHES * MB_SIZE, SEQ - 1)
+    response_lengths = torch.full((n,), SEQ - 1)
+    response_lengths[::MB_SIZE] = SEQ - 3
+    tokens = torch.randint(0, CFG.vocab_size, (n, SEQ), generator=g)
+    fields = {"old_logprobs": -4.2 + 0.1 * torch.randn(shape, generator=g), "advantages": torch.randn(shape, generator=g),
+              "values": 0.05 * torch.randn(shape, generator=g), "returns": torch.randn(shape, generator=g)}
+    mask = (torch.arange(SEQ - 1) < response_lengths.unsqueeze(1)).float()
+    batch = Batch(tokens=tokens, pad_id=0, prompt_lengths=torch.ones(n, dtype=torch.int64),
+                  response_lengths=response_lengths, prompt_ids=torch.arange(n), sample_indices=torch.zeros(n, dtype=torch.int64),
+                  finish_reasons=("length",) * n, **{k: v * mask for k, v in fields.items()})
+    return batch.split(MICROBATCHES)
 
 
 def reference_step(name: str, mbs: list) -> tuple:
@@ -67,7 +67,7 @@ def reference_step(name: str, mbs: list) -> tuple:
     before = gather_tp_full_weights(model, local)
     total = 0.0
     for mb in mbs:
-        loss = LOSSES[name](stage_forward(model, mb["input_ids"]), mb, local) / len(mbs)
+        loss = LOSSES[name](stage_forward(model, mb.tokens), mb, local) / len(mbs)
         loss.backward()
         total += loss.item()  # a scalar for the report, once per micro-batch
     torch.optim.SGD(model.parameters(), lr=LR).step()

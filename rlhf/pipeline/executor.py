@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
+from rlhf.batch import Batch
 from rlhf.parallel.data_parallel import average_gradients
 
 from rlhf.schedule.schedule import Schedule
@@ -41,15 +42,16 @@ class ModelRuntime:
     """One model's live objects on this rank.
 
     ``mesh``: its TaskMesh (placement); ``microbatches``: this rank's data
-    replica's micro-batches (``groups.coord.dp``), dicts with ``input_ids``
-    [b, s] plus whatever ``loss_fn(output, microbatch, groups) -> scalar``
-    needs.  ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
+    replica's micro-batches (``groups.coord.dp``), each a ``rlhf.batch.Batch``
+    (its ``tokens`` [b, s] feed the model; ``loss_fn(output, microbatch,
+    groups) -> scalar`` reads the fields it needs).
+    ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
     :class:`SleepCompute`.
     """
 
     name: str
     mesh: object
-    microbatches: Sequence[dict]
+    microbatches: Sequence[Batch]
     module: torch.nn.Module | None = None
     groups: object = None
     optimizer: torch.optim.Optimizer | None = None
@@ -65,7 +67,7 @@ class StageCompute:
 
     def buffer(self, rt: ModelRuntime, mb: int) -> torch.Tensor:
         """An empty [s, b, h] activation (or gradient) of micro-batch ``mb``."""
-        b, s = rt.microbatches[mb]["input_ids"].shape
+        b, s = rt.microbatches[mb].tokens.shape
         p = next(rt.module.parameters())
         return torch.empty((s, b, rt.hidden_size), dtype=p.dtype, device=p.device)
 
@@ -74,7 +76,7 @@ class StageCompute:
         from rlhf.models.gpt import stage_forward
 
         data = rt.microbatches[ins.mb]
-        out = stage_forward(rt.module, data["input_ids"], x)
+        out = stage_forward(rt.module, data.tokens, x)
         if rt.is_last(ins.stage):
             return rt.loss_fn(out, data, rt.groups) / len(rt.microbatches)
         return out
