@@ -6,21 +6,19 @@ import warnings
 from rlhf import platform
 from rlhf.arguments import parse_args
 from rlhf.parallel import Placement, PlacementError
-from rlhf.parallel.placement import load_plan
+from rlhf.tasks import MODELS
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    config = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     platform.init_distributed()
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        plan = load_plan(args.placement) if args.placement else {}
-        plan.update(args.plan_overrides)
-        placement = Placement.from_plan(plan, world)
-        placement.validate_models(args.models)
+        placement = Placement.from_plan(config.placement.plan(), world)
+        placement.validate_models({model: config.models[model] for model in MODELS})
     except PlacementError as exc:
         if rank == 0:
             print(f"pretrain_rlhf.py: invalid placement: {exc}", file=sys.stderr)
@@ -33,7 +31,7 @@ def main(argv=None) -> int:
             print(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
     from rlhf.smoke import run_smoke
 
-    run_smoke(args, placement)
+    run_smoke(config, placement)
     dist.destroy_process_group()
     return 0
 

@@ -1,11 +1,18 @@
-"""All command-line flags of pretrain_rlhf.py, grouped and validated with clear errors."""
+"""All command-line flags of pretrain_rlhf.py, grouped, parsed into a frozen JobConfig."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
+from rlhf.config import ConfigError, JobConfig, ModelsConfig, PlacementConfig, RunConfig
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
 from rlhf.tasks import TASKS
+
+RUN_FLAGS = {"seq_length": "--seq-length", "micro_batch_size": "--micro-batch-size",
+             "iterations": "--iterations", "seed": "--seed"}
+"""RunConfig field -> the flag that sets it."""
 
 
 def _task_flag(task: str) -> str:
@@ -36,10 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="critic/reward shape, same forms (default: tiny-critic)")
 
     run = parser.add_argument_group("run")
-    run.add_argument("--seq-length", type=int, default=32, help="tokens per sample (default: 32)")
-    run.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: 2)")
-    run.add_argument("--iterations", type=int, default=2, help="iterations to run (default: 2)")
-    run.add_argument("--seed", type=int, default=1234, help="random seed (default: 1234)")
+    defaults = RunConfig()
+    run.add_argument("--seq-length", type=int, default=defaults.seq_length,
+                     help=f"tokens per sample (default: {defaults.seq_length})")
+    run.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size,
+                     help=f"samples per micro-batch (default: {defaults.micro_batch_size})")
+    run.add_argument("--iterations", type=int, default=defaults.iterations,
+                     help=f"iterations to run (default: {defaults.iterations})")
+    run.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed (default: {defaults.seed})")
     return parser
 
 
@@ -67,9 +78,6 @@ def parse_task_spec(task: str, spec: str) -> dict:
 
 def load_model_config(value: str, flag: str) -> ModelConfig:
     """A preset name or a JSON file of ModelConfig fields."""
-    import json
-    from pathlib import Path
-
     try:
         if value in PRESETS:
             return preset(value)
@@ -79,19 +87,18 @@ def load_model_config(value: str, flag: str) -> ModelConfig:
                          "or a JSON file of model fields)") from None
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    for name in ("seq_length", "micro_batch_size", "iterations"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.plan_overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
-    args.models = {
-        "actor": load_model_config(args.actor_model, "--actor-model"),
-        "critic": load_model_config(args.critic_model, "--critic-model"),
-    }
-    args.models["reference"], args.models["reward"] = args.models["actor"], args.models["critic"]
-    for role in ("actor", "critic"):
-        if args.seq_length > args.models[role].max_seq_len:
-            raise SystemExit(f"--seq-length {args.seq_length} exceeds the {role} model's context "
-                             f"max_seq_len={args.models[role].max_seq_len}")
-    return args
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    """The JobConfig of parsed flags; a bad value exits naming its flag."""
+    overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
+    models = ModelsConfig(actor=load_model_config(args.actor_model, "--actor-model"),
+                          critic=load_model_config(args.critic_model, "--critic-model"))
+    try:
+        run = RunConfig(**{name: getattr(args, name) for name in RUN_FLAGS})
+        return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, run=run)
+    except ConfigError as exc:
+        flag = RUN_FLAGS.get(exc.field_name.removeprefix("run."), exc.field_name)
+        raise SystemExit(f"{flag}: {exc}") from None
+
+
+def parse_args(argv=None) -> JobConfig:
+    return config_from_args(build_parser().parse_args(argv))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlhf.config import JobConfig
 from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.parallel.data_parallel import average_gradients
@@ -42,19 +43,20 @@ def _gather_report(local: dict) -> dict:
     return {k: sum(v) / len(v) for k, v in merged.items()}
 
 
-def run_smoke(args, placement) -> None:
-    """Build the six task models and run ``args.iterations`` smoke iterations."""
+def run_smoke(config: JobConfig, placement) -> None:
+    """Build the six task models and run ``config.run.iterations`` smoke iterations."""
+    run = config.run
     groups = build_task_groups(placement)
     models = {
-        task: build_model(args.models[TASK_MODEL[task]], task_kind(task), g.pg_collection, g.stage, seed=args.seed)
+        task: build_model(config.models[TASK_MODEL[task]], task_kind(task), g.pg_collection, g.stage, seed=run.seed)
         for task, g in groups.items() if g is not None
     }
     optimizers = {task: torch.optim.SGD(models[task].parameters(), lr=1e-2)
                   for task in ("actor_train", "critic_train") if task in models}
-    mbs, seq = args.micro_batch_size, args.seq_length
-    vocab = args.models["actor"].vocab_size
-    for it in range(args.iterations):
-        torch.manual_seed(args.seed + it)
+    mbs, seq = run.micro_batch_size, run.seq_length
+    vocab = config.models.actor.vocab_size
+    for it in range(run.iterations):
+        torch.manual_seed(run.seed + it)
         tokens = torch.randint(0, vocab, (mbs * dist.get_world_size(), seq))
         local, times = {}, {}
         for task in TASKS:
@@ -69,12 +71,12 @@ def run_smoke(args, placement) -> None:
         for src, dst in (("actor_train", "actor_gen"), ("critic_train", "critic_inf")):
             if groups[src] is not None or groups[dst] is not None:
                 reshard(placement[src], (groups[src], models.get(src)), placement[dst],
-                        (groups[dst], models.get(dst)), args.models[TASK_MODEL[src]].num_layers)
+                        (groups[dst], models.get(dst)), config.models[TASK_MODEL[src]].num_layers)
         dist.barrier()
         times["time_reshard_s"] = time.perf_counter() - start
         report = _gather_report(local)
         if dist.get_rank() == 0:
-            print(f"iteration {it + 1}/{args.iterations}: " +
+            print(f"iteration {it + 1}/{run.iterations}: " +
                   ", ".join(f"{k}={v:.4f}" for k, v in sorted(report.items())), flush=True)
             print("  times: " + ", ".join(f"{k[5:-2]}={v * 1000:.0f}ms" for k, v in times.items()), flush=True)
 
