@@ -19,6 +19,10 @@ megatron-core assumes CUDA in a handful of places that our CPU runs reach:
 When CUDA is unavailable, `setup_megatron()` points exactly these at their CPU
 equivalents (the CPU generator plays the part of the device generator). When
 CUDA is available it changes nothing.
+
+``RLHF_DEVICE=cpu`` in the environment makes a GPU host behave as a CPU one
+(gloo, CPU tensors): the test suite sets it so its multi-rank gloo runs work
+on any host; ``auto`` (the default) uses the GPU when there is one.
 """
 
 from __future__ import annotations
@@ -30,11 +34,17 @@ import torch
 import torch.distributed as dist
 
 _MEGATRON_READY = False
+DEVICE_ENV = "RLHF_DEVICE"
+DEVICE_CHOICES = ("auto", "cpu")
 
 
 def has_accelerator() -> bool:
-    """True when a CUDA device can be used."""
-    return torch.cuda.is_available()
+    """True when a CUDA device can be used and ``RLHF_DEVICE`` does not force the CPU."""
+    choice = os.environ.get(DEVICE_ENV, "auto")
+    if choice not in DEVICE_CHOICES:
+        raise ValueError(f"{DEVICE_ENV}={choice!r} is not one of {DEVICE_CHOICES} "
+                         "('cpu' forces gloo and CPU tensors, 'auto' uses a GPU when present)")
+    return choice == "auto" and torch.cuda.is_available()
 
 
 def device() -> torch.device:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from rlhf import platform
@@ -20,9 +21,24 @@ def _run(code: str) -> str:
 
 
 def test_cpu_backend_and_device():
-    assert not torch.cuda.is_available()  # this suite runs on the CPU build
+    # the suite forces CPU mode (tests/conftest.py), on a CPU host and on a GPU host alike
     assert platform.backend() == "gloo"
     assert platform.device() == torch.device("cpu")
+    assert not platform.has_accelerator()
+
+
+def test_device_env_is_checked(monkeypatch):
+    monkeypatch.setenv(platform.DEVICE_ENV, "tpu")
+    with pytest.raises(ValueError, match="RLHF_DEVICE='tpu' is not one of \\('auto', 'cpu'\\)"):
+        platform.backend()
+
+
+@pytest.mark.gpu
+def test_gpu_backend_and_device(monkeypatch):
+    monkeypatch.setenv(platform.DEVICE_ENV, "auto")
+    assert platform.has_accelerator()
+    assert platform.backend() == "nccl"
+    assert platform.device() == torch.device(torch.cuda.current_device())  # an int index names a GPU
 
 
 def test_cpu_adaptation_makes_megatron_rng_tracker_use_cpu_generator():

@@ -1,0 +1,28 @@
+"""Suite-wide settings: CPU mode for every process the tests start, and the ``gpu`` marker.
+
+The multi-rank tests run gloo process sets on one host, which a single GPU
+cannot serve over NCCL, so ``RLHF_DEVICE=cpu`` is set for the whole session
+(spawned workers and subprocesses inherit it). Tests marked ``gpu`` need a
+CUDA device, clear it themselves, and are deselected (not skipped) where
+CUDA is absent.
+"""
+
+import os
+
+import pytest
+import torch
+
+os.environ["RLHF_DEVICE"] = "cpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; deselected where there is none")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu:
+        config.hook.pytest_deselected(items=gpu)
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
