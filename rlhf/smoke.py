@@ -24,7 +24,7 @@ from rlhf.parallel.data_parallel import average_gradients
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import reshard
 from rlhf.pipeline.microbatch import pipeline_forward, pipeline_forward_backward
-from rlhf.tasks import TASK_MODEL, TASKS, task_kind
+from rlhf.tasks import TASK_MODEL, TASKS, TRAIN_TASK, task_kind
 
 
 def _replica_batch(tokens: torch.Tensor, groups, mbs: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ def run_smoke(config: JobConfig, placement) -> None:
         for task, g in groups.items() if g is not None
     }
     optimizers = {task: torch.optim.SGD(models[task].parameters(), lr=1e-2)
-                  for task in ("actor_train", "critic_train") if task in models}
+                  for task in TRAIN_TASK.values() if task in models}
     mbs, seq = run.micro_batch_size, run.seq_length
     vocab = config.models.actor.vocab_size
     for it in range(run.iterations):
@@ -83,15 +83,15 @@ def run_smoke(config: JobConfig, placement) -> None:
 
 def _run_task(task: str, model, g, ids: torch.Tensor, optimizer) -> dict:
     """One task's work on this rank; returns scalars to report (last stage only)."""
-    if task in ("actor_gen", "ref_inf"):
-        logits = pipeline_forward(model, g, ids)
-        if logits is None:
+    lm = task_kind(task) == "lm"
+    if task not in TRAIN_TASK.values():
+        out = pipeline_forward(model, g, ids)
+        if out is None:
             return {}
-        return {f"{task}_logprob": vocab_parallel_log_probs(logits[:, :-1], ids[:, 1:], g.tp).mean().item()}
-    if task in ("reward_inf", "critic_inf"):
-        values = pipeline_forward(model, g, ids)
-        return {} if values is None else {f"{task}_value": values[:, -1].mean().item()}
-    if task == "actor_train":
+        if lm:
+            return {f"{task}_logprob": vocab_parallel_log_probs(out[:, :-1], ids[:, 1:], g.tp).mean().item()}
+        return {f"{task}_value": out[:, -1].mean().item()}
+    if lm:
         loss = pipeline_forward_backward(
             model, g, ids, lambda logits: -vocab_parallel_log_probs(logits[:, :-1], ids[:, 1:], g.tp).mean())
     else:
