@@ -5,6 +5,8 @@ import logging
 import pytest
 import torch
 
+from test_tokenizers import make_hf_dir
+
 from rlhf.data import (
     ByteTokenizer,
     PromptBatchIterator,
@@ -12,6 +14,7 @@ from rlhf.data import (
     PromptDataset,
     PromptDatasetConfig,
     PromptFormatError,
+    build_tokenizer,
 )
 
 BOS = ByteTokenizer.BOS
@@ -63,11 +66,13 @@ def test_parquet_prompts(tmp_path):
 def test_chat_messages_rendered_with_template(tmp_path):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": msgs, "lang": "en"}])
-    ds = dataset(path, messages_field="messages")
+    ds = dataset(path, messages_field="messages", add_bos=True)
     expected = "<|system|>\nBe brief.<|end|>\n<|user|>\nHi<|end|>\n<|assistant|>\n"
     assert ds[0].text == expected
     assert ds[0].token_ids == (BOS,) + tuple(expected.encode())
     assert dict(ds[0].metadata) == {"lang": "en"}
+    # by default template text gets no special tokens added (the template spells them out)
+    assert dataset(path, messages_field="messages")[0].token_ids == tuple(expected.encode())
     # plain text prompts wrapped as one user turn
     path2 = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "Hi"}])
     assert dataset(path2, chat_template_for_text=True)[0].text == "<|user|>\nHi<|end|>\n<|assistant|>\n"
@@ -162,6 +167,29 @@ def test_overlong_rejected_vs_left_truncated(tmp_path):
     assert nobos[1].token_ids == tuple(b"defgh")
 
 
+@pytest.mark.parametrize("prepend_bos", [False, True])
+@pytest.mark.parametrize("backend", ["transformers", "tokenizers"])
+def test_default_special_tokens_are_autotokenizers(tmp_path, backend, prepend_bos):
+    from transformers import AutoTokenizer
+
+    tok_dir = make_hf_dir(tmp_path / "tok", prepend_bos=prepend_bos)  # <s> = 1, hello = 7, world = 8
+    texts = ["hello world", "world", "hello hello world"]
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": t} for t in texts])
+    tok = build_tokenizer(tok_dir, backend=backend)
+
+    def ids(**kw):
+        return [list(p.token_ids) for p in PromptDataset(PromptDatasetConfig(path, **kw), tok)]
+
+    hf = AutoTokenizer.from_pretrained(tok_dir)
+    assert ids() == [hf(t).input_ids for t in texts]
+    assert [i[0] == 1 for i in ids()] == [prepend_bos] * 3
+    assert ids(add_bos=False) == [hf(t, add_special_tokens=False).input_ids for t in texts]
+    assert ids(add_bos=True) == [[1] + hf(t, add_special_tokens=False).input_ids for t in texts]
+    # truncate_left keeps the BOS the tokenizer added
+    truncated = ids(max_prompt_length=2, overlong="truncate_left")
+    assert truncated == ([[1, 8]] * 3 if prepend_bos else [[7, 8], [8], [7, 8]])
+
+
 # ----------------------------------------------------------------------------- config
 @pytest.mark.parametrize("kw, match", [
     (dict(paths=[]), "paths"),
@@ -171,6 +199,8 @@ def test_overlong_rejected_vs_left_truncated(tmp_path):
     (dict(paths="a.jsonl", on_error="ignore"), "on_error='ignore'"),
     (dict(paths="a.jsonl", format="csv"), "format='csv'"),
     (dict(paths="a.jsonl", prompt_field=""), "prompt_field"),
+    (dict(paths="a.jsonl", add_bos="yes"), "add_bos='yes'"),
+    (dict(paths="a.jsonl", max_prompt_length=1, overlong="truncate_left", add_bos=False), "max_prompt_length=1"),
 ])
 def test_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):

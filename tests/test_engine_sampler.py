@@ -36,13 +36,3 @@ def test_greedy_raw_logprobs_and_seeded_draws():
                    [make_generator(1)])
     assert math.isclose(lp.item(), 0.0, abs_tol=1e-6)  # top-1 distribution: probability 1
 
-
-def test_vocab_limit_excludes_padded_ids_from_tokens_and_logprobs():
-    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0], [0.5, 0.0, 0.0, 8.0]])  # padded id 3 dominates
-    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0, seed=3)
-    tokens, logps = sample(logits, [greedy, sampled], [make_generator(0), make_generator(3)], vocab_limit=3)
-    assert tokens[0].item() == 2 and tokens[1].item() < 3
-    expected = torch.log_softmax(logits[0, :3], -1)[2]
-    assert math.isclose(logps[0].item(), expected.item(), rel_tol=1e-6)
-    draws = [sample(logits[1:], [sampled], [make_generator(s)], vocab_limit=3)[0].item() for s in range(50)]
-    assert max(draws) < 3

@@ -97,3 +97,31 @@ def test_prompt_longer_than_context_is_refused_with_its_line(runs):
 def test_invalid_sampling_flag_is_refused_naming_the_flag(runs):
     _, out = runs
     assert out["bad_flag_exit"] == ["BAD FLAG: generate: --top-k: top_k=-1 is invalid: must be >= 0 (0 disables)"]
+
+
+def test_bos_flags_and_record_errors(tmp_path, capsys):
+    from rlhf.data import ByteTokenizer
+
+    generate = load_tool("generate")
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    base = ["--load", "m", "--prompts", str(path), "--out", "o.jsonl"]
+
+    def ids(*flags):
+        args = generate.build_parser().parse_args(base + list(flags))
+        return [p.ids for p in generate.read_prompts(args.prompts, ByteTokenizer(), args.add_bos)]
+
+    assert ids() == ids("--add-bos") == [[257, 104, 105]]  # the byte tokenizer's own rule: BOS first
+    assert ids("--no-bos") == [[104, 105]]
+    with pytest.raises(SystemExit):
+        generate.build_parser().parse_args(base + ["--add-bos", "--no-bos"])
+    assert "argument --no-bos: not allowed with argument --add-bos" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n\n{"text": "no prompt"}\n')
+    with pytest.raises(SystemExit, match=rf"^generate: {bad}:3: no string field 'prompt'$"):
+        generate.read_prompts(str(bad), ByteTokenizer(), None)
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    with pytest.raises(SystemExit, match=rf"^generate: {bad}:2: invalid JSON \("):
+        generate.read_prompts(str(bad), ByteTokenizer(), None)
+    with pytest.raises(SystemExit, match="^generate: --prompts .*nope.jsonl: prompt file not found"):
+        generate.read_prompts(str(tmp_path / "nope.jsonl"), ByteTokenizer(), None)

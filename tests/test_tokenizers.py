@@ -16,14 +16,19 @@ VOCAB = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, "<|user|>": 4, "<|assistan
          "brief": 13}
 
 
-def make_hf_dir(path, chat_template=CHAT_TEMPLATE):
-    """A WordLevel tokenizer saved like a hub model (tokenizer.json + config + template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def make_hf_dir(path, chat_template=CHAT_TEMPLATE, prepend_bos=False):
+    """A WordLevel tokenizer saved like a hub model (tokenizer.json + config + template).
+
+    It defines <s> (id 1); with ``prepend_bos`` its post-processor adds it, else nothing is added.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()
+    if prepend_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", unk_token="<unk>")
     if chat_template is not None:
@@ -47,6 +52,7 @@ def test_byte_roundtrip_unicode():
     assert all(0 <= i < 256 for i in ids)
     assert tok.decode(ids) == text
     assert (tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id) == (259, 256, 257, 258)
+    assert tok.encode("hi", add_special_tokens=True) == [257, 104, 105]  # its rule: BOS prepended
 
 
 def test_byte_decode_special_tokens():
@@ -105,6 +111,21 @@ def test_hf_tokenizer_from_local_dir(hf_dir, backend):
     text = tok.apply_chat_template(msgs)
     assert text == "<s><|system|> be brief <|user|> hello <|assistant|>"
     assert tok.apply_chat_template(msgs, tokenize=True) == [1, 6, 12, 13, 4, 7, 5]
+
+
+@pytest.mark.parametrize("prepend_bos", [False, True])
+@pytest.mark.parametrize("backend", ["transformers", "tokenizers"])
+def test_hf_special_tokens_as_autotokenizer_adds_them(tmp_path, backend, prepend_bos):
+    from transformers import AutoTokenizer
+
+    path = make_hf_dir(tmp_path / "tok", prepend_bos=prepend_bos)
+    tok = build_tokenizer(path, backend=backend)
+    text = "hello world how are you"
+    assert tok.encode(text, add_special_tokens=True) == AutoTokenizer.from_pretrained(path)(text).input_ids
+    assert tok.encode(text, add_special_tokens=True) == [1] * prepend_bos + [7, 8, 9, 10, 11]
+    assert tok.encode(text) == [7, 8, 9, 10, 11]
+    # the template spells out <s>: its ids get no second one
+    assert tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=True) == [1, 4, 7, 5]
 
 
 def test_hf_auto_falls_back_to_tokenizers(hf_dir, monkeypatch):

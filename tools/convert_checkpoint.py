@@ -22,15 +22,13 @@ import torch
 from rlhf.checkpoint import storage
 from rlhf.checkpoint.hf import HFConversionError, export_hf, read_hf_config, read_hf_state
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, read_full_state, stage_files
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
-                    "merges.txt", "vocab.txt", "special_tokens_map.json", "added_tokens.json",
-                    "chat_template.jinja", "generation_config.json")
+from rlhf.data import TOKENIZER_FILES
+from rlhf.tasks import KINDS
 
 
 def copy_tokenizer(src: str, dst: str) -> list[str]:
     """Copy the tokenizer files present in ``src`` to ``dst``; returns their names."""
-    names = [n for n in _TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
     if names:
         os.makedirs(dst, exist_ok=True)
     for n in names:
@@ -78,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", required=True, help="our checkpoint root; written as <out>/iter_<N>, <out>/latest")
     a.add_argument("--model-name", default="actor", help="name of the model inside our checkpoint "
                    "(actor, critic, reference, reward; default: actor)")
-    a.add_argument("--role", choices=("lm", "value"), default="lm",
+    a.add_argument("--role", choices=KINDS, default="lm",
                    help="lm: causal LM (actor/reference); value: critic/reward, value head from "
                         "score.weight of a *ForSequenceClassification checkpoint, or new for a causal LM")
     a.add_argument("--iteration", type=int, default=0, help="iteration number of the new checkpoint (default 0)")

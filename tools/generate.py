@@ -4,16 +4,19 @@
 Each input line is {"prompt": "..."} (other fields are carried over); each output
 line adds "completion" (decoded, special tokens skipped) and "completion_ids"
 (generated ids, the EOS included when reached). --load takes our checkpoint root
-or a Hugging Face model directory. All prompts go to the generation engine
-(rlhf/engine: paged KV cache, continuous batching) at once.
+or a Hugging Face model directory. Prompts are tokenized as the tokenizer's own
+rules say (an HF tokenizer as AutoTokenizer(dir)(text): a BOS only where it adds
+one; the byte tokenizer prepends its BOS); --add-bos / --no-bos override that.
+All prompts go to the generation engine (rlhf/engine: paged KV cache,
+continuous batching) at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+from typing import NamedTuple
 
 # engine config / sampling field -> the flag that sets it (for error messages)
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
@@ -23,14 +26,20 @@ _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="our checkpoint root or an HF model directory")
-    p.add_argument("--prompts", required=True, help='input JSONL, one {"prompt": "..."} per line')
+    p.add_argument("--prompts", required=True, help='input JSONL, one {"prompt": "..."} per line '
+                   "(or Parquet with a 'prompt' column)")
     p.add_argument("--out", required=True, help="output JSONL (input fields + completion, completion_ids)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most per prompt")
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory (default: the HF "
                    "directory itself, or <checkpoint root>/tokenizer)")
     p.add_argument("--model-name", default="actor", help="model to use from our checkpoint (default actor)")
     p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: latest)")
-    p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS id")
+    bos = p.add_mutually_exclusive_group()  # default (neither): the tokenizer's own rules
+    bos.add_argument("--add-bos", dest="add_bos", action="store_const", const=True, default=None,
+                     help="put the tokenizer's BOS first even where the tokenizer does not add it (default: "
+                     "tokenize as the tokenizer does, i.e. AutoTokenizer(dir)(text) for an HF tokenizer)")
+    bos.add_argument("--no-bos", dest="add_bos", action="store_const", const=False,
+                     help="encode the prompt text alone: no BOS (nor any other special token) added")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores sampling flags)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy, like --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -41,25 +50,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_prompts(path: str, tokenizer, add_bos: bool) -> tuple[list[dict], list[list[int]]]:
-    """Records of a prompts JSONL file and their token ids; errors name file:line."""
-    if not os.path.isfile(path):
-        raise SystemExit(f"generate: --prompts {path}: no such file (expected JSONL with a 'prompt' per line)")
-    records, ids = [], []
-    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise SystemExit(f"generate: {path}:{line_no}: not JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise SystemExit(f"generate: {path}:{line_no}: no string field 'prompt'")
-            records.append(dict(record, _line=line_no))
-            ids.append(bos + tokenizer.encode(record["prompt"]))
-    return records, ids
+class PromptLine(NamedTuple):
+    """One record of the prompts file, where it is, and its prompt's token ids."""
+
+    line: int
+    record: dict
+    ids: list[int]
+
+
+def read_prompts(path: str, tokenizer, add_bos: bool | None) -> list[PromptLine]:
+    """The records of a prompts file with their token ids; errors name file:line.
+
+    ``add_bos``: None tokenizes as the tokenizer's own rules say, True puts its
+    BOS first, False adds nothing (``rlhf.data.encode_prompt``).
+    """
+    from rlhf.data import PromptDataError, encode_prompt, load_prompt_records
+
+    prompts = []
+    try:
+        for line, record, problem in load_prompt_records(path):
+            if problem is None and not (isinstance(record, dict) and isinstance(record.get("prompt"), str)):
+                problem = "no string field 'prompt'"
+            if problem is not None:
+                raise SystemExit(f"generate: {path}:{line}: {problem}")
+            ids = encode_prompt(tokenizer, record["prompt"], add_bos)
+            if not ids:
+                raise SystemExit(f"generate: {path}:{line}: the prompt has no tokens (empty text, no BOS added)")
+            prompts.append(PromptLine(line, record, ids))
+    except PromptDataError as e:
+        raise SystemExit(f"generate: --prompts {e} (expected JSONL or Parquet with a 'prompt' per record)") from None
+    return prompts
 
 
 def sampling_params(args, index: int, eos_id: int):
@@ -89,26 +109,25 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = build_tokenizer(args.tokenizer or tok_dir)
     except TokenizerError as e:
         raise SystemExit(f"generate: {'--tokenizer: ' if args.tokenizer else ''}{e}") from None
-    records, prompt_ids = read_prompts(args.prompts, tokenizer, not args.no_bos)
+    prompts = read_prompts(args.prompts, tokenizer, args.add_bos)
     try:
-        engine = Engine(model, None, cfg, EngineConfig(num_blocks=args.kv_blocks,
-                                                       vocab_limit=min(tokenizer.vocab_size, cfg.vocab_size)))
-        requests = [Request(str(i), tuple(ids), sampling_params(args, i, tokenizer.eos_id))
-                    for i, ids in enumerate(prompt_ids)]
+        engine = Engine(model, None, cfg, EngineConfig(num_blocks=args.kv_blocks))
+        requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.eos_id))
+                    for i, p in enumerate(prompts)]
     except EngineConfigError as e:
         flag = _FLAGS.get(e.field_name)
         raise SystemExit(f"generate: {flag + ': ' if flag else ''}{e}") from None
-    for record, request in zip(records, requests):
+    for prompt, request in zip(prompts, requests):
         try:
             engine.check_fits(request)
         except NeverFitsError as e:
-            raise SystemExit(f"generate: {args.prompts}:{record['_line']}: {e}") from None
+            raise SystemExit(f"generate: {args.prompts}:{prompt.line}: {e}") from None
     results = engine.generate(requests)
     with open(args.out, "w", encoding="utf-8") as fout:
-        for record, result in zip(records, results):
-            record.pop("_line")
+        for prompt, result in zip(prompts, results):
             ids = list(result.tokens)
-            record.update(completion=tokenizer.decode(ids, skip_special_tokens=True), completion_ids=ids)
+            record = dict(prompt.record, completion=tokenizer.decode(ids, skip_special_tokens=True),
+                          completion_ids=ids)
             fout.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(f"generate: {len(results)} completions -> {args.out} ({engine.stats.tokens_per_s:.0f} tokens/s)")
     return 0

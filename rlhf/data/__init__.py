@@ -15,9 +15,11 @@ from .prompts import (
     PromptDatasetConfig,
     PromptDatasetStats,
     PromptFormatError,
+    encode_prompt,
     load_prompt_records,
 )
 from .tokenizer import (
+    TOKENIZER_FILES,
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,
@@ -27,6 +29,7 @@ from .tokenizer import (
 )
 
 __all__ = [
+    "TOKENIZER_FILES",
     "ByteTokenizer",
     "HFTokenizer",
     "Prompt",
@@ -40,6 +43,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "build_tokenizer",
+    "encode_prompt",
     "load_prompt_records",
     "validate_messages",
 ]

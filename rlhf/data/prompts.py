@@ -20,9 +20,17 @@ Malformed records (``on_error``)
     ``"skip"``: the record is dropped, counted in :class:`PromptDatasetStats`,
     and a warning naming ``path:N`` is logged (the first ``max_warnings``).
 
+Special tokens (``add_bos``)
+    By default a plain-text prompt is tokenized by the tokenizer's own rules
+    (``encode(text, add_special_tokens=True)``: for an HF tokenizer the ids of
+    ``AutoTokenizer(dir)(text)``, with a BOS only where it adds one) and
+    chat-template text gets nothing added (the template spells out its special
+    tokens, as HF ``apply_chat_template(tokenize=True)`` does). ``True`` /
+    ``False`` override both: BOS first (added unless there) / nothing added.
+
 Over-long prompts (``overlong``), ``max_prompt_length`` in tokens, BOS included
     ``"reject"``: dropped and counted. ``"truncate_left"``: keep the last
-    tokens (the end of a prompt is where the answer starts); a BOS, when added,
+    tokens (the end of a prompt is where the answer starts); a leading BOS
     stays in front::
 
         bos t0 t1 t2 t3 t4 t5   (max_prompt_length=4)  ->  bos t3 t4 t5
@@ -54,6 +62,7 @@ __all__ = [
     "PromptDatasetStats",
     "PromptDataError",
     "PromptFormatError",
+    "encode_prompt",
     "load_prompt_records",
 ]
 
@@ -95,7 +104,7 @@ class PromptDatasetConfig:
     max_prompt_length: int = 1024  # tokens, BOS included
     overlong: str = "reject"  # "reject" | "truncate_left"
     on_error: str = "raise"  # "raise" | "skip"
-    add_bos: bool = True  # prepend tokenizer.bos_id (if it has one and it is not there yet)
+    add_bos: Optional[bool] = None  # None: the tokenizer's rules; True: BOS first; False: none (see above)
     max_warnings: int = 20  # skipped-record warnings logged one by one, then only counted
 
     def __post_init__(self):
@@ -129,10 +138,13 @@ class PromptDatasetConfig:
         if self.on_error not in ("raise", "skip"):
             raise _config_error("on_error", self.on_error, "must be 'raise' or 'skip'",
                                 "'skip' drops malformed records with a warning")
-        if self.add_bos and self.max_prompt_length < 2 and self.overlong == "truncate_left":
+        if self.add_bos not in (None, True, False):
+            raise _config_error("add_bos", self.add_bos, "must be None, True or False",
+                                "None tokenizes as the tokenizer's own rules do")
+        if self.max_prompt_length < 2 and self.overlong == "truncate_left":
             raise _config_error("max_prompt_length", self.max_prompt_length,
-                                "must be >= 2 when add_bos and truncate_left (BOS + 1 token)",
-                                "raise it or set add_bos=False")
+                                "must be >= 2 with truncate_left, which keeps a leading BOS",
+                                "raise it (BOS + 1 token at least) or use overlong='reject'")
         if not isinstance(self.max_warnings, int) or self.max_warnings < 0:
             raise _config_error("max_warnings", self.max_warnings, "must be an int >= 0", "e.g. 20")
 
@@ -228,6 +240,22 @@ def _parquet_records(path: str):
             yield n, row, None
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str, add_bos: Optional[bool] = None) -> list[int]:
+    """Token ids of one prompt text.
+
+    ``None``: the tokenizer's own rules (``encode(text, add_special_tokens=True)``);
+    ``True``: the text's ids with ``tokenizer.bos_id`` first (added unless
+    already there; none if the tokenizer has no BOS); ``False``: the text's ids alone.
+    """
+    if add_bos is None:
+        return tokenizer.encode(text, add_special_tokens=True)
+    ids = tokenizer.encode(text)
+    bos = tokenizer.bos_id
+    if add_bos and bos is not None and ids[:1] != [bos]:
+        ids.insert(0, bos)
+    return ids
+
+
 class PromptDataset(Sequence[Prompt]):
     """All usable prompts of the configured files, tokenized, in file order.
 
@@ -245,6 +273,9 @@ class PromptDataset(Sequence[Prompt]):
                                         max_prompt_length=config.max_prompt_length)
         self._prompts: list[Prompt] = []
         self._warned = 0
+        templated = config.messages_field is not None or config.chat_template_for_text
+        # a chat template spells out its special tokens: by default nothing is added to its text
+        self._add_bos = False if templated and config.add_bos is None else config.add_bos
         digest = hashlib.sha256()
         for path in config.paths:
             for n, record, problem in load_prompt_records(path, config.format):
@@ -278,10 +309,8 @@ class PromptDataset(Sequence[Prompt]):
                 self._warned += 1
                 logger.warning("skipping malformed prompt record %s", e)
             return None
-        ids = self.tokenizer.encode(text)
-        bos = self.tokenizer.bos_id
-        add_bos = self.config.add_bos and bos is not None and (not ids or ids[0] != bos)
-        return self._fit_length(path, n, text, ids, bos if add_bos else None, metadata)
+        ids = encode_prompt(self.tokenizer, text, self._add_bos)
+        return self._fit_length(path, n, text, ids, metadata)
 
     def _render(self, path: str, n: int, record: Any) -> tuple[str, dict]:
         """The prompt text and the metadata of a record; PromptFormatError if malformed."""
@@ -312,18 +341,18 @@ class PromptDataset(Sequence[Prompt]):
                 add_generation_prompt=cfg.add_generation_prompt)
         return value, metadata
 
-    def _fit_length(self, path, n, text, ids, bos, metadata) -> Optional[Prompt]:
+    def _fit_length(self, path, n, text, ids, metadata) -> Optional[Prompt]:
         limit = self.config.max_prompt_length
-        head = [] if bos is None else [bos]
         truncated = False
-        if len(head) + len(ids) > limit:
+        if len(ids) > limit:
             if self.config.overlong == "reject":
                 self.stats.rejected_overlong += 1
                 return None
-            ids = ids[len(ids) - (limit - len(head)):]
+            head = ids[:1] if ids[0] == self.tokenizer.bos_id else []
+            ids = head + ids[len(ids) - (limit - len(head)):]
             truncated = True
             self.stats.truncated += 1
-        return Prompt(index=len(self._prompts), token_ids=tuple(head + ids), text=text,
+        return Prompt(index=len(self._prompts), token_ids=tuple(ids), text=text,
                       source=f"{path}:{n}", metadata=metadata, truncated=truncated)
 
     # -- sequence -------------------------------------------------------------

@@ -26,6 +26,7 @@ __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "HFTokenizer",
+    "TOKENIZER_FILES",
     "TokenizerError",
     "build_tokenizer",
     "validate_messages",
@@ -33,14 +34,13 @@ __all__ = [
 
 Message = Mapping[str, Any]
 
-# Files that make a directory a tokenizer directory (any one of them).
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-)
+# Files that define a tokenizer: a directory holding any one of them is a tokenizer directory.
+_DEFINING_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+# Every file of an HF tokenizer (what copying one copies): the defining files plus companions
+# that only complete one (BPE merges, special/added tokens, chat template, and the generation
+# defaults that name the EOS ids), so they do not make a directory a tokenizer on their own.
+TOKENIZER_FILES = _DEFINING_FILES + ("merges.txt", "special_tokens_map.json", "added_tokens.json",
+                                     "chat_template.jinja", "generation_config.json")
 
 
 class TokenizerError(ValueError):
@@ -77,15 +77,16 @@ def validate_messages(messages: Any) -> list[dict]:
 class Tokenizer(abc.ABC):
     """The interface every part of the system uses.
 
-    Ids are plain Python ints. ``encode`` never adds special tokens; callers
-    that want a BOS prepend :attr:`bos_id` themselves (the prompt dataset does,
-    see ``PromptDatasetConfig.add_bos``), so chat templates that already
-    spell out the BOS text do not get it twice.
+    Ids are plain Python ints. ``encode(text)`` adds no special tokens (chat
+    templates spell theirs out); ``encode(text, add_special_tokens=True)``
+    adds what the tokenizer's own rules add (for an HF tokenizer the ids of
+    ``AutoTokenizer.from_pretrained(dir)(text).input_ids``), which is how a
+    plain-text prompt is tokenized (see ``PromptDatasetConfig.add_bos``).
     """
 
     @abc.abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without any special tokens added."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` plus those the tokenizer adds (e.g. a BOS)."""
 
     @abc.abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -125,7 +126,7 @@ class Tokenizer(abc.ABC):
         """Render a conversation with the chat template.
 
         Returns the prompt text, or its ids when ``tokenize=True`` (encoded
-        with :meth:`encode`, so no extra special tokens). With
+        with :meth:`encode` without added special tokens, as HF does). With
         ``add_generation_prompt`` the text ends where the assistant's answer
         starts. Raises ``ValueError`` for malformed messages.
         """
@@ -136,6 +137,8 @@ class Tokenizer(abc.ABC):
 class ByteTokenizer(Tokenizer):
     """UTF-8 bytes as tokens plus pad/bos/eos; needs no files.
 
+    Its special-token rule: ``encode(text, add_special_tokens=True)`` prepends the BOS.
+
     Chat template (plain text, byte-encoded)::
 
         <|system|>\\nYou are terse.<|end|>\\n<|user|>\\nHi<|end|>\\n<|assistant|>\\n
@@ -144,8 +147,8 @@ class ByteTokenizer(Tokenizer):
     PAD, BOS, EOS = 256, 257, 258
     _NAMES = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return ([self.BOS] if add_special_tokens else []) + list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         out: list[str] = []
@@ -264,10 +267,11 @@ class HFTokenizer(Tokenizer):
         self._pad = int(eos if pad is None else pad)
 
     # -- interface ------------------------------------------------------------
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if self._hf is not None:
-            return list(self._hf.encode(text, add_special_tokens=False))
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+            return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+        # the tokenizer.json post-processor is what adds special tokens here
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
@@ -313,9 +317,9 @@ def _check_tokenizer_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise TokenizerError(f"tokenizer {path!r} is neither 'byte' (the built-in byte "
                              f"tokenizer) nor an existing directory")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _DEFINING_FILES):
         raise TokenizerError(f"directory {path} holds no tokenizer (expected one of "
-                             f"{', '.join(_TOKENIZER_FILES)})")
+                             f"{', '.join(_DEFINING_FILES)})")
 
 
 def _load_transformers(path: str):

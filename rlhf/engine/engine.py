@@ -190,7 +190,7 @@ class Engine:
             return []
         if len(rows) != logits.shape[0]:
             logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.config.vocab_limit)
+        tokens, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         # .tolist(): the scheduler needs the new ids on the host (stop checks, next inputs); the
         # log-probs ride along in the same step (SampleResult holds python floats)
         finished = []

@@ -28,19 +28,14 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return x
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           vocab_limit: int | None = None):
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]):
     """Next tokens and their log-probs for each row of ``logits`` [S, V] (float32).
 
     Returns (tokens [S] int64, logprobs [S] float32). Log-probs are of the raw
     logits (``logprobs_of="raw"``, what the training model computes) or of the
-    filtered distribution that was sampled from (``"sampling"``). Ids at or
-    above ``vocab_limit`` (padding past the tokenizer's vocabulary) are never
-    drawn and get no probability mass.
+    filtered distribution that was sampled from (``"sampling"``). Every id of
+    the model's vocabulary can be drawn (see docs/engine.md on vocabulary padding).
     """
-    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-        logits = logits.clone()
-        logits[:, vocab_limit:] = float("-inf")
     raw_logp = torch.log_softmax(logits, dim=-1)
     tokens = raw_logp.argmax(dim=-1)
     logp = raw_logp

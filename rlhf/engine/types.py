@@ -44,9 +44,6 @@ class EngineConfig:
     ``max_seq_len``. ``continuous_batching=False`` admits new sequences only
     when the running batch is empty (static batching, for comparison).
     ``prefix_sharing=False`` makes every sample prefill its own prompt.
-    ``vocab_limit`` (when the model's vocabulary is padded past the
-    tokenizer's) keeps ids at or above it from ever being sampled; log-probs
-    are then over the real vocabulary only.
     The n-1 samples forked off a prompt join the running batch at once, so it
     may exceed ``max_num_seqs`` by up to n-1 until they finish.
     """
@@ -59,7 +56,6 @@ class EngineConfig:
     continuous_batching: bool = True
     prefix_sharing: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "flash"
-    vocab_limit: int | None = None
 
     def __post_init__(self):
         _check(self.num_blocks >= 1, "num_blocks", self.num_blocks, ">= 1")
@@ -70,8 +66,6 @@ class EngineConfig:
                ">= 2 or None (use the model's max_seq_len)")
         _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
                self.attention_backend, "one of 'auto', 'torch', 'flash'")
-        _check(self.vocab_limit is None or self.vocab_limit >= 1, "vocab_limit", self.vocab_limit,
-               ">= 1 or None (sample from the whole vocabulary)")
 
 
 @dataclass(frozen=True)
