@@ -1,4 +1,4 @@
-"""Fused pipeline schedules (RLHFuse section 5), pure: no torch.distributed, no device.
+"""Fused pipeline schedules (RLHFuse section 5), pure: plain Python, no torch collectives, no device.
 
 The problem model (``problem``), its timing simulator (``simulate``), the
 schedule generators (``generators``: serial 1F1B, greedy fused, list rules,
