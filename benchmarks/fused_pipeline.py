@@ -72,10 +72,10 @@ def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
     import torch.distributed as dist
 
     from rlhf.parallel import Placement
-    from rlhf.schedule.schedule import Schedule
     from rlhf.pipeline.executor import ModelRuntime, SleepCompute
-    from rlhf.schedule.simulate import simulate
     from rlhf.pipeline.timeline import makespan
+    from rlhf.schedule.schedule import Schedule
+    from rlhf.schedule.simulate import simulate
 
     pb, unit = sleep_problem(), unit_ms / 1000.0
     placement = Placement.from_plan(PLAN, dist.get_world_size())
@@ -151,8 +151,8 @@ def fitted_problem(runs: list, placement):
 
 
 def _summary(pb, orders, runs) -> dict:
-    from rlhf.schedule.simulate import simulate
     from rlhf.pipeline.timeline import bubble_fractions, makespan
+    from rlhf.schedule.simulate import simulate
 
     bubbles = [bubble_fractions(r) for r in runs]
     return {"predicted_s": simulate(pb, orders).makespan / 1000.0,
@@ -166,8 +166,8 @@ def real_rank(repeats: int, trace_dir=None) -> dict:
 
     from rlhf.parallel import Placement
     from rlhf.parallel.groups import build_task_groups
-    from rlhf.schedule.schedule import Schedule
     from rlhf.schedule.generators import serial_1f1b
+    from rlhf.schedule.schedule import Schedule
 
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     runtimes = _real_runtimes(build_task_groups(placement))

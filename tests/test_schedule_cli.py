@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.schedule.io import load_schedule
 from rlhf.schedule.lower_bound import serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem
-from rlhf.schedule.io import load_schedule
 from rlhf.schedule.search import SearchConfig, search
 from rlhf.schedule.validate import validate
 

@@ -5,10 +5,10 @@ import random
 import pytest
 
 from rlhf.schedule.anneal import AnnealConfig, anneal_makespan
+from rlhf.schedule.generators import (backfill_schedule, greedy_fused, serial_1f1b,
+                                      serial_1f1b_makespan)
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
-from rlhf.schedule.generators import (backfill_schedule, greedy_fused, serial_1f1b,
-                                     serial_1f1b_makespan)
 from rlhf.schedule.search import SearchConfig, search
 from rlhf.schedule.simulate import simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate

@@ -60,11 +60,11 @@ class TaskGroups:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.coord.pp == 0
+        return self.stage.is_first
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coord.pp == self.mesh.strategy.pp - 1
+        return self.stage.is_last
 
     @property
     def tp_rank(self) -> int:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from itertools import combinations
 
-from .problem import Problem
 from .generators import serial_1f1b
+from .problem import Problem
 from .simulate import stage_peak_memory
 
 

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .anneal import AnnealConfig, AnnealStats, anneal_makespan, anneal_memory
+from .generators import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
+                         serial_1f1b_makespan)
 from .lower_bound import makespan_lower_bound, serial_peak_memory
 from .problem import Problem, ProblemError
-from .generators import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
-                        serial_1f1b_makespan)
 from .schedule import Schedule
 from .simulate import simulate, stage_peak_memory
 from .validate import check_schedule
@@ -245,7 +245,7 @@ def world_comm():
 def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> SearchResult:
     """One search per MPI rank (seed + rank); every rank returns the best.
     Without mpi4py this is :func:`search`."""
-    comm = comm or world_comm()
+    comm = comm if comm is not None else world_comm()
     if comm is None:
         return search(pb, cfg)
     rank = comm.Get_rank()
