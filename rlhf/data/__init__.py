@@ -5,6 +5,8 @@
 directory), built by :func:`build_tokenizer`.
 ``prompts``: JSONL/Parquet prompt datasets with checked records, a prompt-length
 policy and a resumable mini-batch iterator.
+``synthetic``: the built-in task that needs no files: seeded prompts and the
+rule-based gold reward.
 """
 from .prompts import (
     Prompt,
@@ -18,6 +20,7 @@ from .prompts import (
     encode_prompt,
     load_prompt_records,
 )
+from .synthetic import GOLD_TARGET_IDS, SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from .tokenizer import (
     TOKENIZER_FILES,
     ByteTokenizer,
@@ -29,6 +32,7 @@ from .tokenizer import (
 )
 
 __all__ = [
+    "GOLD_TARGET_IDS",
     "TOKENIZER_FILES",
     "ByteTokenizer",
     "HFTokenizer",
@@ -40,10 +44,13 @@ __all__ = [
     "PromptDatasetConfig",
     "PromptDatasetStats",
     "PromptFormatError",
+    "SyntheticPromptConfig",
+    "SyntheticPromptDataset",
     "Tokenizer",
     "TokenizerError",
     "build_tokenizer",
     "encode_prompt",
+    "gold_reward",
     "load_prompt_records",
     "validate_messages",
 ]

@@ -1,0 +1,154 @@
+"""The built-in synthetic task: seeded prompts and the rule-based gold reward.
+
+This module owns the task that ``pretrain_rlhf.py`` trains with no files: a
+prompt dataset made from a seed (usable wherever :class:`PromptDataset` is)
+and :func:`gold_reward`, the rule the run is judged by.
+
+Prompts
+    BOS, then random upper-case words of ByteTokenizer bytes separated by
+    single spaces, e.g. ``<s>QWF ZX MPLOR`` (lengths in tokens, BOS included,
+    uniform in ``[min_length, max_length]``). Upper case keeps every prompt
+    byte outside the gold rule's target set, so the score is a property of the
+    response alone and a reward model need not tell prompt letters from
+    response letters.
+
+Gold reward
+    The fraction of the response's tokens that are lower-case ASCII letters
+    (ids 97..122), the response's EOS counted as a token::
+
+        response          ids                 score
+        []                                    0
+        [EOS]             258                 0
+        "ab" EOS          97 98 258           2/3
+        "aB"              97 66               1/2
+        "abcd"            97 98 99 100        1
+
+    Why this rule: a near-uniform policy over 512 ids scores 26/512 ~= 0.05;
+    the way up is to move probability mass onto 26 tokens, the easiest thing a
+    policy can learn; every position of the response counts equally, so the
+    policy is rewarded for letters over the whole response; and stopping early
+    does not pay (an empty or EOS-only response scores 0, the EOS itself is a
+    non-letter, so L letters then EOS score L/(L+1)).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .prompts import Prompt
+from .tokenizer import ByteTokenizer
+
+__all__ = [
+    "GOLD_TARGET_IDS",
+    "SyntheticPromptConfig",
+    "SyntheticPromptDataset",
+    "gold_reward",
+]
+
+GOLD_TARGET_IDS = tuple(range(ord("a"), ord("z") + 1))
+_TARGETS = frozenset(GOLD_TARGET_IDS)
+_WORD_BYTES = np.arange(ord("A"), ord("Z") + 1)
+_SPACE = ord(" ")
+
+
+def gold_reward(prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+    """One score in [0, 1] per sample: the fraction of lower-case letter ids in the response.
+
+    ``prompts`` [N] and ``responses`` [N] are token id lists (a response may
+    end with the EOS id, which counts as a non-letter token); the prompt does
+    not enter the score. An empty response scores 0.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"gold_reward: {len(prompts)} prompts but {len(responses)} responses; "
+                         "pass one prompt per response")
+    return [sum(t in _TARGETS for t in r) / len(r) if r else 0.0 for r in responses]
+
+
+def _config_error(name: str, value, constraint: str, fix: str) -> ValueError:
+    return ValueError(f"SyntheticPromptConfig.{name}={value!r}: {constraint}; {fix}")
+
+
+@dataclass(frozen=True)
+class SyntheticPromptConfig:
+    """How many prompts, from which seed, how long (tokens, BOS included)."""
+
+    num_prompts: int = 1024
+    seed: int = 0
+    min_length: int = 4
+    max_length: int = 16
+
+    def __post_init__(self):
+        for name in ("num_prompts", "seed", "min_length", "max_length"):
+            if not isinstance(getattr(self, name), int):
+                raise _config_error(name, getattr(self, name), "must be an int", "pass an integer")
+        if self.num_prompts < 1:
+            raise _config_error("num_prompts", self.num_prompts, "must be >= 1", "e.g. 1024")
+        if self.seed < 0:
+            raise _config_error("seed", self.seed, "must be >= 0", "e.g. 0")
+        if self.min_length < 2:
+            raise _config_error("min_length", self.min_length, "must be >= 2 (BOS + one byte)",
+                                "e.g. 4")
+        if self.max_length < self.min_length:
+            raise _config_error("max_length", self.max_length,
+                                f"must be >= min_length={self.min_length}",
+                                "raise max_length or lower min_length")
+
+
+def _prompt_bytes(rng: np.random.Generator, n: int) -> list[int]:
+    """``n`` bytes of upper-case words (1..6 letters) separated by single spaces."""
+    out: list[int] = []
+    while len(out) < n:
+        word = rng.choice(_WORD_BYTES, size=int(rng.integers(1, 7))).tolist()
+        out += ([_SPACE] if out else []) + word
+    out = out[:n]
+    if out[-1] == _SPACE:  # the cut fell on a separator: end on a letter instead
+        out[-1] = int(rng.choice(_WORD_BYTES))
+    return out
+
+
+def _fingerprint(prompts: Sequence[Prompt]) -> str:
+    """sha256 over every prompt's token ids (the identity a resumed data position checks)."""
+    digest = hashlib.sha256()
+    for p in prompts:
+        digest.update(array("q", p.token_ids).tobytes())
+        digest.update(b"\xff")
+    return digest.hexdigest()
+
+
+class SyntheticPromptDataset(Sequence[Prompt]):
+    """``config.num_prompts`` prompts drawn from ``config.seed``; same seed, same prompts.
+
+    Has what :class:`PromptBatchIterator` reads: ``len()``, indexing to a
+    :class:`Prompt` and ``fingerprint``. Prompt ``i`` has ``index=i`` and
+    ``source="synthetic:<seed>:<i>"``.
+    """
+
+    Config = SyntheticPromptConfig
+
+    def __init__(self, config: SyntheticPromptConfig = SyntheticPromptConfig()):
+        self.config = config
+        self.tokenizer = ByteTokenizer()  # the ids are bytes: no other tokenizer reads them
+        rng = np.random.Generator(np.random.PCG64(config.seed))
+        self._prompts = [self._make_prompt(rng, i) for i in range(config.num_prompts)]
+        self.fingerprint = _fingerprint(self._prompts)
+
+    def _make_prompt(self, rng: np.random.Generator, index: int) -> Prompt:
+        length = int(rng.integers(self.config.min_length, self.config.max_length + 1))
+        ids = [self.tokenizer.bos_id] + _prompt_bytes(rng, length - 1)
+        return Prompt(index=index, token_ids=tuple(ids), text=self.tokenizer.decode(ids),
+                      source=f"synthetic:{self.config.seed}:{index}")
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, i):
+        return self._prompts[i]
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"SyntheticPromptDataset({len(self)} prompts, seed={c.seed}, "
+                f"lengths {c.min_length}..{c.max_length})")

@@ -1,0 +1,146 @@
+"""The built-in synthetic task: seeded prompts, the gold rule, the reward-model fit."""
+
+import pytest
+import torch
+
+from rlhf.data import PromptBatchIterator
+from rlhf.data.synthetic import GOLD_TARGET_IDS, SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
+from rlhf.data.tokenizer import ByteTokenizer
+from rlhf.reward_fit import RewardFitConfig, pack_sequences, sample_sequences
+from rlhf.testing.distributed import launch
+
+BOS, EOS, PAD = ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD
+
+
+# -- prompts ------------------------------------------------------------------
+def test_prompts_are_deterministic_in_the_seed():
+    a, b = SyntheticPromptDataset(), SyntheticPromptDataset()
+    assert [p.token_ids for p in a] == [p.token_ids for p in b]
+    assert a.fingerprint == b.fingerprint
+    other = SyntheticPromptDataset(SyntheticPromptConfig(seed=1))
+    assert other.fingerprint != a.fingerprint
+    assert a[0].token_ids != other[0].token_ids
+
+
+def test_prompts_are_bos_then_upper_case_words_within_the_length_range():
+    ds = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=200, min_length=5, max_length=9))
+    assert len(ds) == 200
+    assert {len(p) for p in ds} == set(range(5, 10))
+    for i, p in enumerate(ds):
+        assert p.index == i and p.source == f"synthetic:0:{i}"
+        assert p.token_ids[0] == BOS
+        text = bytes(p.token_ids[1:]).decode("ascii")
+        assert p.text == text
+        assert text == text.strip() and "  " not in text
+        assert set(text) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZ ")
+
+
+def test_prompts_feed_the_batch_iterator_and_resume_exactly():
+    ds = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=10))
+    it = PromptBatchIterator(ds, batch_size=4, seed=3)
+    first = next(it)
+    assert first.token_ids == [list(ds[i].token_ids) for i in first.indices]
+    state = it.state_dict()
+    expected = [next(it).indices for _ in range(3)]
+    resumed = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=10)), batch_size=4)
+    resumed.load_state_dict(state)
+    assert [next(resumed).indices for _ in range(3)] == expected
+    # 10 prompts, batches of 4, drop_last: two batches per epoch, the third batch opens epoch 1
+    assert (state["epoch"], state["index"]) == (0, 4) and resumed.epoch == 1
+
+
+def test_resuming_on_other_synthetic_prompts_is_refused():
+    it = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=10)), batch_size=4)
+    other = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=10, seed=9)),
+                                batch_size=4)
+    with pytest.raises(ValueError, match="fingerprint mismatch"):
+        other.load_state_dict(it.state_dict())
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("num_prompts", 0, "num_prompts=0: must be >= 1"),
+    ("min_length", 1, "min_length=1: must be >= 2"),
+    ("max_length", 3, "max_length=3: must be >= min_length=4"),
+    ("seed", 1.5, "seed=1.5: must be an int"),
+])
+def test_prompt_config_errors_name_the_field(field, value, words):
+    with pytest.raises(ValueError, match=f"SyntheticPromptConfig.{words}"):
+        SyntheticPromptConfig(**{field: value})
+
+
+# -- gold rule ----------------------------------------------------------------
+def test_gold_reward_is_the_fraction_of_lower_case_letters_eos_included():
+    a, b, upper_b = ord("a"), ord("b"), ord("B")
+    responses = [[], [EOS], [a, b, EOS], [a, upper_b], [a, b, ord("c"), ord("z")],
+                 [ord("`"), ord("{"), 300, PAD, BOS], [a, 97 + 256, ord(" "), EOS]]
+    prompts = [[BOS, a, a]] * len(responses)  # prompt letters never count
+    assert gold_reward(prompts, responses) == [0.0, 0.0, 2 / 3, 0.5, 1.0, 0.0, 0.25]
+    assert GOLD_TARGET_IDS == tuple(range(97, 123))
+
+
+def test_gold_reward_of_a_uniform_policy_is_about_26_of_512():
+    ids = torch.randint(512, (4000, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    mean = sum(gold_reward([[BOS]] * len(ids), ids)) / len(ids)
+    assert abs(mean - 26 / 512) < 0.003  # standard error ~0.0006
+
+
+def test_gold_reward_needs_one_prompt_per_response():
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        gold_reward([[BOS], [BOS]], [[EOS]])
+
+
+# -- fit sequences --------------------------------------------------------------
+def test_pack_sequences_follows_the_batch_layout_and_scores_the_last_response_token():
+    tokens, positions = pack_sequences([[BOS, 1, 2], [BOS]], [[3, EOS], [4, 5, 6]], PAD)
+    assert tokens.tolist() == [[BOS, 1, 2, 3, EOS], [BOS, 4, 5, 6, PAD]]
+    assert positions.tolist() == [4, 3]
+
+
+def test_fit_sequences_span_the_score_range():
+    config = RewardFitConfig(max_response_length=20, eos_probability=0.25)
+    prompts = [[BOS, 65], [BOS, 66, 67]]
+    p, r = sample_sequences(prompts, 2000, GOLD_TARGET_IDS, 512, EOS, config,
+                            torch.Generator().manual_seed(0))
+    again = sample_sequences(prompts, 2000, GOLD_TARGET_IDS, 512, EOS, config,
+                             torch.Generator().manual_seed(0))
+    assert (p, r) == again
+    assert all(pi in prompts for pi in p)
+    assert {len(ri) for ri in r} == set(range(1, 21))
+    assert abs(sum(ri[-1] == EOS for ri in r) / len(r) - 0.25) < 0.04
+    scores = torch.tensor(gold_reward(p, r))
+    # q ~ U(0, 1): scores spread over [0, 1], not piled at a uniform policy's 0.05
+    assert abs(scores.mean().item() - 0.5) < 0.05
+    assert (scores < 0.1).float().mean() > 0.1 and (scores > 0.9).float().mean() > 0.05
+
+
+def test_fit_config_errors_name_the_field():
+    with pytest.raises(ValueError, match=r"RewardFitConfig.eos_probability=1.5: must be in \[0, 1\]"):
+        RewardFitConfig(eos_probability=1.5)
+    with pytest.raises(ValueError, match="RewardFitConfig.steps=0: must be an int >= 1"):
+        RewardFitConfig(steps=0)
+
+
+# -- the fit (one gloo rank) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def fit():
+    return launch(1, "scenario_synthetic:run", timeout_s=300)[0]
+
+
+def test_reward_fit_ranks_held_out_sequences_like_the_rule(fit):
+    report = fit["report"]
+    assert report["steps"] == 120 and report["eval_samples"] == 256
+    assert report["correlation"] >= 0.9 and report["mae"] < 0.12
+    assert report["final_loss"] < 0.03
+
+
+def test_reward_fit_report_agrees_with_an_independent_check(fit):
+    check = fit["check"]
+    assert check["corr"] >= 0.9 and abs(check["corr"] - fit["report"]["correlation"]) < 0.05
+    assert abs(check["mae"] - fit["report"]["mae"]) < 0.03
+    # right padding leaves the last response token's value as an unpadded forward gives it
+    assert check["single_err"] < 1e-5
+
+
+def test_reward_fit_is_a_function_of_its_seeds(fit):
+    assert fit["rerun_diff"] == 0.0
+    assert fit["other_seed_diff"] > 0.0
