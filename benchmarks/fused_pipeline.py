@@ -109,6 +109,7 @@ def _real_runtimes(groups) -> dict:
     from rlhf.batch import Batch
     from rlhf.models import ModelConfig
     from rlhf.models.gpt import build_model
+    from rlhf.optim import ModelOptimizer, OptimizerConfig
     from rlhf.pipeline.executor import ModelRuntime
 
     shapes = {"actor": (ModelConfig(num_layers=8, hidden_size=256, ffn_hidden_size=512, vocab_size=256,
@@ -125,8 +126,8 @@ def _real_runtimes(groups) -> dict:
     for name, (cfg, kind, loss) in shapes.items():
         g = groups[TRAIN_TASK[name]]
         module = build_model(cfg, kind, g.pg_collection, g.stage, seed=1)
-        out[name] = ModelRuntime(name, g.mesh, mbs, module, g, torch.optim.SGD(module.parameters(), lr=1e-4),
-                                 loss, cfg.hidden_size)
+        sgd = ModelOptimizer(module, g, OptimizerConfig(optimizer="sgd", lr=1e-4, clip_grad=0.0))
+        out[name] = ModelRuntime(name, g.mesh, mbs, module, g, sgd, loss, cfg.hidden_size)
     return out
 
 

@@ -14,7 +14,8 @@ megatron-core assumes CUDA in a handful of places that our CPU runs reach:
   ``torch.cuda.get_rng_state`` / ``manual_seed`` and its own
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``;
 * ``tensor.type()`` strings checked against ``torch.cuda.FloatTensor`` in its
-  DDP / optimizer code.
+  DDP / optimizer code, and scalars its optimizers allocate on ``device="cuda"``
+  (those two run under :func:`megatron_scope`, a torch-function mode).
 
 When CUDA is unavailable, `setup_megatron()` points exactly these at their CPU
 equivalents (the CPU generator plays the part of the device generator). When
@@ -27,11 +28,13 @@ on any host; ``auto`` (the default) uses the GPU when there is one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 _MEGATRON_READY = False
 DEVICE_ENV = "RLHF_DEVICE"
@@ -145,3 +148,27 @@ def _adapt_megatron_to_cpu() -> None:
     torch.cuda.FloatTensor = torch.FloatTensor
     torch.cuda.HalfTensor = torch.HalfTensor
     torch.cuda.BFloat16Tensor = torch.BFloat16Tensor
+
+
+class _CpuMegatron(TorchFunctionMode):
+    """Runs megatron's optimizer code on CPU tensors (no accelerator).
+
+    megatron allocates scalars with ``device='cuda'`` and accepts only tensors
+    whose ``type()`` is ``torch.cuda.*Tensor`` in its optimizers and clipping.
+    Inside this mode a factory call's non-CPU ``device=`` becomes the CPU and
+    ``tensor.type()`` reports the CUDA name.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and not isinstance(device, int) and torch.device(device).type != "cpu":
+            kwargs["device"] = torch.device("cpu")
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def megatron_scope():
+    """Where megatron's optimizer code runs: as is with an accelerator, else under :class:`_CpuMegatron`."""
+    return contextlib.nullcontext() if has_accelerator() else _CpuMegatron()

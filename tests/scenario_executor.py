@@ -1,9 +1,10 @@
 """4-rank scenario for the executor: actor and critic fused on ranks 0-3.
 
 For each placement given (e.g. actor pp4 down + critic pp4 up with
-reverse_pp), one PPO mini-batch step (4 micro-batches of 2 samples, SGD)
-through the executor with each schedule given, compared with unsharded
-single-process training of the same weights on the same micro-batches.
+reverse_pp), one PPO mini-batch step (4 micro-batches of 2 samples, SGD
+through megatron's DDP and optimizer, ``rlhf.optim.ModelOptimizer``) through
+the executor with each schedule given, compared with unsharded single-process
+training (``torch.optim.SGD``) of the same weights on the same micro-batches.
 Also: mismatched and cyclic schedules are refused with no p2p or collective
 call made.
 """
@@ -16,6 +17,7 @@ from rlhf.batch import Batch
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model, stage_forward
 from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.optim import ModelOptimizer, OptimizerConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
 from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
@@ -27,6 +29,7 @@ CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attentio
                   num_kv_heads=2, vocab_size=64, max_seq_len=16)
 MODELS = {"actor": ("actor_train", "lm", 11), "critic": ("critic_train", "value", 12)}
 MICROBATCHES, MB_SIZE, SEQ, LR = 4, 2, 8, 0.5
+SGD = OptimizerConfig(optimizer="sgd", lr=LR, clip_grad=0.0)
 
 
 def actor_loss(logits, mb: Batch, groups):
@@ -84,7 +87,7 @@ def make_runtimes(groups: dict, full: dict, mbs: list) -> dict:
         load_full_weights(module, g, full[name])
         share = len(mbs) // g.mesh.strategy.dp
         mine = mbs[g.coord.dp * share:(g.coord.dp + 1) * share]
-        out[name] = ModelRuntime(name, g.mesh, mine, module, g, torch.optim.SGD(module.parameters(), lr=LR),
+        out[name] = ModelRuntime(name, g.mesh, mine, module, g, ModelOptimizer(module, g, SGD),
                                  LOSSES[name], CFG.hidden_size)
     return out
 

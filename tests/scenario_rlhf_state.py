@@ -1,16 +1,23 @@
-"""Scenarios for the RLHF-state checkpoint tests.
+"""Scenarios for the RLHF-state checkpoints.
 
-``run`` (4 ranks): the actor is saved from TP2xPP2 and the critic from a
-reversed PP2xDP2 layout, with AdamW moments, LR schedulers, data position and
-RNG; both load into TP1 layouts on other rank sets. Reference full tensors are
-built on every rank from fixed seeds, so each check is exact.
+``run`` (4 ranks): the actor is saved from TP2xPP2 (``ModelOptimizer``,
+megatron's AdamW) and the critic from a reversed PP2xDP2 layout with
+megatron's distributed optimizer, each with AdamW moments, step and LR
+schedule set to known values, plus data position and RNG. The actor loads
+into TP1xDP2 with the distributed optimizer (ranks 0-1), the critic into TP1
+with the plain one (rank 2). Reference full tensors are built on every rank
+from fixed seeds, so the state checks are exact; the loaded models then take
+one step, compared with unsharded ``torch.optim.AdamW`` started from the same
+state (tests/scenario_optim.py).
 
 ``save_then_die`` (one plain process, no megatron): saves iteration 1, then
 dies inside the commit of iteration 2, as a killed job would.
 """
 
+import math
 import os
 import zlib
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -18,10 +25,12 @@ import torch.distributed as dist
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model
+from rlhf.models.naming import named_global_parameters
+from rlhf.optim import ModelOptimizer
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
-from rlhf.models.naming import named_global_parameters
 from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full_weights
+from scenario_optim import OPT, lr_at, make_data, reference_step, sharded_step, torch_adamw
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=256, max_seq_len=64, qkv_bias=True)
@@ -31,51 +40,71 @@ PLAN = {
     "ref_inf": {"ranks": [0, 1]},
     "reward_inf": {"ranks": [2]},
 }
-STEP = 3.0
+STEP = 2  # updates taken before the save: the LR schedule is half-way down its cosine
 
 
 def _moments(full: dict) -> dict:
-    """Deterministic full AdamW moments per parameter name (same on every rank)."""
+    """Deterministic full AdamW moments per parameter name (same on every rank), scaled like the
+    clipped gradients' so the next step's gradient still matters."""
     out = {}
     for name, t in full.items():
         gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        out[name] = {"exp_avg": torch.randn(t.shape, generator=gen), "exp_avg_sq": torch.rand(t.shape, generator=gen)}
+        out[name] = {"exp_avg": 1e-4 * torch.randn(t.shape, generator=gen),
+                     "exp_avg_sq": 1e-8 * (0.5 + torch.rand(t.shape, generator=gen))}
     return out
 
 
-def _slot(role, groups, seed, full=None, moments=None):
-    """A model slot on ``groups`` with AdamW + LambdaLR; filled from ``full``/``moments`` when given."""
+def _slot(role, groups, seed, distributed: bool, full=None, moments=None):
+    """A model slot on ``groups`` with a ModelOptimizer; weights, moments and schedule set from the reference."""
     if groups is None:
         return ModelSlot(CFG, role)
     model = build_model(CFG, role, groups.pg_collection, groups.stage, seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    opt = ModelOptimizer(model, groups, replace(OPT, use_distributed_optimizer=distributed))
     if full is not None:
         tp = groups.mesh.strategy.tp
+        slices = opt.state_slices()
         for name, p in named_global_parameters(model).items():
             spec = ShardSpec.of(p, tp)
             p.data.copy_(full_to_shard(full[name], spec, groups.tp_rank))
-            opt.state[p] = {"step": torch.tensor(STEP)}
-            opt.state[p].update({k: full_to_shard(v, spec, groups.tp_rank) for k, v in moments[name].items()})
-        for _ in range(int(STEP)):
-            sched.step()
-    return ModelSlot(CFG, role, model, groups, opt, sched)
+            if p in slices:
+                s = slices[p]
+                s.owner.state[s.inner] = {"step": torch.tensor(float(STEP))} | {
+                    k: full_to_shard(v, spec, groups.tp_rank).reshape(-1)[s.start:s.end].view_as(s.inner).clone()
+                    for k, v in moments[name].items()}
+        opt.scheduler.step(increment=STEP)
+    return ModelSlot(CFG, role, model, groups, opt, opt.scheduler)
 
 
-def _compare(slot, full, moments) -> dict:
-    """Exactness of a loaded TP1 slot against the reference full tensors."""
+def _reference_next(role: str, full: dict, moments: dict, data: list) -> dict:
+    """Unsharded torch AdamW from the saved state: the weights after one more step."""
+    local = local_groups()
+    model = build_model(CFG, role, local.pg_collection, local.stage, seed=1)
+    opt = torch_adamw(model, OPT)
+    for name, p in named_global_parameters(model).items():
+        p.data.copy_(full[name])
+        opt.state[p] = {"step": torch.tensor(float(STEP))} | {k: v.clone() for k, v in moments[name].items()}
+    reference_step(model, opt, role, data, STEP)
+    return gather_tp_full_weights(model, local)
+
+
+def _compare(slot, full, moments, data, ref_next) -> dict:
+    """Exactness of a loaded TP1 slot against the reference full tensors, then one step against torch."""
     params = named_global_parameters(slot.model)
-    state = slot.optimizer.state
+    slices = slot.optimizer.state_slices()
+    states = {p: s.owner.state[s.inner] for p, s in slices.items()}
     ok_w = all(torch.equal(p.data, full[n]) for n, p in params.items())
-    ok_m = all(torch.equal(state[p][k], moments[n][k]) for n, p in params.items() for k in moments[n])
-    ok_step = all(float(state[p]["step"]) == STEP for p in params.values())
-    sched = slot.scheduler
-    ok_sched = sched.last_epoch == STEP and slot.optimizer.param_groups[0]["lr"] == 1e-3 / (STEP + 1)
-    for p in params.values():  # the loaded state must drive a real step
-        p.grad = torch.zeros_like(p)
-    slot.optimizer.step()
+    ok_m = all(torch.equal(states[p][k].reshape(-1), moments[n][k].reshape(-1)[slices[p].start:slices[p].end])
+               for n, p in params.items() if p in slices for k in moments[n])
+    ok_step = all(float(st["step"]) == STEP for st in states.values())
+    lrs = [g["lr"] for g in slot.optimizer.param_groups]
+    ok_sched = slot.scheduler.num_steps == STEP and all(math.isclose(lr, lr_at(STEP), rel_tol=1e-12) for lr in lrs)
+    ranges = {n: (slices[p].start, slices[p].end) for n, p in params.items() if p in slices}
+    sharded_step(slot.model, slot.groups, slot.optimizer, slot.role, data)  # the loaded state drives a real step
+    after = gather_tp_full_weights(slot.model, slot.groups)
     return {"weights": ok_w, "moments": ok_m, "step": ok_step, "scheduler": ok_sched,
-            "names": len(params) == len(full)}
+            "names": len(params) == len(full), "ranges": ranges, "numel": {n: t.numel() for n, t in full.items()},
+            "next_step_err": max((after[n] - ref_next[n]).abs().max().item() for n in after),
+            "next_step_moved": max((after[n] - full[n]).abs().max().item() for n in after)}
 
 
 def run(root: str):
@@ -86,20 +115,22 @@ def run(root: str):
             "critic": gather_tp_full_weights(build_model(CFG, "value", local.pg_collection, local.stage, seed=8), local)}
     moments = {k: _moments(v) for k, v in full.items()}
 
-    saved = {"actor": _slot("lm", groups["actor_train"], 99, full["actor"], moments["actor"]),
-             "critic": _slot("value", groups["critic_train"], 98, full["critic"], moments["critic"])}
+    saved = {"actor": _slot("lm", groups["actor_train"], 99, False, full["actor"], moments["actor"]),
+             "critic": _slot("value", groups["critic_train"], 98, True, full["critic"], moments["critic"])}
     torch.manual_seed(1000 + rank)
     save_rlhf_state(root, 5, saved, data_position={"epoch": 1, "index": 17}, group=dist.group.WORLD)
     after_save = torch.rand(4)
 
     torch.manual_seed(0)
-    loaded = {"actor": _slot("lm", groups["ref_inf"], 55), "critic": _slot("value", groups["reward_inf"], 56)}
+    loaded = {"actor": _slot("lm", groups["ref_inf"], 55, True), "critic": _slot("value", groups["reward_inf"], 56, False)}
     state = load_rlhf_state(root, loaded, group=dist.group.WORLD)
     result = {"iteration": state.iteration, "data_position": state.data_position,
               "rng": bool(torch.equal(torch.rand(4), after_save)), "files": sorted(os.listdir(state.path))}
+    data = make_data(seed=3)[0]
     for name, slot in loaded.items():
         if slot.model is not None:
-            result[name] = _compare(slot, full[name], moments[name])
+            ref_next = _reference_next(slot.role, full[name], moments[name], data)
+            result[name] = _compare(slot, full[name], moments[name], data, ref_next)
     return result
 
 

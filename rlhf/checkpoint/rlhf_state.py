@@ -12,12 +12,21 @@ Every tensor is stored FULL (unsharded) under its global name, one file per
       rng_rank{r}.json                per-rank RNG of the saving job
       state.json                      {"iteration", "data_position", "extra"}
 
-Saving: the TP ranks of data-parallel replica 0 all-gather each stage's
-parameters and optimizer moments (sharded exactly like the parameter); the
-replica's TP rank 0 writes them. Loading into any (tp, pp, dp): a rank finds
-each of its parameters' files with ``owning_stage(name, num_layers, saved pp)``,
-reads just those tensors (``safe_open``) and slices them with ``full_to_shard``.
-``groups=None`` means an unsharded model in a single process.
+An optimizer is a ``rlhf.optim.ModelOptimizer`` (megatron; its scheduler is
+``optimizer.scheduler``) or a plain torch optimizer. Its state per parameter
+is found through ``StateSlice``s: the whole (TP-sharded) parameter, or with
+megatron's distributed optimizer this DP rank's range of the flattened
+parameter. fp32 models only, so megatron's main parameters are the weights.
+
+Saving: with a distributed optimizer the DP ranks first all-reduce each
+parameter's moments (zeros outside a rank's range) into whole TP shards; then
+the TP ranks of data-parallel replica 0 all-gather each stage's parameters and
+moments (sharded exactly like the parameter); the replica's TP rank 0 writes
+them. Loading into any (tp, pp, dp) and either optimizer: a rank finds each of
+its parameters' files with ``owning_stage(name, num_layers, saved pp)``, reads
+just those tensors (``safe_open``), slices them with ``full_to_shard`` and
+keeps its ``StateSlice`` range. ``groups=None`` means an unsharded model in a
+single process.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import torch.distributed as dist
 from rlhf.checkpoint import storage
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.optim import StateSlice
 from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -48,8 +58,8 @@ class ModelSlot:
     role: str = "lm"
     model: Optional[torch.nn.Module] = None
     groups: Any = None  # TaskGroups, or None for an unsharded single-process model
-    optimizer: Optional[torch.optim.Optimizer] = None
-    scheduler: Any = None  # anything with state_dict() / load_state_dict()
+    optimizer: Any = None  # a rlhf.optim.ModelOptimizer or a torch optimizer
+    scheduler: Any = None  # anything with state_dict() / load_state_dict() (ModelOptimizer.scheduler)
 
 
 @dataclass
@@ -80,21 +90,60 @@ def shard_name(model_name: str, stage: int, pp: int) -> str:
     return f"{model_name}_stage{stage}of{pp}"
 
 
-def _stage_tensors(slot: ModelSlot) -> dict[str, torch.Tensor]:
-    """Full params and AdamW moments of this rank's stage (TP ranks of one replica call together)."""
+def _state_slices(optimizer) -> tuple[dict, Any]:
+    """(model parameter -> StateSlice, the group its state is sharded over or None) of ``optimizer``."""
+    if optimizer is None:
+        return {}, None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return {p: StateSlice(optimizer, p, 0, p.numel()) for g in optimizer.param_groups for p in g["params"]}, None
+    return optimizer.state_slices(), optimizer.shard_group
+
+
+@torch.no_grad()
+def _local_state(slot: ModelSlot, slices: dict, group) -> dict[str, torch.Tensor]:
+    """This rank's TP shard of every moment ("<key>/<name>") and the step ("step/<name>").
+
+    Empty before the first step. With a sharded optimizer (``group``: its DP
+    group; collective) every DP rank adds its range into zeros, all-reduced.
+    """
+    states = {p: s.owner.state.get(s.inner, {}) for p, s in slices.items()}
+    device = next(slot.model.parameters()).device
+    step = torch.tensor(max((float(st["step"]) for st in states.values() if "step" in st), default=0.0),
+                        device=device)
+    if group is not None:
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
+    if step.item() == 0:  # host sync, once per model and save
+        return {}
+    keys = MOMENTS if "betas" in slot.optimizer.param_groups[0] else ()  # AdamW's moments; the same on every rank
+    out = {}
+    for name, param in named_global_parameters(slot.model).items():
+        st, s = states.get(param, {}), slices.get(param)
+        if group is None and "step" not in st:
+            continue
+        for key in keys:
+            flat = torch.zeros(param.numel(), dtype=torch.float32, device=device)
+            if key in st:
+                flat[s.start:s.end] = st[key].reshape(-1)
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+            out[f"{key}/{name}"] = flat.view_as(param)
+        out[f"step/{name}"] = step.clone()
+    return out
+
+
+def _stage_tensors(slot: ModelSlot, state: dict) -> dict[str, torch.Tensor]:
+    """Full params and optimizer ``state`` of this rank's stage (TP ranks of one replica call together)."""
     tp = _layout(slot)[0]
-    state = slot.optimizer.state if slot.optimizer is not None else {}
     tp_group = slot.groups.tp if slot.groups is not None else None
     out = {}
     for name, param in named_global_parameters(slot.model).items():
         spec = ShardSpec.of(param, tp)
         out[name] = gather_tp_full(param.data, spec, tp_group)
-        st = state.get(param, {})
         for key in MOMENTS:
-            if key in st:
-                out[f"{key}/{name}"] = gather_tp_full(st[key], spec, tp_group)
-        if "step" in st:
-            out[f"step/{name}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
+            if f"{key}/{name}" in state:
+                out[f"{key}/{name}"] = gather_tp_full(state[f"{key}/{name}"], spec, tp_group)
+        if f"step/{name}" in state:
+            out[f"step/{name}"] = state[f"step/{name}"]
     return out
 
 
@@ -125,9 +174,13 @@ def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *
         if slot.model is None:
             continue
         tp, tp_rank, pp, stage, dp_rank = _layout(slot)
+        slices, shard_group = _state_slices(slot.optimizer)
+        if dp_rank != 0 and shard_group is None:
+            continue
+        opt_state = _local_state(slot, slices, shard_group)
         if dp_rank != 0:
             continue
-        tensors = _stage_tensors(slot)
+        tensors = _stage_tensors(slot, opt_state)
         if tp_rank == 0:
             s, j = stage_files(model_name, slot, tensors, stage, pp)
             shards.update(s)
@@ -243,25 +296,24 @@ def _load_slot(path: str, model_name: str, slot: ModelSlot) -> None:
 
 
 def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: list, tp: int, tp_rank: int) -> None:
-    """Rebuild the optimizer's state_dict for this layout and load it."""
-    opt = slot.optimizer
-    if len(saved_groups) != len(opt.param_groups):
-        raise storage.CheckpointError(f"optimizer has {len(opt.param_groups)} param groups, "
-                                      f"the checkpoint {len(saved_groups)}")
-    by_param = {id(p): n for n, p in params.items()}
-    state, groups, index = {}, [], 0
-    for saved, group in zip(saved_groups, opt.param_groups):
-        ids = []
-        for p in group["params"]:
-            name = by_param[id(p)]
-            if f"step/{name}" in full:
-                spec = ShardSpec.of(p, tp)
-                state[index] = {"step": full[f"step/{name}"]}
-                state[index].update({k: full_to_shard(full[f"{k}/{name}"], spec, tp_rank) for k in MOMENTS})
-            ids.append(index)
-            index += 1
-        groups.append(dict(saved, params=ids))
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    """Restore the optimizer's hyper-parameters and, for what it holds on this rank, its state."""
+    groups = slot.optimizer.param_groups
+    if len(saved_groups) != len(groups):
+        raise storage.CheckpointError(f"optimizer has {len(groups)} param groups, the checkpoint {len(saved_groups)}")
+    for group, saved in zip(groups, saved_groups):
+        group.update(saved)
+    slices, _ = _state_slices(slot.optimizer)
+    for name, param in params.items():
+        s = slices.get(param)
+        if s is None or f"step/{name}" not in full:
+            continue
+        spec = ShardSpec.of(param, tp)
+        state = {"step": full[f"step/{name}"].clone()}
+        for key in MOMENTS:
+            if f"{key}/{name}" in full:
+                flat = full_to_shard(full[f"{key}/{name}"], spec, tp_rank).reshape(-1)
+                state[key] = flat[s.start:s.end].view_as(s.inner).to(s.inner, copy=True)
+        s.owner.state[s.inner] = state
 
 
 def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Optional[int] = None, *,

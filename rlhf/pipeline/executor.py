@@ -8,8 +8,8 @@ What a FORWARD/BACKWARD *computes* is a pluggable :class:`Compute`:
   ``stage_forward``, the model's loss on the last stage (divided by the
   micro-batch count, so gradients are a mean over micro-batches whatever
   their order), ``torch.autograd.backward`` with the received gradient,
-  gradient accumulation in ``.grad``, DP all-reduce (average) and
-  ``optimizer.step``.
+  gradient accumulation, then the runtime's optimizer (``rlhf.optim.ModelOptimizer``:
+  megatron's DP gradient reduction, clipping, update and LR schedule).
 * :class:`SleepCompute` - a calibrated sleep of the schedule's cost per
   subtask with dummy activations (benchmarks: timing without compute noise).
 
@@ -28,8 +28,6 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.batch import Batch
-from rlhf.parallel.data_parallel import average_gradients
-
 from rlhf.schedule.schedule import Schedule
 
 from . import compiler as C
@@ -45,6 +43,9 @@ class ModelRuntime:
     replica's micro-batches (``groups.coord.dp``), each a ``rlhf.batch.Batch``
     (its ``tokens`` [b, s] feed the model; ``loss_fn(output, microbatch,
     groups) -> scalar`` reads the fields it needs).
+    ``optimizer``: an object with ``reduce_grads()`` (finish the DP gradient
+    reduction) and ``step()`` (update, then zero the gradients) over ``module``'s
+    parameters: a ``rlhf.optim.ModelOptimizer`` built on ``module`` and ``groups``.
     ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
     :class:`SleepCompute`.
     """
@@ -54,7 +55,7 @@ class ModelRuntime:
     microbatches: Sequence[Batch]
     module: torch.nn.Module | None = None
     groups: object = None
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: object = None
     loss_fn: Callable | None = None
     hidden_size: int = 0
 
@@ -87,11 +88,10 @@ class StageCompute:
         return None if x is None else x.grad
 
     def reduce_grads(self, rt: ModelRuntime) -> None:
-        average_gradients(rt.module, rt.groups.dp)
+        rt.optimizer.reduce_grads()
 
     def step(self, rt: ModelRuntime) -> None:
         rt.optimizer.step()
-        rt.optimizer.zero_grad(set_to_none=True)
 
 
 class SleepCompute:

@@ -1,0 +1,234 @@
+"""Training one model's stage with megatron-core: gradient reduction, optimizer, LR schedule.
+
+A :class:`ModelOptimizer` per trained model on this rank owns three megatron pieces:
+
+* ``DistributedDataParallel`` around the stage module. Its backward hooks sit on
+  the parameters' gradient accumulators and add every gradient into one
+  contiguous buffer (``param.main_grad``), so forward and backward run on the
+  raw stage module (``rlhf.models.gpt.stage_forward``), never on the wrapper.
+  :meth:`ModelOptimizer.reduce_grads` averages the buffer over the task's DP
+  group (``finalize_model_grads``: an all-reduce, or a reduce-scatter with the
+  distributed optimizer).
+* The optimizer: torch AdamW (or plain SGD) inside megatron's ``FP32Optimizer``
+  or, with ``use_distributed_optimizer``, its ``DistributedOptimizer`` (each DP
+  rank updates 1/dp of the flat parameter buffer, then all-gathers it), wrapped
+  in ``ChainedOptimizer``. The gradient norm is over the whole model: summed over
+  the TP and PP ranks of one replica (and the DP shards with the distributed
+  optimizer), TP-replicated parameters (norms, the value head) counted once.
+  Clipping scales by ``clip_grad / (norm + 1e-6)`` when that is below 1, like
+  ``torch.nn.utils.clip_grad_norm_``. One-dimensional parameters (norm weights,
+  biases) get no weight decay.
+* ``OptimizerParamScheduler``. The update after ``n`` earlier updates uses, with
+  ``W = lr_warmup_iters`` and ``D = lr_decay_iters``::
+
+      lr(n) = lr_warmup_init + (lr - lr_warmup_init) * n / W     if W > 0 and n <= W
+            = lr                                                 constant style
+            = min_lr                                             if n > D
+            = min_lr + (lr - min_lr) * c((n - W) / (D - W))      c(x) = 1 - x (linear),
+                                                                 (1 + cos(pi x)) / 2 (cosine)
+
+The parameter groups are built here rather than by ``get_megatron_optimizer``,
+which all-gathers group keys over the *world* and so would need every rank to
+build the same number of optimizers; ours are collective over the task's
+groups only. megatron's optimizer allocates scalars on a hard-coded CUDA
+device and checks ``tensor.type()`` against CUDA type names; on CPU its
+construction and step run under ``rlhf.platform.megatron_scope()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf import platform
+
+OPTIMIZERS = ("adam", "sgd")
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+def _require(ok: bool, name: str, value, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"OptimizerConfig.{name}={value!r}: {rule}")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Optimizer and LR schedule of one trained model (see the module docstring for lr(n)).
+
+    ``optimizer``: "adam" (AdamW, decoupled weight decay) or "sgd" (plain SGD, no
+    momentum); ``clip_grad``: max global gradient norm, 0 turns clipping off;
+    ``lr_decay_iters``: None keeps ``lr`` after the warm-up (``lr_decay_style``
+    "constant"); ``use_distributed_optimizer``: shard optimizer state and the
+    update over the DP group (ZeRO-1).
+    """
+
+    optimizer: str = "adam"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_warmup_init: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+    def __post_init__(self):
+        _require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"choose one of {OPTIMIZERS}")
+        _require(self.lr > 0, "lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"must be in [0, lr={self.lr}]")
+        _require(0 <= self.lr_warmup_init <= self.lr, "lr_warmup_init", self.lr_warmup_init,
+                 f"must be in [0, lr={self.lr}]")
+        _require(isinstance(self.lr_warmup_iters, int) and self.lr_warmup_iters >= 0, "lr_warmup_iters",
+                 self.lr_warmup_iters, "must be an integer >= 0")
+        self._check_decay()
+        _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, name, getattr(self, name), "must be in [0, 1)")
+        _require(self.adam_eps > 0, "adam_eps", self.adam_eps, "must be > 0")
+        _require(self.clip_grad >= 0, "clip_grad", self.clip_grad, "must be >= 0 (0 turns clipping off)")
+        _require(isinstance(self.use_distributed_optimizer, bool), "use_distributed_optimizer",
+                 self.use_distributed_optimizer, "must be True or False")
+
+    def _check_decay(self) -> None:
+        style, iters = self.lr_decay_style, self.lr_decay_iters
+        _require(style in DECAY_STYLES, "lr_decay_style", style, f"choose one of {DECAY_STYLES}")
+        if iters is None:
+            _require(style == "constant", "lr_decay_style", style,
+                     "needs lr_decay_iters (the step where lr reaches min_lr); set it, or use 'constant'")
+            return
+        _require(style != "constant", "lr_decay_iters", iters,
+                 "has no effect with lr_decay_style='constant'; leave it None or pick 'linear'/'cosine'")
+        _require(isinstance(iters, int) and iters > self.lr_warmup_iters, "lr_decay_iters", iters,
+                 f"must be an integer > lr_warmup_iters={self.lr_warmup_iters}")
+
+
+@dataclass(frozen=True)
+class StateSlice:
+    """Where an optimizer keeps one model parameter's state.
+
+    ``inner`` is a parameter of the torch optimizer ``owner`` (its state is
+    ``owner.state[inner]``); it holds elements ``[start, end)`` of the flattened
+    model parameter: all of it, or this DP rank's share with the distributed optimizer.
+    """
+
+    owner: torch.optim.Optimizer
+    inner: torch.Tensor
+    start: int
+    end: int
+
+
+class ModelOptimizer:
+    """megatron DDP + optimizer + LR scheduler of one model's stage on this rank.
+
+    ``module``: the fp32 stage (``build_model``) to run forward and backward on;
+    ``groups``: its task's ``TaskGroups``. Construction and every method except
+    :meth:`zero_grad` are collective over the task's groups (DP, and TP/PP for
+    the gradient norm). Gradients accumulate over micro-batches between steps.
+    """
+
+    def __init__(self, module: torch.nn.Module, groups, config: OptimizerConfig):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        if module.config.params_dtype != torch.float32:
+            raise ValueError(f"ModelOptimizer takes fp32 modules; this one has {module.config.params_dtype} "
+                             "(megatron's mixed-precision optimizer path is not wired up); build it with "
+                             "dtype=torch.float32")
+        self.module, self.groups, self.config = module, groups, config
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=config.use_distributed_optimizer)
+        self.ddp = DistributedDataParallel(module.config, ddp_config, module, pg_collection=groups.pg_collection)
+        with platform.megatron_scope():
+            self.optimizer = self._build_optimizer()
+        self.scheduler = self._build_scheduler()
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig as MegatronConfig
+        from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
+
+        c, pgc = self.config, self.groups.pg_collection
+        mcfg = MegatronConfig(optimizer=c.optimizer, lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay,
+                              adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps,
+                              sgd_momentum=0.0, clip_grad=c.clip_grad,
+                              use_distributed_optimizer=c.use_distributed_optimizer)
+        inner = _get_megatron_optimizer_based_on_param_groups(
+            mcfg, [self.ddp], self._param_groups(), per_model_buffers={0: self.ddp.buffers},
+            model_parallel_group=pgc.mp, data_parallel_group=pgc.intra_dp_cp, data_parallel_group_gloo=None,
+            data_parallel_group_idx=pgc.mp.rank(), intra_dist_opt_group=pgc.intra_dist_opt,
+            distributed_optimizer_instance_id=0, pg_collection=pgc)
+        return ChainedOptimizer([inner])
+
+    def _param_groups(self) -> list[dict]:
+        """megatron-style groups: weight decay on matrices, none on 1-D parameters (both groups always exist)."""
+        params = [p for p in self.ddp.module.parameters() if p.requires_grad]
+        groups = []
+        for wd_mult, members in ((1.0, [p for p in params if p.dim() > 1]),
+                                 (0.0, [p for p in params if p.dim() <= 1])):
+            groups.append({"params": members, "wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
+                           "is_decoupled_lr": False, "default_config": True,
+                           "max_lr": self.config.lr, "min_lr": self.config.min_lr})
+        return groups
+
+    def _build_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        c = self.config
+        decay_iters = c.lr_decay_iters if c.lr_decay_iters is not None else c.lr_warmup_iters + 1
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=c.lr_warmup_init, max_lr=c.lr, min_lr=c.min_lr,
+            lr_warmup_steps=c.lr_warmup_iters, lr_decay_steps=decay_iters, lr_decay_style=c.lr_decay_style,
+            start_wd=c.weight_decay, end_wd=c.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch optimizer's parameter groups (hyper-parameters; the scheduler sets ``lr``)."""
+        return self.optimizer.param_groups
+
+    def reduce_grads(self) -> None:
+        """Average the accumulated gradients over the DP group (all-reduce or reduce-scatter)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
+
+    def step(self) -> dict[str, float]:
+        """Clip, update, advance the LR schedule and zero the gradients.
+
+        Returns ``grad_norm`` (global, before clipping) and ``lr`` (used by this
+        update) as Python floats: megatron syncs the norm to the host to clip.
+        """
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        with platform.megatron_scope():
+            _, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        self.zero_grad()
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    def zero_grad(self) -> None:
+        """Zero the gradient buffer and drop ``param.grad`` (megatron points it into the buffer)."""
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def shard_group(self):
+        """The group the optimizer state is sharded over (the DP group with the distributed optimizer), or None."""
+        return self.groups.dp if self.config.use_distributed_optimizer else None
+
+    def state_slices(self) -> dict[torch.nn.Parameter, StateSlice]:
+        """Model parameter -> where its optimizer state lives on this rank (checkpoints read and fill it).
+
+        With the distributed optimizer a parameter wholly in other DP ranks' shares is absent.
+        """
+        (opt,) = self.optimizer.chained_optimizers
+        if not self.config.use_distributed_optimizer:
+            return {p: StateSlice(opt.optimizer, p, 0, p.numel()) for p in opt.get_parameters()}
+        out = {}
+        for param, (group, index) in opt.model_param_group_index_map.items():
+            share = opt._get_model_param_range_map(param)["param"]
+            out[param] = StateSlice(opt.optimizer, opt.optimizer.param_groups[group]["params"][index],
+                                    share.start, share.end)
+        return out
