@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 setup: $(VENV)/.installed
 
 run: setup
-	$(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) pretrain_rlhf.py --placement examples/placement_4ranks.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) pretrain_rlhf.py
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -4,7 +4,8 @@ import sys
 import warnings
 
 from rlhf import platform
-from rlhf.arguments import parse_args
+from rlhf.arguments import flag_of, parse_args
+from rlhf.config import ConfigError
 from rlhf.parallel import Placement, PlacementError
 from rlhf.tasks import MODELS
 
@@ -17,11 +18,13 @@ def main(argv=None) -> int:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        placement = Placement.from_plan(config.placement.plan(), world)
+        placement = Placement.from_plan(config.placement.plan(world), world)
         placement.validate_models({model: config.models[model] for model in MODELS})
-    except PlacementError as exc:
+        config.check_placement(placement)
+    except (PlacementError, ConfigError) as exc:
         if rank == 0:
-            print(f"pretrain_rlhf.py: invalid placement: {exc}", file=sys.stderr)
+            what = f"{flag_of(exc.field_name)}: " if isinstance(exc, ConfigError) else "invalid placement: "
+            print(f"pretrain_rlhf.py: {what}{exc}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
     if rank == 0:
@@ -29,9 +32,9 @@ def main(argv=None) -> int:
         for task, mesh in placement.meshes.items():
             reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
             print(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
-    from rlhf.smoke import run_smoke
+    from rlhf.job import build_trainer
 
-    run_smoke(config, placement)
+    build_trainer(config, placement).train()
     dist.destroy_process_group()
     return 0
 

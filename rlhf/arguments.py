@@ -1,22 +1,78 @@
-"""All command-line flags of pretrain_rlhf.py, grouped, parsed into a frozen JobConfig."""
+"""All command-line flags of pretrain_rlhf.py, grouped, parsed into a frozen JobConfig.
+
+Each config section's flags are listed once (field, type, help); the flag is
+the field's name with dashes (``ppo.clip_eps`` -> ``--clip-eps``), its
+default is the dataclass default, and a ConfigError on that field is
+reported against that flag.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
-from rlhf.config import ConfigError, JobConfig, ModelsConfig, PlacementConfig, RunConfig
+from rlhf.config import (ConfigError, GenerationConfig, JobConfig, LoggingConfig, ModelsConfig, PlacementConfig,
+                         PPOConfig, RunConfig)
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
 from rlhf.tasks import TASKS
 
-RUN_FLAGS = {"seq_length": "--seq-length", "micro_batch_size": "--micro-batch-size",
-             "iterations": "--iterations", "seed": "--seed"}
-"""RunConfig field -> the flag that sets it."""
+
+def _optional_float(text: str):
+    """A float, or 'none' / 'off' for None."""
+    return None if text.lower() in ("none", "off") else float(text)
 
 
-def _task_flag(task: str) -> str:
-    return "--" + task.replace("_", "-")
+SECTIONS = {
+    "run": (RunConfig, "run", [
+        ("iterations", int, "total PPO iterations; a resumed run continues to this number "
+                            "(alias --train-iters, as Megatron-LM)"),
+        ("seed", int, "random seed of weights, data order and sampling"),
+    ]),
+    "generation": (GenerationConfig, "generation", [
+        ("max_prompt_len", int, "longest prompt in tokens (BOS included)"),
+        ("max_response_len", int, "tokens generated at most per sample"),
+        ("temperature", float, "sampling temperature (0: greedy)"),
+        ("top_p", float, "nucleus sampling mass (1: off)"),
+        ("top_k", int, "sample among the k most likely tokens (0: all)"),
+    ]),
+    "ppo": (PPOConfig, "PPO", [
+        ("rollout_batch_size", int, "prompts per iteration"),
+        ("n_samples_per_prompt", int, "samples generated per prompt (they share the prompt's KV cache)"),
+        ("ppo_mini_batch_size", int, "samples per optimizer step; must divide rollout_batch_size x "
+                                     "n_samples_per_prompt, and be a multiple of DP x micro-batch size"),
+        ("ppo_epochs", int, "passes over the iteration's samples"),
+        ("micro_batch_size", int, "samples per micro-batch (training and inference)"),
+        ("lr", float, "actor learning rate"),
+        ("critic_lr", float, "critic learning rate"),
+        ("clip_grad", float, "clip each model's global gradient norm to this (0: off)"),
+        ("weight_decay", float, "AdamW weight decay of matrices (1-D parameters get none)"),
+        ("clip_eps", float, "PPO ratio clip range"),
+        ("value_clip", _optional_float, "value clip range around the old values ('none': off)"),
+        ("kl_coef", float, "KL penalty coefficient (the initial one with --kl-target)"),
+        ("kl_target", _optional_float, "KL per sequence the adaptive controller aims at ('none': fixed "
+                                       "coefficient)"),
+        ("kl_estimator", str, "per-token KL estimator: k1, k2 or k3"),
+        ("gamma", float, "discount"),
+        ("lam", float, "GAE lambda"),
+        ("advantage_estimator", str, "gae (needs a critic), grpo or reinforce++ (no critic tasks run)"),
+        ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
+                                     "engine's"),
+    ]),
+    "logging": (LoggingConfig, "logging", [
+        ("metrics_file", str, "append one JSON object of metrics per iteration to this file"),
+        ("tensorboard_dir", str, "write TensorBoard event files here"),
+        ("trace_iteration", int, "write a Perfetto (Chrome trace) file of every rank for this iteration "
+                                 "(counting from 1)"),
+        ("trace_file", str, "where --trace-iteration writes its trace"),
+        ("progress", bool, "show the progress bar on rank 0"),
+    ]),
+}
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON/YAML plan mapping each task to {ranks, dp, pp, tp, reverse_pp}; "
                             "see examples/placement_4ranks.json. Per-task flags below override it.")
     for task in TASKS:
-        place.add_argument(_task_flag(task), metavar="SPEC", default=None,
+        place.add_argument(_flag(task), metavar="SPEC", default=None,
                            help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]' "
                                 "(default: all ranks, data parallel only)")
 
@@ -42,15 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--critic-model", default="tiny-critic", metavar="PRESET_OR_JSON",
                        help="critic/reward shape, same forms (default: tiny-critic)")
 
-    run = parser.add_argument_group("run")
-    defaults = RunConfig()
-    run.add_argument("--seq-length", type=int, default=defaults.seq_length,
-                     help=f"tokens per sample (default: {defaults.seq_length})")
-    run.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size,
-                     help=f"samples per micro-batch (default: {defaults.micro_batch_size})")
-    run.add_argument("--iterations", type=int, default=defaults.iterations,
-                     help=f"iterations to run (default: {defaults.iterations})")
-    run.add_argument("--seed", type=int, default=defaults.seed, help=f"random seed (default: {defaults.seed})")
+    for cls, title, fields in SECTIONS.values():
+        group = parser.add_argument_group(title)
+        for name, kind, text in fields:
+            default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+            if kind is bool and default:
+                group.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
+                                   help=f"do not: {text}")
+            elif kind is bool:
+                group.add_argument(_flag(name), action="store_true", help=text)
+            else:
+                group.add_argument(_flag(name), type=kind, default=default, help=f"{text} (default: {default})")
+    parser.add_argument("--train-iters", dest="iterations", type=int, help=argparse.SUPPRESS)
     return parser
 
 
@@ -69,7 +128,7 @@ def parse_task_spec(task: str, spec: str) -> dict:
         elif not eq and key and ranks:  # continuation of a rank list: ranks=0,2,4-5
             ranks.append(key)
         else:
-            raise SystemExit(f"{_task_flag(task)}: cannot parse {item!r} in {spec!r}; "
+            raise SystemExit(f"{_flag(task)}: cannot parse {item!r} in {spec!r}; "
                              "expected e.g. 'tp=2,pp=2,ranks=0-3,reverse_pp'")
     if ranks:
         entry["ranks"] = ",".join(ranks)
@@ -87,17 +146,23 @@ def load_model_config(value: str, flag: str) -> ModelConfig:
                          "or a JSON file of model fields)") from None
 
 
+def flag_of(field_name: str) -> str:
+    """The flag that sets a dotted config field (``ppo.clip_eps`` -> ``--clip-eps``)."""
+    section, _, name = field_name.partition(".")
+    return _flag(name) if section in SECTIONS else field_name
+
+
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     """The JobConfig of parsed flags; a bad value exits naming its flag."""
     overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
     models = ModelsConfig(actor=load_model_config(args.actor_model, "--actor-model"),
                           critic=load_model_config(args.critic_model, "--critic-model"))
     try:
-        run = RunConfig(**{name: getattr(args, name) for name in RUN_FLAGS})
-        return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, run=run)
+        sections = {key: cls(**{name: getattr(args, name) for name, _, _ in fields})
+                    for key, (cls, _, fields) in SECTIONS.items()}
+        return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, **sections)
     except ConfigError as exc:
-        flag = RUN_FLAGS.get(exc.field_name.removeprefix("run."), exc.field_name)
-        raise SystemExit(f"{flag}: {exc}") from None
+        raise SystemExit(f"{flag_of(exc.field_name)}: {exc}") from None
 
 
 def parse_args(argv=None) -> JobConfig:

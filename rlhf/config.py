@@ -8,10 +8,14 @@ argument parser can report the flag that set it.
 
 from __future__ import annotations
 
+import copy
+import os
+import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
+from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators
 from rlhf.models.config import ModelConfig, preset
 from rlhf.tasks import TASKS
 
@@ -24,20 +28,129 @@ class ConfigError(ValueError):
         self.field_name = field_name
 
 
+def _check_positive_ints(section: str, config, names) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", f"{section}.{name}")
+
+
+def _check_range(section: str, name: str, value, low: float, high: float, what: str) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value!r} must be {what}", f"{section}.{name}")
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """How long and how big: tokens per sample, samples per micro-batch, iterations, seed."""
+    """How long: total iterations (a resumed run continues to it) and the seed."""
 
-    seq_length: int = 32
-    micro_batch_size: int = 2
-    iterations: int = 2
+    iterations: int = 30
     seed: int = 1234
 
     def __post_init__(self):
-        for name in ("seq_length", "micro_batch_size", "iterations"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", f"run.{name}")
+        _check_positive_ints("run", self, ("iterations",))
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Rollout generation: prompt and response budgets (tokens) and sampling."""
+
+    max_prompt_len: int = 16
+    max_response_len: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        _check_positive_ints("generation", self, ("max_prompt_len", "max_response_len"))
+        _check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
+        _check_range("generation", "top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
+        _check_range("generation", "top_k", self.top_k, 0, float("inf"), ">= 0 (0 disables)")
+
+
+ESTIMATORS_WITH_CRITIC = ("gae",)
+"""Advantage estimators that need critic values (the others place no critic tasks)."""
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """One PPO iteration: how many samples, how they are cut, and the loss settings.
+
+    ``rollout_batch_size`` prompts per iteration, each sampled
+    ``n_samples_per_prompt`` times; the samples are cut into mini-batches of
+    ``ppo_mini_batch_size`` samples (one optimizer step each), every epoch;
+    a training DP replica runs its share of a mini-batch in micro-batches of
+    ``micro_batch_size`` samples (inference tasks use the same micro-batch size).
+    The old log-probs are the engine's unless ``recompute_logprobs`` (then
+    actor_train recomputes them before the update).
+    """
+
+    rollout_batch_size: int = 16
+    n_samples_per_prompt: int = 4
+    ppo_mini_batch_size: int = 32
+    ppo_epochs: int = 1
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    critic_lr: float = 1e-3
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    clip_eps: float = 0.2
+    value_clip: float | None = 0.2
+    kl_coef: float = 0.01
+    kl_target: float | None = None
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    advantage_estimator: str = "gae"
+    recompute_logprobs: bool = False
+
+    def __post_init__(self):
+        _check_positive_ints("ppo", self, ("rollout_batch_size", "n_samples_per_prompt", "ppo_mini_batch_size",
+                                           "ppo_epochs", "micro_batch_size"))
+        for name in ("lr", "critic_lr"):
+            _check_range("ppo", name, getattr(self, name), 1e-12, float("inf"), "> 0")
+        _check_range("ppo", "clip_eps", self.clip_eps, 1e-9, 1.0, "in (0, 1]")
+        _check_range("ppo", "clip_grad", self.clip_grad, 0.0, float("inf"), ">= 0 (0 turns clipping off)")
+        _check_range("ppo", "weight_decay", self.weight_decay, 0.0, float("inf"), ">= 0")
+        for name in ("gamma", "lam"):
+            _check_range("ppo", name, getattr(self, name), 0.0, 1.0, "in [0, 1]")
+        if self.value_clip is not None:
+            _check_range("ppo", "value_clip", self.value_clip, 1e-9, float("inf"), "> 0, or None to disable")
+        if self.rollout_samples % self.ppo_mini_batch_size:
+            raise ConfigError(f"ppo_mini_batch_size {self.ppo_mini_batch_size} must divide the "
+                              f"{self.rollout_samples} samples of an iteration (rollout_batch_size "
+                              f"{self.rollout_batch_size} x n_samples_per_prompt {self.n_samples_per_prompt})",
+                              "ppo.ppo_mini_batch_size")
+        if self.advantage_estimator not in advantage_estimators():
+            raise ConfigError(f"advantage_estimator {self.advantage_estimator!r} is not one of "
+                              f"{list(advantage_estimators())}", "ppo.advantage_estimator")
+        try:
+            self.kl_config
+        except ValueError as exc:  # "KLConfig.<field>=...": report the PPO field that set it
+            kl_field = re.match(r"KLConfig\.(\w+)=", str(exc)).group(1)
+            raise ConfigError(str(exc), f"ppo.kl_{kl_field}") from None
+
+    @property
+    def kl_config(self) -> KLConfig:
+        return KLConfig(coef=self.kl_coef, estimator=self.kl_estimator, target=self.kl_target)
+
+    @property
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(estimator=self.advantage_estimator, gamma=self.gamma, lam=self.lam)
+
+    @property
+    def rollout_samples(self) -> int:
+        """Samples per iteration."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def minibatches(self) -> int:
+        """Optimizer steps per epoch."""
+        return self.rollout_samples // self.ppo_mini_batch_size
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator in ESTIMATORS_WITH_CRITIC
 
 
 @dataclass(frozen=True)
@@ -52,9 +165,21 @@ class ModelsConfig:
         return {"actor": self.actor, "reference": self.actor, "critic": self.critic, "reward": self.critic}[model]
 
 
+DEFAULT_PLANS = {
+    4: {"actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
+        "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
+        "actor_gen": {"ranks": "0-3", "tp": 2, "dp": 2},
+        "ref_inf": {"ranks": "2-3"},
+        "reward_inf": {"ranks": "0-1"},
+        "critic_inf": {"ranks": "0-3", "tp": 2}},
+}
+"""The built-in plan per world size when no plan file is given (4 ranks: every kind of layout at once,
+as examples/placement_4ranks.json); other world sizes run every task data parallel on all ranks."""
+
+
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Where tasks run: a plan file (JSON/YAML, optional) and per-task entries that override it."""
+    """Where tasks run: a plan file (JSON/YAML; else the built-in plan) and per-task entries that override it."""
 
     file: str | None = None
     overrides: Mapping[str, Mapping] = field(default_factory=dict)
@@ -65,16 +190,52 @@ class PlacementConfig:
             raise ConfigError(f"unknown task(s) {unknown}; valid tasks: {', '.join(TASKS)}", "placement.overrides")
         object.__setattr__(self, "overrides", MappingProxyType({t: dict(e) for t, e in self.overrides.items()}))
 
-    def plan(self) -> dict:
-        """The plan dict: the file's entries with the overrides replacing whole task entries.
+    def plan(self, world_size: int | None = None) -> dict:
+        """The plan dict: the file's entries (else the built-in plan for ``world_size``) with the
+        overrides replacing whole task entries.
 
         Raises rlhf.parallel.PlacementError for an unreadable or malformed file.
         """
         from rlhf.parallel.placement import load_plan
 
-        plan = load_plan(self.file) if self.file else {}
+        plan = load_plan(self.file) if self.file else copy.deepcopy(DEFAULT_PLANS.get(world_size, {}))
         plan.update({task: dict(entry) for task, entry in self.overrides.items()})
         return plan
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where metrics go. Fields map to flags ``--metrics-file``, ``--tensorboard-dir``,
+    ``--trace-iteration`` (1-based; traced into ``trace_file``) and ``--no-progress``."""
+
+    metrics_file: str | None = None
+    tensorboard_dir: str | None = None
+    trace_iteration: int | None = None
+    progress: bool = True
+    trace_file: str = "trace.json"
+
+    def __post_init__(self):
+        if self.metrics_file is not None:
+            _check_path(self.metrics_file, "metrics_file", "file")
+        if self.tensorboard_dir is not None:
+            _check_path(self.tensorboard_dir, "tensorboard_dir", "directory")
+        _check_path(self.trace_file, "trace_file", "file")
+        it = self.trace_iteration
+        if it is not None and (isinstance(it, bool) or not isinstance(it, int) or it < 1):
+            raise ConfigError(f"trace_iteration must be None or an integer >= 1 (iterations count from 1), "
+                              f"got {it!r}", "logging.trace_iteration")
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"progress must be True or False, got {self.progress!r}", "logging.progress")
+
+
+def _check_path(value, name: str, kind: str) -> None:
+    """Raise a ConfigError naming ``logging.<name>`` unless ``value`` is a non-empty path string
+    that is not an existing entry of the other kind (``kind``: "file" or "directory")."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} must be a non-empty path string, got {value!r}", f"logging.{name}")
+    other, clashes = ("directory", os.path.isdir) if kind == "file" else ("file", os.path.isfile)
+    if clashes(value):
+        raise ConfigError(f"{name}={value!r} is an existing {other}; give a {kind} path", f"logging.{name}")
 
 
 @dataclass(frozen=True)
@@ -84,11 +245,30 @@ class JobConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     models: ModelsConfig = field(default_factory=ModelsConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        trace = self.logging.trace_iteration
+        if trace is not None and trace > self.run.iterations:
+            raise ConfigError(f"trace_iteration {trace} is past the last iteration {self.run.iterations}",
+                              "logging.trace_iteration")
+        total = self.generation.max_prompt_len + self.generation.max_response_len
         for model in ("actor", "critic"):
             context = self.models[model].max_seq_len
-            if self.run.seq_length > context:
-                raise ConfigError(f"seq_length {self.run.seq_length} exceeds the {model} model's context "
-                                  f"max_seq_len={context}; lower it or give the model a longer context",
-                                  "run.seq_length")
+            if total > context:
+                raise ConfigError(f"max_prompt_len + max_response_len = {total} exceeds the {model} model's "
+                                  f"context max_seq_len={context}; shorten them or give the model a longer context",
+                                  "generation.max_response_len")
+
+    def check_placement(self, placement) -> None:
+        """Refuse batch sizes that the placement's DP sizes cannot split (ConfigError naming the field)."""
+        ppo = self.ppo
+        trained = ("actor_train", "critic_train") if ppo.uses_critic else ("actor_train",)
+        for task in trained:
+            dp = placement[task].strategy.dp
+            if ppo.ppo_mini_batch_size % (dp * ppo.micro_batch_size):
+                raise ConfigError(f"ppo_mini_batch_size {ppo.ppo_mini_batch_size} must be a multiple of {task}'s "
+                                  f"dp {dp} x micro_batch_size {ppo.micro_batch_size} (each DP replica runs "
+                                  "whole micro-batches)", "ppo.ppo_mini_batch_size")

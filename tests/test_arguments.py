@@ -2,22 +2,24 @@
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from rlhf.arguments import build_parser, parse_args
-from rlhf.config import ConfigError, JobConfig, PlacementConfig, RunConfig
+from rlhf.config import ConfigError, JobConfig, PlacementConfig, PPOConfig, RunConfig
 from rlhf.models.config import preset
-from rlhf.parallel import PlacementError
+from rlhf.parallel import Placement, PlacementError
 
 
 def test_defaults_are_the_tiny_job():
     cfg = parse_args([])
     assert cfg == JobConfig()
-    assert cfg.run == RunConfig(seq_length=32, micro_batch_size=2, iterations=2, seed=1234)
+    assert cfg.run == RunConfig(iterations=30, seed=1234)
     assert cfg.models["actor"] == cfg.models["reference"] == preset("tiny")
     assert cfg.models["critic"] == cfg.models["reward"] == preset("tiny-critic")
-    assert cfg.placement.plan() == {}
+    assert cfg.ppo.rollout_samples == 64 and cfg.ppo.minibatches == 2 and cfg.ppo.uses_critic
+    assert cfg.logging.progress and cfg.logging.metrics_file is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.run = RunConfig()
 
@@ -29,8 +31,18 @@ def test_flags_fill_the_configs(tmp_path):
     plan.write_text(json.dumps({"actor_train": {"ranks": "0-3", "pp": 2}, "ref_inf": {"ranks": [2, 3]}}))
     cfg = parse_args(["--placement", str(plan), "--actor-train", "tp=2,pp=2,ranks=0-3",
                       "--critic-train", "dp=2,pp=2,ranks=0,1,2-3,reverse_pp", "--actor-model", str(shape),
-                      "--seq-length", "16", "--micro-batch-size", "4", "--iterations", "3", "--seed", "7"])
-    assert cfg.run == RunConfig(seq_length=16, micro_batch_size=4, iterations=3, seed=7)
+                      "--train-iters", "3", "--seed", "7", "--max-prompt-len", "8", "--max-response-len", "24",
+                      "--temperature", "0.7", "--rollout-batch-size", "8", "--n-samples-per-prompt", "2",
+                      "--ppo-mini-batch-size", "8", "--micro-batch-size", "2", "--lr", "3e-4",
+                      "--value-clip", "none", "--kl-target", "6", "--advantage-estimator", "grpo",
+                      "--recompute-logprobs", "--metrics-file", str(tmp_path / "m.jsonl"), "--no-progress"])
+    assert cfg.run == RunConfig(iterations=3, seed=7)
+    assert (cfg.generation.max_prompt_len, cfg.generation.max_response_len, cfg.generation.temperature) == (8, 24, 0.7)
+    assert cfg.ppo == PPOConfig(rollout_batch_size=8, n_samples_per_prompt=2, ppo_mini_batch_size=8,
+                                micro_batch_size=2, lr=3e-4, value_clip=None, kl_target=6.0,
+                                advantage_estimator="grpo", recompute_logprobs=True)
+    assert not cfg.ppo.uses_critic
+    assert cfg.logging.metrics_file == str(tmp_path / "m.jsonl") and not cfg.logging.progress
     assert cfg.models.actor.num_layers == 4 and cfg.models["reference"].vocab_size == 256
     # a flag replaces the file's whole entry for its task; other file entries stay
     assert cfg.placement.plan() == {
@@ -41,10 +53,15 @@ def test_flags_fill_the_configs(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--seq-length", "0"], "--seq-length: seq_length must be an integer >= 1, got 0"),
     (["--micro-batch-size", "-1"], "--micro-batch-size: micro_batch_size must be an integer >= 1, got -1"),
     (["--iterations", "0"], "--iterations: iterations must be an integer >= 1, got 0"),
-    (["--seq-length", "300"], "--seq-length: seq_length 300 exceeds the actor model's context max_seq_len=256"),
+    (["--max-response-len", "250"], "--max-response-len: max_prompt_len + max_response_len = 266 exceeds the "
+                                    "actor model's context max_seq_len=256"),
+    (["--ppo-mini-batch-size", "5"], "--ppo-mini-batch-size: ppo_mini_batch_size 5 must divide the 64 samples"),
+    (["--advantage-estimator", "ppo2"], "--advantage-estimator: advantage_estimator 'ppo2' is not one of"),
+    (["--kl-estimator", "k9"], "--kl-estimator: KLConfig.estimator='k9' must be one of"),
+    (["--top-p", "0"], "--top-p: top_p=0.0 must be in (0, 1]"),
+    (["--trace-iteration", "31"], "--trace-iteration: trace_iteration 31 is past the last iteration 30"),
     (["--actor-train", "tp=x"], "--actor-train: cannot parse 'tp=x' in 'tp=x'"),
     (["--critic-model", "nope"], "--critic-model nope: [Errno 2] No such file or directory"),
 ])
@@ -54,6 +71,17 @@ def test_bad_values_name_their_flag(argv, message):
     assert str(exc.value).startswith(message)
 
 
+def test_batch_sizes_checked_against_the_placement():
+    cfg = JobConfig(ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=4,
+                                  micro_batch_size=2))
+    cfg.check_placement(Placement.from_plan({"actor_train": {"dp": 2, "ranks": "0-1"},
+                                             "critic_train": {"ranks": "0-1", "pp": 2}}, 2))
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size 4 must be a multiple of actor_train's dp 4 x "
+                                          "micro_batch_size 2") as exc:
+        cfg.check_placement(Placement.from_plan({}, 4))
+    assert exc.value.field_name == "ppo.ppo_mini_batch_size"
+
+
 def test_configs_validate_without_the_parser():
     with pytest.raises(ConfigError, match="unknown task") as exc:
         PlacementConfig(overrides={"actor_training": {}})
@@ -61,6 +89,9 @@ def test_configs_validate_without_the_parser():
     with pytest.raises(ConfigError) as exc:
         RunConfig(iterations=0)
     assert exc.value.field_name == "run.iterations"
+    with pytest.raises(ConfigError) as exc:
+        PPOConfig(gamma=1.5)
+    assert exc.value.field_name == "ppo.gamma"
     with pytest.raises(PlacementError, match="placement file .*missing.json"):
         PlacementConfig(file="missing.json").plan()
 
@@ -70,3 +101,12 @@ def test_help_explains_every_flag():
     for action in parser._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_built_in_four_rank_plan_is_the_example_file():
+    from rlhf.config import DEFAULT_PLANS
+    from rlhf.parallel.placement import load_plan
+
+    assert PlacementConfig().plan(4) == DEFAULT_PLANS[4] == load_plan(Path(__file__).resolve().parents[1] / "examples" / "placement_4ranks.json")
+    assert PlacementConfig().plan(2) == {}  # other world sizes: every task data parallel on all ranks
+    assert PlacementConfig(overrides={"ref_inf": {"ranks": "0-3"}}).plan(4)["ref_inf"] == {"ranks": "0-3"}

@@ -38,3 +38,24 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, tp_gro
     picked = shifted.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
     target_logit = tp_sum(picked * in_slice, tp_group)
     return target_logit - sum_exp.log()
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
+    """Entropy (nats) of softmax over the whole vocabulary from this rank's vocab slice.
+
+    logits: [..., V/tp]. Returns [...] float32. With ``shifted = logits - max``
+    and ``Z = sum exp(shifted)``: ``H = log Z - sum(exp(shifted) * shifted) / Z``,
+    the two sums all-reduced together over the TP group (a metric: no gradient).
+    """
+    logits = logits.float()
+    max_logit = logits.max(dim=-1).values
+    tp = tp_group is not None and dist.get_world_size(tp_group) > 1
+    if tp:
+        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - max_logit.unsqueeze(-1)
+    exp = shifted.exp()
+    sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])
+    if tp:
+        dist.all_reduce(sums, group=tp_group)
+    return sums[0].log() - sums[1] / sums[0]

@@ -1,0 +1,375 @@
+"""The PPO trainer: one synchronous iteration over the six tasks, top to bottom.
+
+    prompts -> reshard actor_train into actor_gen -> generate (one engine per actor_gen replica)
+            -> infer: ref_inf (ref_logprobs), reward_inf (scores), critic_inf (values)
+            -> advantages (KL-penalised token rewards, estimator registry)
+            -> PPO epochs: actor_train and critic_train through the instruction executor
+            -> reshard critic_train into critic_inf -> metrics
+
+Every rank runs the same program and takes part in the tasks whose meshes
+hold it. Samples move between meshes as one ``Batch``: after generation and
+after inference every rank receives the whole batch (an object all-gather;
+a batch is small next to the models), so each task's DP replica takes its
+share by index. Weights move only by resharding. Synchronous semantics: every
+mini-batch sees samples of the current policy (docs/training.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from rlhf.algorithms import (AdvantageInputs, balanced_minibatches, compute_advantages, make_kl_controller,
+                             masked_mean, policy_loss, token_rewards, value_loss)
+from rlhf.batch import Batch
+from rlhf.config import JobConfig
+from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
+from rlhf.models.gpt import build_model
+from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf.optim import ModelOptimizer, OptimizerConfig
+from rlhf.parallel.exchange import gather_to_all, shares
+from rlhf.parallel.groups import TaskGroups, build_task_groups
+from rlhf.parallel.reshard import load_full_weights, reshard
+from rlhf.pipeline.executor import ModelRuntime, run_step
+from rlhf.pipeline.microbatch import pipeline_forward
+from rlhf.schedule.generators import serial_1f1b
+from rlhf.schedule.problem import ModelSpec, Problem
+from rlhf.schedule.schedule import Schedule
+from rlhf.tasks import TASK_MODEL, TRAIN_TASK, task_kind
+
+RewardFn = Callable[[list, list], list]
+"""``fn(prompts, responses) -> scores``: token-id lists in, one float per sample out."""
+
+MODEL_SEEDS = {"actor": 11, "critic": 23, "reward": 37, "reference": 11}
+"""Seed offsets of each model's random initial weights (reference = actor: they start equal)."""
+
+INFERENCE_FIELDS = {"ref_inf": "ref_logprobs", "reward_inf": "scores", "critic_inf": "values",
+                    "actor_train": "old_logprobs"}
+"""What each inference pass adds to the batch (actor_train only with recompute_logprobs)."""
+
+
+@dataclass
+class IterationResult:
+    """What one iteration produced: the final batch and the metrics reduced over ranks (both on every rank)."""
+
+    batch: Batch
+    metrics: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """PPO over the placement's six task meshes (collective: every rank builds one).
+
+    ``prompts`` yields PromptBatch-like objects (``.prompts`` with ``token_ids``);
+    ``initial_weights`` maps a model name to its full state dict (global names)
+    to start from instead of random weights (the reference starts as a copy of
+    the actor unless given); ``gold_fn`` scores samples by a rule, logged
+    beside the reward model's score.
+    """
+
+    def __init__(self, config: JobConfig, placement, prompts, tokenizer,
+                 initial_weights: Optional[dict] = None, gold_fn: Optional[RewardFn] = None):
+        self.config, self.placement, self.prompts, self.tokenizer = config, placement, prompts, tokenizer
+        self.gold_fn = gold_fn
+        self.groups = build_task_groups(placement)
+        self.tasks = [t for t in placement.meshes if config.ppo.uses_critic or TASK_MODEL[t] != "critic"]
+        self.models = {t: self._build(t) for t in self.tasks if self.groups[t] is not None}
+        initial_weights = initial_weights or {}
+        self._load_initial(initial_weights)
+        self.optimizers = self._build_optimizers()
+        self.schedules = {name: self._serial_schedule(task) for name, task in self._trained().items()}
+        self.engine = self._build_engine()
+        self.kl = make_kl_controller(config.ppo.kl_config)
+        self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
+        self.iteration = 0
+        if "reference" not in initial_weights:
+            self._reshard("actor_train", "ref_inf")
+        self._reshard("critic_train", "critic_inf")
+
+    # ---- the iteration ---------------------------------------------------------------
+
+    def train(self) -> None:
+        """Iterations until ``config.run.iterations``, each logged (rank 0 writes)."""
+        cfg = self.config
+        with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration) as writer:
+            while self.iteration < cfg.run.iterations:
+                writer.log(self.iteration + 1, self.step().metrics)
+
+    def step(self) -> IterationResult:
+        """One PPO iteration on the next prompts."""
+        self.timer.start_iteration(self.iteration + 1)
+        prompts = next(self.prompts)
+        with self.timer.stage("reshard"):
+            self._reshard("actor_train", "actor_gen")
+        with self.timer.stage("generation"):
+            batch = self.generate(prompts)
+        return self.learn(batch)
+
+    def learn(self, batch: Batch) -> IterationResult:
+        """Everything after generation: inference, advantages, PPO epochs, critic reshard.
+
+        Returns the final batch and the iteration's metrics, reduced over all ranks (collective).
+        """
+        with self.timer.stage("inference"):
+            batch = self.infer(batch)
+        with self.timer.stage("advantage"):
+            batch, local = self.advantages(batch)
+        with self.timer.stage("training"):
+            local.update(self.update(batch))
+        with self.timer.stage("reshard"):
+            self._reshard("critic_train", "critic_inf")
+        self.iteration += 1
+        local.update(self._batch_metrics(batch))
+        local.update(self.timer.metrics())
+        metrics = with_rates(reduce_metrics(local))
+        if self.timer.timeline is not None:
+            write_trace(self.config.logging.trace_file, self.timer.timeline)
+        return IterationResult(batch, metrics)
+
+    # ---- 1. generation ---------------------------------------------------------------
+
+    def generate(self, prompt_batch) -> Batch:
+        """Samples of ``prompt_batch`` from the actor_gen replicas, as one Batch on every rank.
+
+        Prompt ``i`` goes to replica ``i % dp``; every TP rank of a replica runs
+        the same engine on the same requests, and its TP rank 0 contributes them.
+        """
+        gen = self.config.generation
+        n = self.config.ppo.n_samples_per_prompt
+        g = self.groups["actor_gen"]
+        mine = []
+        if g is not None:
+            dp = g.mesh.strategy.dp
+            requests = [Request(str(i), tuple(p.token_ids), SamplingParams(
+                max_new_tokens=gen.max_response_len, temperature=gen.temperature, top_p=gen.top_p,
+                top_k=gen.top_k, seed=self._sample_seed(i), stop_token_ids=(self.tokenizer.eos_id,), n=n))
+                for i, p in enumerate(prompt_batch.prompts) if i % dp == g.coord.dp]
+            results = self.engine.generate(requests)
+            mine = results if g.tp_rank == 0 else []
+        samples = sorted(gather_to_all(mine), key=lambda s: (int(s.request_id), s.sample_index))
+        ids = {str(i): i for i in range(len(prompt_batch.prompts))}
+        return Batch.from_samples(samples, self.tokenizer.pad_id, ids)
+
+    def _sample_seed(self, prompt_index: int) -> int:
+        """Distinct per (run seed, iteration, prompt); the engine adds the sample index."""
+        n = self.config.ppo.n_samples_per_prompt
+        return (self.config.run.seed * 1_000_003 + self.iteration) * 65_537 + prompt_index * n
+
+    # ---- 2. inference ----------------------------------------------------------------
+
+    def infer(self, batch: Batch) -> Batch:
+        """ref_logprobs, scores, values (with a critic) and recomputed old_logprobs (if asked), on every rank."""
+        outputs = {}
+        for task, name in INFERENCE_FIELDS.items():
+            if task == "actor_train" and not self.config.ppo.recompute_logprobs:
+                continue
+            if task in self.models:
+                outputs[name] = self._infer_task(task, batch)
+        merged = {}
+        for part in gather_to_all([outputs]):
+            for name, rows in part.items():
+                merged.setdefault(name, {}).update(rows)
+        fields = {name: torch.stack([rows[i] for i in range(len(batch))]) for name, rows in merged.items()}
+        return batch.with_fields(**fields)
+
+    def _infer_task(self, task: str, batch: Batch) -> dict:
+        """This rank's replica share of ``task``, micro-batched through its pipeline.
+
+        Returns {sample index: output row} on the last stage's TP rank 0, else {}.
+        """
+        g, model = self.groups[task], self.models[task]
+        index = shares(len(batch), g.mesh.strategy.dp)[g.coord.dp]
+        part = batch.select(index)
+        rows, done = {}, 0
+        for mb in part.split(_count(len(part), self.config.ppo.micro_batch_size)):
+            out = pipeline_forward(model, g, mb.tokens)
+            if out is not None:
+                values = _INFERENCE_OUTPUT[task](out, mb, g)
+                if g.tp_rank == 0:
+                    rows.update({index[done + k]: values[k] for k in range(len(mb))})
+            done += len(mb)
+        return rows
+
+    # ---- 3. advantages ---------------------------------------------------------------
+
+    def advantages(self, batch: Batch) -> tuple[Batch, dict]:
+        """KL-penalised token rewards and the configured estimator (identical on every rank)."""
+        mask = batch.response_mask
+        rewards, kl = token_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs, mask,
+                                    self.kl.value, self.config.ppo.kl_estimator)
+        advantages, returns = compute_advantages(AdvantageInputs.from_batch(batch, rewards),
+                                                 self.config.ppo.advantage_config)
+        sequence_kl = kl.sum(dim=1).mean()
+        metrics = {"kl_mean": sequence_kl, "kl_coef": self.kl.value.clone()}
+        self.kl.update(sequence_kl, len(batch))
+        return batch.with_fields(advantages=advantages, returns=returns), metrics
+
+    # ---- 4. PPO epochs ---------------------------------------------------------------
+
+    def update(self, batch: Batch) -> dict:
+        """``ppo_epochs`` passes of token-balanced mini-batches; one optimizer step per mini-batch and model."""
+        ppo = self.config.ppo
+        recorded = []
+        for epoch in range(ppo.ppo_epochs):
+            plans = {name: self._minibatches(batch, task, epoch) for name, task in self._trained().items()}
+            for m in range(ppo.minibatches):
+                for name, task in self._trained().items():
+                    g = self.groups[task]
+                    if g is None:
+                        continue
+                    members = [i for part in plans[name][m] for i in part]
+                    rt = self._runtime(name, task, batch.select(plans[name][m][g.coord.dp]),
+                                       int(batch.response_lengths[members].sum()), recorded)
+                    self.timer.include(run_step(self.schedules[name], {name: rt}, group=g.mesh_group).timeline)
+        return _mean_records(recorded)
+
+    def _minibatches(self, batch: Batch, task: str, epoch: int) -> list:
+        """result[m][dp] = sample indices; the same on every rank (seeded by run seed, iteration, epoch)."""
+        gen = torch.Generator().manual_seed(self.config.run.seed * 7919 + self.iteration * 131 + epoch)
+        return balanced_minibatches(batch.sequence_lengths, self.config.ppo.minibatches,
+                                    self.placement[task].strategy.dp, generator=gen)
+
+    def _runtime(self, name: str, task: str, share: Batch, minibatch_tokens: int, recorded: list) -> ModelRuntime:
+        """The executor's view of one model for one mini-batch on this rank."""
+        g = self.groups[task]
+        micro = share.split(_count(len(share), self.config.ppo.micro_batch_size))
+        # Each micro-batch's token-mean loss is rescaled so that, after the executor's
+        # 1/micro-batches and the DP average, the gradient is the mini-batch's token mean.
+        scale = len(micro) * g.mesh.strategy.dp / max(minibatch_tokens, 1)
+        loss = self._actor_loss if name == "actor" else self._critic_loss
+        return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
+                            lambda out, mb, groups: loss(out, mb, groups, scale, recorded),
+                            self.config.models[name].hidden_size)
+
+    def _actor_loss(self, logits, mb: Batch, g: TaskGroups, scale: float, recorded: list):
+        ppo = self.config.ppo
+        mask = mb.response_mask
+        logprobs = _response_logprobs(logits, mb, g)
+        loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, clip_eps=ppo.clip_eps)
+        entropy = mb.response_from_positions(vocab_parallel_entropy(logits[:, :-1], g.tp))
+        tokens = mask.sum()
+        recorded.append((tokens, {"policy_loss": loss.detach(), "entropy_mean": masked_mean(entropy, mask),
+                                  "clip_fraction": metrics["clipfrac"], "approx_kl": metrics["approx_kl"]}))
+        return loss * tokens * scale
+
+    def _critic_loss(self, values, mb: Batch, g: TaskGroups, scale: float, recorded: list):
+        mask = mb.response_mask
+        loss, metrics = value_loss(mb.response_from_positions(values), mb.values, mb.returns, mask,
+                                   clip_eps=self.config.ppo.value_clip)
+        tokens = mask.sum()
+        recorded.append((tokens, {"value_loss": loss.detach(), "value_clip_fraction": metrics["vf_clipfrac"]}))
+        return loss * tokens * scale
+
+    # ---- building --------------------------------------------------------------------
+
+    def _build(self, task: str) -> torch.nn.Module:
+        g, model = self.groups[task], TASK_MODEL[task]
+        return build_model(self.config.models[model], task_kind(task), g.pg_collection, g.stage,
+                           seed=self.config.run.seed + MODEL_SEEDS[model])
+
+    def _load_initial(self, weights: dict) -> None:
+        """Full state dicts into the task that owns each model's weights (the others are resharded)."""
+        owner = {"actor": "actor_train", "critic": "critic_train", "reward": "reward_inf", "reference": "ref_inf"}
+        for model, full in weights.items():
+            task = owner[model]
+            if task in self.models:
+                load_full_weights(self.models[task], self.groups[task], full)
+
+    def _trained(self) -> dict:
+        """{model: its training task} of the models this run trains."""
+        return {m: t for m, t in TRAIN_TASK.items() if t in self.tasks}
+
+    def _build_optimizers(self) -> dict:
+        """megatron DDP + AdamW + LR schedule per trained model on this rank (collective over its task)."""
+        ppo = self.config.ppo
+        lrs = {"actor": ppo.lr, "critic": ppo.critic_lr}
+        return {m: ModelOptimizer(self.models[t], self.groups[t],
+                                  OptimizerConfig(lr=lrs[m], clip_grad=ppo.clip_grad, weight_decay=ppo.weight_decay))
+                for m, t in self._trained().items() if t in self.models}
+
+    def _serial_schedule(self, task: str) -> Schedule:
+        """Serial 1F1B over this task's pipeline, as the executor runs it (costs only order it)."""
+        mesh, ppo = self.placement[task], self.config.ppo
+        pp = mesh.strategy.pp
+        microbatches = ppo.ppo_mini_batch_size // (mesh.strategy.dp * ppo.micro_batch_size)
+        spec = ModelSpec(TASK_MODEL[task], pp, 1, microbatches, "up" if mesh.reverse_pp else "down",
+                         [1.0] * pp, [2.0] * pp, [1.0] * pp)
+        problem = Problem(pp, (spec,))
+        return Schedule.from_orders(problem, serial_1f1b(problem))
+
+    def _build_engine(self) -> Optional[Engine]:
+        if "actor_gen" not in self.models:
+            return None
+        gen = self.config.generation
+        prompts = self.config.ppo.rollout_batch_size // self.placement["actor_gen"].strategy.dp + 1
+        longest = gen.max_prompt_len + gen.max_response_len
+        blocks = prompts * self.config.ppo.n_samples_per_prompt * (longest // 16 + 2)
+        return Engine(self.models["actor_gen"], self.groups["actor_gen"], self.config.models.actor,
+                      EngineConfig(num_blocks=blocks, max_model_len=longest))
+
+    def _reshard(self, src: str, dst: str) -> None:
+        """Copy the weights of ``src``'s model into ``dst``'s layout (the ranks of either mesh)."""
+        if src not in self.tasks or dst not in self.tasks:
+            return
+        if self.groups[src] is None and self.groups[dst] is None:
+            return
+        reshard(self.placement[src], (self.groups[src], self.models.get(src)),
+                self.placement[dst], (self.groups[dst], self.models.get(dst)),
+                self.config.models[TASK_MODEL[src]].num_layers)
+
+    # ---- metrics ---------------------------------------------------------------------
+
+    def _batch_metrics(self, batch: Batch) -> dict:
+        """Per-iteration statistics of the samples (every rank holds the batch; counts from rank 0 only)."""
+        lengths = batch.response_lengths.float()
+        out = {"reward_mean": batch.scores.mean(), "reward_std": batch.scores.std(correction=0),
+               "response_length_mean": lengths.mean(), "response_length_max": lengths.max()}
+        if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
+            out.update(samples_count=float(len(batch)), tokens_count=lengths.sum())
+        if self.gold_fn is not None:
+            out["gold_reward_mean"] = torch.tensor(self.gold_fn(*_prompts_and_responses(batch))).float().mean()
+        return out
+
+
+def _reward_scores(values: torch.Tensor, mb: Batch, g) -> torch.Tensor:
+    """The reward model's score: its value at each sample's last token (prompt + response)."""
+    last = (mb.prompt_lengths + mb.response_lengths - 1).to(values.device)
+    return values.gather(1, last.unsqueeze(1)).squeeze(1).float()
+
+
+def _response_logprobs(logits: torch.Tensor, mb: Batch, g) -> torch.Tensor:
+    """[b, R] log-probs of the response tokens from vocab-parallel logits [b, T, V/tp]."""
+    return mb.response_from_positions(vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], g.tp))
+
+
+_INFERENCE_OUTPUT = {
+    "ref_inf": _response_logprobs,
+    "reward_inf": _reward_scores,
+    "critic_inf": lambda values, mb, g: mb.response_from_positions(values.float()),
+    "actor_train": _response_logprobs,
+}
+"""What each inference task's last stage returns per micro-batch: [b, R] or [b]."""
+
+
+def _count(n: int, size: int) -> int:
+    """Micro-batches of at most ``size`` samples for ``n`` samples (at least one)."""
+    return max(1, -(-n // size))
+
+
+def _prompts_and_responses(batch: Batch) -> tuple[list, list]:
+    rows = batch.tokens.tolist()
+    p, r = batch.prompt_lengths.tolist(), batch.response_lengths.tolist()
+    return [row[:a] for row, a in zip(rows, p)], [row[a:a + b] for row, a, b in zip(rows, p, r)]
+
+
+def _mean_records(recorded: list) -> dict:
+    """Token-weighted means of the per-micro-batch training metrics recorded on this rank."""
+    sums, weights = {}, {}
+    for tokens, metrics in recorded:
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value * tokens
+            weights[key] = weights.get(key, 0.0) + tokens
+    return {key: sums[key] / weights[key].clamp(min=1) for key in sums}

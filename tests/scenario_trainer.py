@@ -1,0 +1,162 @@
+"""4-rank scenario for the trainer: one PPO iteration on given samples vs textbook PPO.
+
+The trainer runs actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref_inf
+TP1 on ranks {2, 3} and reward_inf TP1 on ranks {0, 1}, on a fixed batch of
+samples (generation given). The reference is plain single-process PyTorch
+written here from the definitions: KL-penalised rewards, the recursive GAE
+loop, whitened advantages, the clipped surrogate and clipped value losses as
+token means over the mini-batch, gradient-norm clipping (set low enough that
+it clips) and torch AdamW. Both start from the same full
+weights; the scenario returns the largest parameter differences.
+"""
+
+import torch
+import torch.distributed as dist
+
+from rlhf.batch import Batch
+from rlhf.config import JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.engine.types import SampleResult
+from rlhf.models import ModelConfig
+from rlhf.models.gpt import build_model, stage_forward
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups, local_groups
+from rlhf.parallel.reshard import gather_tp_full_weights
+from rlhf.testing.reference import gae_loop
+from rlhf.trainer import Trainer
+
+ACTOR = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                    vocab_size=64, max_seq_len=32)
+CRITIC = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                     vocab_size=64, max_seq_len=32)
+PLAN = {
+    "actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
+    "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
+    "actor_gen": {"ranks": "0-3", "tp": 2, "dp": 2},
+    "ref_inf": {"ranks": [2, 3]},
+    "reward_inf": {"ranks": [0, 1]},
+    "critic_inf": {"ranks": "0-3", "tp": 2},
+}
+PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=8, ppo_epochs=2,
+                micro_batch_size=2, lr=5e-4, critic_lr=1e-3, clip_grad=0.05, clip_eps=0.2, value_clip=0.2,
+                kl_coef=0.1, gamma=1.0, lam=0.95)
+BETAS = (0.9, 0.95)  # rlhf.optim.OptimizerConfig's defaults
+# Adam's first steps move a weight by about lr whatever its gradient's size, so a gradient element
+# near 0 turns float noise into up to ~1e-2 lr of difference (1.006e-5 seen at lr 1e-3): lr stays small.
+# prompt lengths and response lengths of the 8 samples (two per prompt)
+PROMPTS = [3, 5, 2, 6]
+RESPONSES = [4, 7, 1, 5, 6, 3, 7, 2]
+
+
+def _full_weights(kind: str, cfg: ModelConfig, seed: int) -> dict:
+    local = local_groups()
+    return gather_tp_full_weights(build_model(cfg, kind, local.pg_collection, local.stage, seed=seed), local)
+
+
+def _unsharded(kind: str, cfg: ModelConfig, full: dict) -> torch.nn.Module:
+    local = local_groups()
+    model = build_model(cfg, kind, local.pg_collection, local.stage, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(full[name])
+    return model
+
+
+def _samples(actor) -> list:
+    """Fixed prompts and responses; old log-probs from the initial actor (as the engine reports them)."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for s, r in enumerate(RESPONSES):
+        prompt = torch.randint(0, ACTOR.vocab_size, (PROMPTS[s // 2],), generator=g).tolist()
+        response = torch.randint(0, ACTOR.vocab_size, (r,), generator=g).tolist()
+        with torch.no_grad():
+            lp = _logprobs(actor, torch.tensor([prompt + response]), len(prompt), r)[0]
+        out.append(SampleResult(str(s // 2), s % 2, tuple(prompt), tuple(response), tuple(lp.tolist()),
+                                "length", 0.0))
+    return out
+
+
+def _logprobs(actor, tokens, prompt_len: int, response_len: int) -> torch.Tensor:
+    logits = stage_forward(actor, tokens).float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return lp[:, prompt_len - 1:prompt_len - 1 + response_len]
+
+
+def _textbook_iteration(full: dict, samples: list) -> dict:
+    """One PPO iteration from the definitions, one sample at a time where it is clearer."""
+    actor, critic = _unsharded("lm", ACTOR, full["actor"]), _unsharded("value", CRITIC, full["critic"])
+    reference, reward = _unsharded("lm", ACTOR, full["actor"]), _unsharded("value", CRITIC, full["reward"])
+    seqs = [(torch.tensor([list(s.prompt) + list(s.tokens)]), len(s.prompt), len(s.tokens)) for s in samples]
+    R = max(r for _, _, r in seqs)
+
+    def padded(rows):
+        return torch.stack([torch.nn.functional.pad(x, (0, R - x.numel())) for x in rows])
+
+    with torch.no_grad():
+        old = padded([torch.tensor(s.logprobs) for s in samples])
+        ref = padded([_logprobs(reference, t, p, r)[0] for t, p, r in seqs])
+        score = torch.stack([stage_forward(reward, t)[0, p + r - 1] for t, p, r in seqs])
+        old_values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
+    mask = padded([torch.ones(r) for _, _, r in seqs])
+    rewards = -PPO.kl_coef * (old - ref) * mask
+    for i, (_, _, r) in enumerate(seqs):
+        rewards[i, r - 1] += score[i]
+    adv, returns = gae_loop(rewards, old_values, mask, PPO.gamma, PPO.lam)
+    valid = mask > 0
+    mean, var = adv[valid].mean(), adv[valid].var(unbiased=True)
+    adv = torch.where(valid, (adv - mean) / torch.sqrt(var + 1e-8), torch.zeros_like(adv))
+
+    a_opt = torch.optim.AdamW(actor.parameters(), lr=PPO.lr, betas=BETAS, weight_decay=0.0)
+    c_opt = torch.optim.AdamW(critic.parameters(), lr=PPO.critic_lr, betas=BETAS, weight_decay=0.0)
+    tokens, norms = mask.sum(), []
+    for _ in range(PPO.ppo_epochs):  # one mini-batch holds every sample
+        new = padded([_logprobs(actor, t, p, r)[0] for t, p, r in seqs])
+        ratio = torch.exp(new - old)
+        surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - PPO.clip_eps, 1 + PPO.clip_eps))
+        a_loss = (surrogate * mask).sum() / tokens
+        a_opt.zero_grad()
+        a_loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(actor.parameters(), PPO.clip_grad)))
+        a_opt.step()
+        values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
+        clipped = old_values + (values - old_values).clamp(-PPO.value_clip, PPO.value_clip)
+        v_loss = 0.5 * (torch.maximum((values - returns) ** 2, (clipped - returns) ** 2) * mask).sum() / tokens
+        c_opt.zero_grad()
+        v_loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(critic.parameters(), PPO.clip_grad)))
+        c_opt.step()
+    return {"actor": dict(actor.named_parameters()), "critic": dict(critic.named_parameters()), "norms": norms,
+            "advantages": adv, "returns": returns, "scores": score, "ref_logprobs": ref, "values": old_values}
+
+
+def _gathered(trainer, task: str) -> dict:
+    """Full weights of ``task``'s model, merged from every rank's stage (collective)."""
+    g = trainer.groups[task]
+    mine = gather_tp_full_weights(trainer.models[task], g) if g is not None else {}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def run() -> dict:
+    world = dist.get_world_size()
+    placement = Placement.from_plan(PLAN, world)
+    build_task_groups(placement)  # collective; creates the one-rank groups local_groups() uses
+    config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
+                       ppo=PPO)
+    full = {"actor": _full_weights("lm", ACTOR, 101), "critic": _full_weights("value", CRITIC, 202),
+            "reward": _full_weights("value", CRITIC, 303)}
+    samples = _samples(_unsharded("lm", ACTOR, full["actor"]))
+    trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full)
+    batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
+    result = trainer.learn(batch)
+    after = {name: _gathered(trainer, task) for name, task in (("actor", "actor_train"), ("critic", "critic_train"))}
+    out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
+    if dist.get_rank() == 0:
+        ref = _textbook_iteration(full, samples)
+        for name in ("actor", "critic"):
+            out[f"{name}_max_diff"] = max((after[name][k] - ref[name][k]).abs().max().item() for k in ref[name])
+            out[f"{name}_moved"] = max((after[name][k] - full[name][k]).abs().max().item() for k in ref[name])
+        out["smallest_grad_norm"] = min(ref["norms"])
+        for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
+            out[f"{field}_max_diff"] = (getattr(result.batch, field) - ref[field]).abs().max().item()
+    return out

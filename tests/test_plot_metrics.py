@@ -1,0 +1,33 @@
+"""tools/plot_metrics.py: first/last window statistics of a metrics file, and the plot."""
+
+import json
+
+import pytest
+
+from rlhf.testing.tools import load_tool
+
+plot_metrics = load_tool("plot_metrics")
+
+
+def test_window_stats_and_plot(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    gold = [0.1, 0.2, 0.3, 0.5, 0.7, 0.9]
+    path.write_text("".join(json.dumps({"iteration": i + 1, "gold_reward_mean": g, "reward_mean": 2 * g}) + "\n"
+                            for i, g in enumerate(gold)))
+    out = tmp_path / "p.png"
+    assert plot_metrics.main(["--metrics", str(path), "--out", str(out), "--window", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # first 3: mean 0.2, stdev 0.1 -> sem 0.1/sqrt(3); last 3: mean 0.7, stdev 0.2 -> sem 0.2/sqrt(3)
+    assert lines[1] == "gold_reward_mean: first 3 0.2000 +- 0.0577, last 3 0.7000 +- 0.1155"
+    assert lines[0] == "reward_mean: first 3 0.4000 +- 0.1155, last 3 1.4000 +- 0.2309"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_input_names_the_file_or_key(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"iteration": 1, "reward_mean": 0.1}\nnot json\n')
+    with pytest.raises(SystemExit, match=r"m.jsonl:2: not JSON"):
+        plot_metrics.main(["--metrics", str(path), "--out", str(tmp_path / "p.png")])
+    path.write_text('{"iteration": 1, "reward_mean": 0.1}\n')
+    with pytest.raises(SystemExit, match=r"--keys \['gold_reward_mean'\] not in"):
+        plot_metrics.main(["--metrics", str(path), "--out", str(tmp_path / "p.png")])
