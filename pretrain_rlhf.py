@@ -32,9 +32,21 @@ def main(argv=None) -> int:
         for task, mesh in placement.meshes.items():
             reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
             print(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
+    from rlhf.checkpoint import CheckpointError, resolve_checkpoint
     from rlhf.job import build_trainer
 
-    build_trainer(config, placement).train()
+    try:
+        if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
+            resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
+        trainer = build_trainer(config, placement)
+        if config.checkpoint.load:
+            trainer.load(config.checkpoint.load)
+    except CheckpointError as exc:
+        if rank == 0:
+            print(f"pretrain_rlhf.py: --load {config.checkpoint.load}: {exc}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    trainer.train()
     dist.destroy_process_group()
     return 0
 

@@ -13,8 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from rlhf.config import (ConfigError, GenerationConfig, JobConfig, LoggingConfig, ModelsConfig, PlacementConfig,
-                         PPOConfig, RunConfig)
+from rlhf.config import (CheckpointConfig, ConfigError, GenerationConfig, JobConfig, LoggingConfig, ModelsConfig,
+                         PlacementConfig, PPOConfig, RunConfig)
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
 from rlhf.tasks import TASKS
 
@@ -67,6 +67,13 @@ SECTIONS = {
                                  "(counting from 1)"),
         ("trace_file", str, "where --trace-iteration writes its trace"),
         ("progress", bool, "show the progress bar on rank 0"),
+    ]),
+    "checkpoint": (CheckpointConfig, "checkpointing", [
+        ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest)"),
+        ("save_interval", int, "save every this many iterations (and after the last; default: only after the "
+                               "last)"),
+        ("load", str, "checkpoint root to resume from: models, optimizers, LR schedules, KL controller, RNG "
+                      "and data position; the run continues to --iterations"),
     ]),
 }
 

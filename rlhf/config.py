@@ -239,6 +239,27 @@ def _check_path(value, name: str, kind: str) -> None:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """``save``: checkpoint root written every ``save_interval`` iterations and after the last one;
+    ``load``: checkpoint root to resume from (its latest complete checkpoint)."""
+
+    save: str | None = None
+    save_interval: int | None = None
+    load: str | None = None
+
+    def __post_init__(self):
+        if self.save_interval is not None:
+            if self.save is None:
+                raise ConfigError("save_interval needs a checkpoint root to save to (save)", "checkpoint.save_interval")
+            _check_positive_ints("checkpoint", self, ("save_interval",))
+        if self.load is not None and not os.path.isdir(self.load):
+            raise ConfigError(f"load={self.load!r} is not a directory; give the root a run saved into "
+                              "(it holds iter_* directories and 'latest')", "checkpoint.load")
+        if self.save is not None and os.path.isfile(self.save):
+            raise ConfigError(f"save={self.save!r} is a file; give a directory (created if missing)", "checkpoint.save")
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """Everything ``pretrain_rlhf.py`` runs with."""
 
@@ -248,6 +269,7 @@ class JobConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
         trace = self.logging.trace_iteration

@@ -36,6 +36,9 @@ MODEL_KIND = {"actor": "lm", "reference": "lm", "reward": "value", "critic": "va
 TRAIN_TASK = {"actor": "actor_train", "critic": "critic_train"}
 """The task that updates each trained model (reference and reward stay frozen)."""
 
+WEIGHTS_TASK = {**TRAIN_TASK, "reference": "ref_inf", "reward": "reward_inf"}
+"""The task whose copy of each model's weights is the original: loaded and saved there, resharded from there."""
+
 
 def task_kind(task: str) -> str:
     """``lm`` or ``value``: the head of the model that ``task`` runs."""

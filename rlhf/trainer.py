@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rlhf.algorithms import (AdvantageInputs, balanced_minibatches, compute_advantages, make_kl_controller,
                              masked_mean, policy_loss, token_rewards, value_loss)
 from rlhf.batch import Batch
+from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.config import JobConfig
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
@@ -39,7 +40,7 @@ from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.schedule import Schedule
-from rlhf.tasks import TASK_MODEL, TRAIN_TASK, task_kind
+from rlhf.tasks import TASK_MODEL, TRAIN_TASK, WEIGHTS_TASK, task_kind
 
 RewardFn = Callable[[list, list], list]
 """``fn(prompts, responses) -> scores``: token-id lists in, one float per sample out."""
@@ -92,11 +93,40 @@ class Trainer:
     # ---- the iteration ---------------------------------------------------------------
 
     def train(self) -> None:
-        """Iterations until ``config.run.iterations``, each logged (rank 0 writes)."""
-        cfg = self.config
+        """Iterations until ``config.run.iterations``, each logged (rank 0 writes), saved when configured."""
+        cfg, ckpt = self.config, self.config.checkpoint
         with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration) as writer:
             while self.iteration < cfg.run.iterations:
                 writer.log(self.iteration + 1, self.step().metrics)
+                last = self.iteration == cfg.run.iterations
+                if ckpt.save and (last or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
+                    self.save(ckpt.save)
+
+    # ---- checkpoints -----------------------------------------------------------------
+
+    def save(self, root: str) -> str:
+        """Save every model (with optimizer and LR schedule), the KL controller, the data position
+        and each rank's RNG as checkpoint ``iteration`` under ``root`` (collective, atomic)."""
+        return save_rlhf_state(root, self.iteration, self._slots(), data_position=self.prompts.state_dict(),
+                               extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD)
+
+    def load(self, root: str) -> None:
+        """Resume from the latest complete checkpoint under ``root`` (any layout; collective)."""
+        state = load_rlhf_state(root, self._slots(), group=dist.group.WORLD)
+        self.iteration = state.iteration
+        self.prompts.load_state_dict(state.data_position)
+        self.kl.value = torch.tensor(state.extra["kl_coef"])
+        self._reshard("critic_train", "critic_inf")
+
+    def _slots(self) -> dict:
+        """Each model of this run where its weights live (WEIGHTS_TASK), with its optimizer if trained."""
+        slots = {}
+        for model, task in WEIGHTS_TASK.items():
+            if task in self.tasks:
+                opt = self.optimizers.get(model)
+                slots[model] = ModelSlot(self.config.models[model], task_kind(task), self.models.get(task),
+                                         self.groups[task], opt, opt.scheduler if opt is not None else None)
+        return slots
 
     def step(self) -> IterationResult:
         """One PPO iteration on the next prompts."""
@@ -272,9 +302,8 @@ class Trainer:
 
     def _load_initial(self, weights: dict) -> None:
         """Full state dicts into the task that owns each model's weights (the others are resharded)."""
-        owner = {"actor": "actor_train", "critic": "critic_train", "reward": "reward_inf", "reference": "ref_inf"}
         for model, full in weights.items():
-            task = owner[model]
+            task = WEIGHTS_TASK[model]
             if task in self.models:
                 load_full_weights(self.models[task], self.groups[task], full)
 

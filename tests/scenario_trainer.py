@@ -14,7 +14,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.batch import Batch
-from rlhf.config import JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.data import ByteTokenizer, PromptBatchIterator
+from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model, stage_forward
@@ -137,10 +139,16 @@ def _gathered(trainer, task: str) -> dict:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def run() -> dict:
-    world = dist.get_world_size()
-    placement = Placement.from_plan(PLAN, world)
+def run(root: str) -> dict:
+    """The textbook comparison, then the resume comparison (checkpoints under ``root``)."""
+    placement = Placement.from_plan(PLAN, dist.get_world_size())
     build_task_groups(placement)  # collective; creates the one-rank groups local_groups() uses
+    out = _against_textbook(placement)
+    out.update(_resume(placement, root))
+    return out
+
+
+def _against_textbook(placement) -> dict:
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
                        ppo=PPO)
     full = {"actor": _full_weights("lm", ACTOR, 101), "critic": _full_weights("value", CRITIC, 202),
@@ -149,7 +157,7 @@ def run() -> dict:
     trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full)
     batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
     result = trainer.learn(batch)
-    after = {name: _gathered(trainer, task) for name, task in (("actor", "actor_train"), ("critic", "critic_train"))}
+    after = _trained_weights(trainer)
     out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
     if dist.get_rank() == 0:
         ref = _textbook_iteration(full, samples)
@@ -160,3 +168,42 @@ def run() -> dict:
         for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
             out[f"{field}_max_diff"] = (getattr(result.batch, field) - ref[field]).abs().max().item()
     return out
+
+
+def _trained_weights(trainer) -> dict:
+    return {name: _gathered(trainer, task) for name, task in (("actor", "actor_train"), ("critic", "critic_train"))}
+
+
+RESUME_MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                           vocab_size=320, max_seq_len=32)  # holds the byte tokenizer's 259 ids
+
+
+def _resume_trainer(placement, full: dict) -> Trainer:
+    """A fresh trainer of the synthetic task with an adaptive KL controller, from the same weights."""
+    config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
+                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
+                       ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=4,
+                                     micro_batch_size=2, kl_coef=0.05, kl_target=0.5))
+    prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
+    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, gold_fn=gold_reward)
+
+
+def _resume(placement, root: str) -> dict:
+    """4 iterations straight vs 2, save, and 2 more in a fresh trainer that loads: metrics and weights."""
+    full = {"actor": _full_weights("lm", RESUME_MODEL, 11), "critic": _full_weights("value", RESUME_MODEL, 12),
+            "reward": _full_weights("value", RESUME_MODEL, 13)}
+    straight = _resume_trainer(placement, full)
+    metrics = [straight.step().metrics for _ in range(4)]
+    first = _resume_trainer(placement, full)
+    for _ in range(2):
+        first.step()
+    first.save(root)
+    resumed = _resume_trainer(placement, full)
+    resumed.load(root)
+    loaded_at = resumed.iteration
+    metrics_resumed = [resumed.step().metrics for _ in range(2)]
+    a, b = _trained_weights(straight), _trained_weights(resumed)
+    return {"loaded_at": loaded_at, "straight_metrics": metrics[2:], "resumed_metrics": metrics_resumed,
+            "resume_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
+            "kl_coefs": [m["kl_coef"] for m in metrics]}
+

@@ -62,6 +62,8 @@ def test_flags_fill_the_configs(tmp_path):
     (["--kl-estimator", "k9"], "--kl-estimator: KLConfig.estimator='k9' must be one of"),
     (["--top-p", "0"], "--top-p: top_p=0.0 must be in (0, 1]"),
     (["--trace-iteration", "31"], "--trace-iteration: trace_iteration 31 is past the last iteration 30"),
+    (["--save-interval", "5"], "--save-interval: save_interval needs a checkpoint root to save to (save)"),
+    (["--load", "/nonexistent/ckpt"], "--load: load='/nonexistent/ckpt' is not a directory"),
     (["--actor-train", "tp=x"], "--actor-train: cannot parse 'tp=x' in 'tp=x'"),
     (["--critic-model", "nope"], "--critic-model nope: [Errno 2] No such file or directory"),
 ])

@@ -23,9 +23,15 @@ def _torchrun(*flags, nproc=4):
 
 
 @pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    metrics = tmp_path_factory.mktemp("main") / "metrics.jsonl"
-    out = _torchrun("--iterations", "12", "--metrics-file", str(metrics), "--no-progress")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("main")
+
+
+@pytest.fixture(scope="module")
+def default_run(run_dir):
+    metrics = run_dir / "metrics.jsonl"
+    out = _torchrun("--iterations", "12", "--metrics-file", str(metrics), "--no-progress",
+                    "--save", str(run_dir / "ckpt"), "--save-interval", "6")
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines(), [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -55,6 +61,23 @@ def test_gold_reward_rises(default_run):
     gold = [r["gold_reward_mean"] for r in records]
     first, last = sum(gold[:4]) / 4, sum(gold[-4:]) / 4
     assert last > first + 0.04, gold
+
+
+def test_resumed_run_continues_to_the_total(default_run, run_dir):
+    assert sorted(os.listdir(run_dir / "ckpt")) == ["iter_0000006", "iter_0000012", "latest"]
+    metrics = run_dir / "metrics.jsonl"
+    out = _torchrun("--load", str(run_dir / "ckpt"), "--iterations", "14", "--metrics-file", str(metrics),
+                    "--no-progress")
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, 15))  # 13 and 14 appended to the first run's
+    assert records[:12] == default_run[1]
+
+
+def test_load_of_a_root_without_checkpoint_is_refused(tmp_path):
+    out = _torchrun("--load", str(tmp_path), nproc=2)
+    assert out.returncode != 0
+    assert f"pretrain_rlhf.py: --load {tmp_path}: no checkpoint in {tmp_path}" in out.stderr
 
 
 def test_main_job_rejects_invalid_placement_with_clear_message():

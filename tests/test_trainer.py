@@ -1,7 +1,8 @@
-"""The PPO trainer against textbook PPO: one iteration on given samples, 4 gloo ranks.
+"""The PPO trainer against textbook PPO (one iteration on given samples) and exact resume, 4 gloo ranks.
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
-subsets; two PPO epochs of one mini-batch each. See tests/scenario_trainer.py.
+subsets; two PPO epochs of one mini-batch each. Resume: 2 iterations, save, load
+into a fresh trainer, 2 more, against 4 straight. See tests/scenario_trainer.py.
 """
 
 import pytest
@@ -12,8 +13,8 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch(4, "scenario_trainer:run")
+def results(tmp_path_factory):
+    return launch(4, "scenario_trainer:run", root=str(tmp_path_factory.mktemp("ckpt")))
 
 
 @pytest.mark.parametrize("field", ["ref_logprobs", "scores", "values", "advantages", "returns"])
@@ -26,3 +27,15 @@ def test_parameters_match_textbook_ppo(results, model):
     assert results[0]["smallest_grad_norm"] > 0.05  # every step clipped (PPO.clip_grad)
     assert results[0][f"{model}_moved"] > 1e-4  # the iteration changed the weights
     assert results[0][f"{model}_max_diff"] < TOL
+
+
+def test_resume_continues_exactly(results):
+    r = results[0]
+    assert r["loaded_at"] == 2
+    assert len(set(r["kl_coefs"])) == 4  # the adaptive KL coefficient moved every iteration: its state matters
+    for straight, resumed in zip(r["straight_metrics"], r["resumed_metrics"]):
+        for key, value in straight.items():
+            if not key.startswith("time_") and not key.endswith("_per_s"):
+                assert resumed[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert r["resume_param_diff"] < 1e-6
+
