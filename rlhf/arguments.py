@@ -13,8 +13,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from rlhf.config import (CheckpointConfig, ConfigError, GenerationConfig, JobConfig, LoggingConfig, ModelsConfig,
-                         PlacementConfig, PPOConfig, RunConfig)
+from rlhf.config import (CheckpointConfig, ConfigError, FusionConfig, GenerationConfig, JobConfig, LoggingConfig,
+                         ModelsConfig, PlacementConfig, PPOConfig, RunConfig)
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
 from rlhf.tasks import TASKS
 
@@ -67,6 +67,12 @@ SECTIONS = {
                                  "(counting from 1)"),
         ("trace_file", str, "where --trace-iteration writes its trace"),
         ("progress", bool, "show the progress bar on rank 0"),
+    ]),
+    "fusion": (FusionConfig, "fusion", [
+        ("intra_stage_fusion", bool, "run actor and critic training as one fused pipeline schedule (they must "
+                                     "be placed on the same ranks in opposite directions; needs --schedule)"),
+        ("schedule", str, "the fused schedule file (tools/search_schedule.py --out); checked against the "
+                          "placement and micro-batch counts at start-up"),
     ]),
     "checkpoint": (CheckpointConfig, "checkpointing", [
         ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest)"),

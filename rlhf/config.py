@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Mapping
 
 from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators
 from rlhf.models.config import ModelConfig, preset
-from rlhf.tasks import TASKS
+from rlhf.tasks import MODELS, TASKS, TRAIN_TASK
 
 
 class ConfigError(ValueError):
@@ -155,14 +155,112 @@ class PPOConfig:
 
 @dataclass(frozen=True)
 class ModelsConfig:
-    """Shapes of the four models: the reference has the actor's shape, the reward model the critic's."""
+    """Shapes of the four models and the directories their starting weights come from.
+
+    The reference has the actor's shape and the reward model the critic's
+    unless given their own (``None``: the same). ``weights`` maps a model to an
+    HF model directory or our checkpoint root (rlhf/checkpoint/sources.py, the
+    flags ``--<model>-model DIR``); a model without an entry starts from seeded
+    random weights, except the reference (a copy of the actor's start) and the
+    reward model (fitted at start-up, or none: ``JobConfig.has_reward_model``).
+    Every model reads the ids the actor generates, so none has a smaller
+    vocabulary than the actor.
+    """
 
     actor: ModelConfig = field(default_factory=lambda: preset("tiny"))
     critic: ModelConfig = field(default_factory=lambda: preset("tiny-critic"))
+    reference: ModelConfig | None = None
+    reward: ModelConfig | None = None
+    weights: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.weights) - set(MODELS))
+        if unknown:
+            raise ConfigError(f"weights given for unknown model(s) {unknown}; models: {', '.join(MODELS)}",
+                              "models.weights")
+        object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+        vocab = self.actor.vocab_size
+        for model in ("reference", "critic", "reward"):
+            if self[model].vocab_size < vocab:
+                raise ConfigError(f"the {model} model's vocab_size={self[model].vocab_size} is smaller than the "
+                                  f"actor's {vocab}, and it reads every id the actor generates; give a {model} "
+                                  f"model with at least {vocab} ids, or an actor with fewer (--actor-model)",
+                                  f"models.{model}")
 
     def __getitem__(self, model: str) -> ModelConfig:
         """The shape of ``model`` (one of rlhf.tasks.MODELS)."""
-        return {"actor": self.actor, "reference": self.actor, "critic": self.critic, "reward": self.critic}[model]
+        return {"actor": self.actor, "reference": self.reference or self.actor, "critic": self.critic,
+                "reward": self.reward or self.critic}[model]
+
+
+PROMPT_DATASET_FIELDS = {"paths": "data.prompt_data", "prompt_field": "data.prompt_field",
+                         "messages_field": "data.messages_field", "chat_template_for_text": "data.chat_template",
+                         "add_generation_prompt": "data.add_generation_prompt",
+                         "overlong": "data.prompt_overlong", "max_prompt_length": "generation.max_prompt_len"}
+"""rlhf.data.PromptDatasetConfig field -> the job's field that sets it."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The tokenizer and the prompts.
+
+    ``tokenizer``: "byte" or an HF tokenizer directory; None: the actor
+    directory's tokenizer when there is prompt data and the actor comes with
+    one, else "byte". Without ``prompt_data`` (a JSONL or Parquet file, read
+    by rlhf.data.PromptDataset) the built-in synthetic task runs, whose
+    prompts are byte-tokenizer ids. The other fields are PromptDatasetConfig's
+    (``chat_template``: its ``chat_template_for_text``; ``prompt_overlong``:
+    its ``overlong``); its ``max_prompt_length`` is ``generation.max_prompt_len``.
+    """
+
+    tokenizer: str | None = None
+    prompt_data: str | None = None
+    prompt_field: str = "prompt"
+    messages_field: str | None = None
+    chat_template: bool = False
+    add_generation_prompt: bool = True
+    prompt_overlong: str = "reject"
+
+    def __post_init__(self):
+        if self.tokenizer not in (None, "byte") and not os.path.isdir(self.tokenizer):
+            raise ConfigError(f"tokenizer={self.tokenizer!r} is neither 'byte' nor a directory; give 'byte' or an "
+                              "HF tokenizer directory", "data.tokenizer")
+        if self.prompt_data is not None and not os.path.isfile(self.prompt_data):
+            raise ConfigError(f"prompt_data={self.prompt_data!r} is not a file; give a JSONL or Parquet file of "
+                              "prompt records", "data.prompt_data")
+        if self.prompt_data is None:
+            unused = [f.name for f in fields(self) if f.name not in ("tokenizer", "prompt_data")
+                      and getattr(self, f.name) != f.default]
+            if unused:
+                raise ConfigError(f"{unused[0]} applies to prompt data; give a prompt file or drop it",
+                                  f"data.{unused[0]}")
+
+    def prompt_dataset_config(self, max_prompt_len: int):
+        """The rlhf.data.PromptDatasetConfig of ``prompt_data``; a ConfigError names the job's field."""
+        from rlhf.data import PromptDatasetConfig
+
+        try:
+            return PromptDatasetConfig(paths=self.prompt_data, prompt_field=self.prompt_field,
+                                       messages_field=self.messages_field, chat_template_for_text=self.chat_template,
+                                       add_generation_prompt=self.add_generation_prompt,
+                                       max_prompt_length=max_prompt_len, overlong=self.prompt_overlong)
+        except ValueError as exc:  # "PromptDatasetConfig.<field>=...": report the job field that set it
+            name = re.match(r"PromptDatasetConfig\.(\w+)=", str(exc)).group(1)
+            raise ConfigError(str(exc), PROMPT_DATASET_FIELDS[name]) from None
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """``reward_fn``: "module:function", a Python function ``fn(prompts, responses) -> scores`` (token-id
+    lists in, one number per sample out; a response may end with the EOS id), the signature of
+    rlhf.data.synthetic.gold_reward. Where the reward comes from: ``JobConfig.has_reward_model``."""
+
+    reward_fn: str | None = None
+
+    def __post_init__(self):
+        if self.reward_fn is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.reward_fn):
+            raise ConfigError(f"reward_fn={self.reward_fn!r} is not MODULE:FUNCTION; give e.g. "
+                              "'rlhf.data.synthetic:gold_reward'", "reward.reward_fn")
 
 
 DEFAULT_PLANS = {
@@ -239,6 +337,23 @@ def _check_path(value, name: str, kind: str) -> None:
 
 
 @dataclass(frozen=True)
+class FusionConfig:
+    """Intra-stage fusion: actor and critic training run as one fused pipeline schedule (a schedule
+    file from tools/search_schedule.py) instead of one serial 1F1B schedule each."""
+
+    intra_stage_fusion: bool = False
+    schedule: str | None = None
+
+    def __post_init__(self):
+        if self.intra_stage_fusion and self.schedule is None:
+            raise ConfigError("intra_stage_fusion needs a schedule file (tools/search_schedule.py writes one)",
+                              "fusion.intra_stage_fusion")
+        if self.schedule is not None and not self.intra_stage_fusion:
+            raise ConfigError("a schedule is run only with intra_stage_fusion; turn it on or drop the schedule",
+                              "fusion.schedule")
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """``save``: checkpoint root written every ``save_interval`` iterations and after the last one;
     ``load``: checkpoint root to resume from (its latest complete checkpoint)."""
@@ -270,6 +385,7 @@ class JobConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
 
     def __post_init__(self):
         trace = self.logging.trace_iteration
@@ -284,13 +400,39 @@ class JobConfig:
                                   f"context max_seq_len={context}; shorten them or give the model a longer context",
                                   "generation.max_response_len")
 
+    def trained_tasks(self) -> dict:
+        """{model: its training task} of the models this job trains (no critic without a critic estimator)."""
+        return {m: t for m, t in TRAIN_TASK.items() if self.ppo.uses_critic or m != "critic"}
+
+    def microbatches(self, placement, task: str) -> int:
+        """Micro-batches one DP replica of ``task`` runs per mini-batch."""
+        return self.ppo.ppo_mini_batch_size // (placement[task].strategy.dp * self.ppo.micro_batch_size)
+
     def check_placement(self, placement) -> None:
-        """Refuse batch sizes that the placement's DP sizes cannot split (ConfigError naming the field)."""
+        """Refuse batch sizes that the placement's DP sizes cannot split, and a fused schedule that does not
+        fit the training placements (ConfigError naming the field)."""
         ppo = self.ppo
-        trained = ("actor_train", "critic_train") if ppo.uses_critic else ("actor_train",)
-        for task in trained:
+        for task in self.trained_tasks().values():
             dp = placement[task].strategy.dp
             if ppo.ppo_mini_batch_size % (dp * ppo.micro_batch_size):
                 raise ConfigError(f"ppo_mini_batch_size {ppo.ppo_mini_batch_size} must be a multiple of {task}'s "
                                   f"dp {dp} x micro_batch_size {ppo.micro_batch_size} (each DP replica runs "
                                   "whole micro-batches)", "ppo.ppo_mini_batch_size")
+        if self.fusion.intra_stage_fusion:
+            self.fused_schedule(placement)
+
+    def fused_schedule(self, placement):
+        """The fused schedule file, checked against the training placements and micro-batch counts
+        before anything runs (ConfigError naming the schedule and what differs)."""
+        from rlhf.pipeline.compiler import compile_all
+        from rlhf.schedule.io import load_schedule
+        from rlhf.schedule.schedule import ScheduleError
+
+        trained = self.trained_tasks()
+        try:
+            schedule = load_schedule(self.fusion.schedule)
+            compile_all(schedule, {m: placement[t] for m, t in trained.items()},
+                        {m: self.microbatches(placement, t) for m, t in trained.items()})
+        except ScheduleError as exc:
+            raise ConfigError(f"{self.fusion.schedule}: {exc}", "fusion.schedule") from None
+        return schedule

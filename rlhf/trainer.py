@@ -40,7 +40,7 @@ from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.schedule import Schedule
-from rlhf.tasks import TASK_MODEL, TRAIN_TASK, WEIGHTS_TASK, task_kind
+from rlhf.tasks import TASK_MODEL, WEIGHTS_TASK, task_kind
 
 RewardFn = Callable[[list, list], list]
 """``fn(prompts, responses) -> scores``: token-id lists in, one float per sample out."""
@@ -82,6 +82,7 @@ class Trainer:
         self._load_initial(initial_weights)
         self.optimizers = self._build_optimizers()
         self.schedules = {name: self._serial_schedule(task) for name, task in self._trained().items()}
+        self.fused = config.fused_schedule(placement) if config.fusion.intra_stage_fusion else None
         self.engine = self._build_engine()
         self.kl = make_kl_controller(config.ppo.kl_config)
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
@@ -246,15 +247,26 @@ class Trainer:
         for epoch in range(ppo.ppo_epochs):
             plans = {name: self._minibatches(batch, task, epoch) for name, task in self._trained().items()}
             for m in range(ppo.minibatches):
+                runtimes = {}
                 for name, task in self._trained().items():
                     g = self.groups[task]
-                    if g is None:
-                        continue
-                    members = [i for part in plans[name][m] for i in part]
-                    rt = self._runtime(name, task, batch.select(plans[name][m][g.coord.dp]),
-                                       int(batch.response_lengths[members].sum()), recorded)
-                    self.timer.include(run_step(self.schedules[name], {name: rt}, group=g.mesh_group).timeline)
+                    if g is not None:
+                        members = [i for part in plans[name][m] for i in part]
+                        runtimes[name] = self._runtime(name, task, batch.select(plans[name][m][g.coord.dp]),
+                                                       int(batch.response_lengths[members].sum()), recorded)
+                self._run_minibatch(runtimes)
         return _mean_records(recorded)
+
+    def _run_minibatch(self, runtimes: dict) -> None:
+        """One optimizer step of every trained model on this rank: the fused schedule over both
+        models, or each model's serial 1F1B over its own mesh."""
+        if self.fused is not None:
+            if runtimes:  # a fused pipeline spans the same ranks for both models
+                group = self.groups["actor_train"].mesh_group
+                self.timer.include(run_step(self.fused, runtimes, group=group).timeline)
+            return
+        for name, rt in runtimes.items():
+            self.timer.include(run_step(self.schedules[name], {name: rt}, group=rt.groups.mesh_group).timeline)
 
     def _minibatches(self, batch: Batch, task: str, epoch: int) -> list:
         """result[m][dp] = sample indices; the same on every rank (seeded by run seed, iteration, epoch)."""
@@ -309,7 +321,7 @@ class Trainer:
 
     def _trained(self) -> dict:
         """{model: its training task} of the models this run trains."""
-        return {m: t for m, t in TRAIN_TASK.items() if t in self.tasks}
+        return self.config.trained_tasks()
 
     def _build_optimizers(self) -> dict:
         """megatron DDP + AdamW + LR schedule per trained model on this rank (collective over its task)."""
@@ -321,11 +333,10 @@ class Trainer:
 
     def _serial_schedule(self, task: str) -> Schedule:
         """Serial 1F1B over this task's pipeline, as the executor runs it (costs only order it)."""
-        mesh, ppo = self.placement[task], self.config.ppo
+        mesh = self.placement[task]
         pp = mesh.strategy.pp
-        microbatches = ppo.ppo_mini_batch_size // (mesh.strategy.dp * ppo.micro_batch_size)
-        spec = ModelSpec(TASK_MODEL[task], pp, 1, microbatches, "up" if mesh.reverse_pp else "down",
-                         [1.0] * pp, [2.0] * pp, [1.0] * pp)
+        spec = ModelSpec(TASK_MODEL[task], pp, 1, self.config.microbatches(self.placement, task),
+                         "up" if mesh.reverse_pp else "down", [1.0] * pp, [2.0] * pp, [1.0] * pp)
         problem = Problem(pp, (spec,))
         return Schedule.from_orders(problem, serial_1f1b(problem))
 

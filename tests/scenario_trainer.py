@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.batch import Batch
-from rlhf.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
@@ -23,6 +23,10 @@ from rlhf.models.gpt import build_model, stage_forward
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
 from rlhf.parallel.reshard import gather_tp_full_weights
+from rlhf.schedule.generators import greedy_fused
+from rlhf.schedule.io import save_schedule
+from rlhf.schedule.problem import ModelSpec, Problem
+from rlhf.schedule.schedule import Schedule
 from rlhf.testing.reference import gae_loop
 from rlhf.trainer import Trainer
 
@@ -145,6 +149,7 @@ def run(root: str) -> dict:
     build_task_groups(placement)  # collective; creates the one-rank groups local_groups() uses
     out = _against_textbook(placement)
     out.update(_resume(placement, root))
+    out.update(_fusion(root))
     return out
 
 
@@ -178,12 +183,13 @@ RESUME_MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num
                            vocab_size=320, max_seq_len=32)  # holds the byte tokenizer's 259 ids
 
 
-def _resume_trainer(placement, full: dict) -> Trainer:
-    """A fresh trainer of the synthetic task with an adaptive KL controller, from the same weights."""
+def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig()) -> Trainer:
+    """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
-                       ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=4,
-                                     micro_batch_size=2, kl_coef=0.05, kl_target=0.5))
+                       ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
+                                     micro_batch_size=2, kl_coef=0.05, kl_target=0.5),
+                       fusion=fusion)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, gold_fn=gold_reward)
 
@@ -192,13 +198,13 @@ def _resume(placement, root: str) -> dict:
     """4 iterations straight vs 2, save, and 2 more in a fresh trainer that loads: metrics and weights."""
     full = {"actor": _full_weights("lm", RESUME_MODEL, 11), "critic": _full_weights("value", RESUME_MODEL, 12),
             "reward": _full_weights("value", RESUME_MODEL, 13)}
-    straight = _resume_trainer(placement, full)
+    straight = _synthetic_trainer(placement, full, mini_batch=4)
     metrics = [straight.step().metrics for _ in range(4)]
-    first = _resume_trainer(placement, full)
+    first = _synthetic_trainer(placement, full, mini_batch=4)
     for _ in range(2):
         first.step()
     first.save(root)
-    resumed = _resume_trainer(placement, full)
+    resumed = _synthetic_trainer(placement, full, mini_batch=4)
     resumed.load(root)
     loaded_at = resumed.iteration
     metrics_resumed = [resumed.step().metrics for _ in range(2)]
@@ -206,4 +212,31 @@ def _resume(placement, root: str) -> dict:
     return {"loaded_at": loaded_at, "straight_metrics": metrics[2:], "resumed_metrics": metrics_resumed,
             "resume_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
             "kl_coefs": [m["kl_coef"] for m in metrics]}
+
+
+FUSED_PLAN = {"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
+              "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True}}
+"""Actor down and critic up on the same ranks with the same TP: what a fused schedule runs on."""
+
+
+def _fusion(root: str) -> dict:
+    """2 iterations with a greedy fused actor/critic schedule vs 2 with serial 1F1B: parameters."""
+    placement = Placement.from_plan(FUSED_PLAN, dist.get_world_size())
+    full = {"actor": _full_weights("lm", RESUME_MODEL, 21), "critic": _full_weights("value", RESUME_MODEL, 22),
+            "reward": _full_weights("value", RESUME_MODEL, 23)}
+    path = f"{root}/fused.json"
+    if dist.get_rank() == 0:  # 8 samples, one mini-batch: 2 micro-batches per replica and model
+        specs = tuple(ModelSpec(name, 2, 1, 2, direction, [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])
+                      for name, direction in (("actor", "down"), ("critic", "up")))
+        problem = Problem(2, specs)
+        save_schedule(path, Schedule.from_orders(problem, greedy_fused(problem)))
+    dist.barrier()
+    serial = _synthetic_trainer(placement, full, mini_batch=8)
+    fused = _synthetic_trainer(placement, full, mini_batch=8, fusion=FusionConfig(intra_stage_fusion=True, schedule=path))
+    for _ in range(2):
+        serial_metrics, fused_metrics = serial.step().metrics, fused.step().metrics
+    a, b = _trained_weights(serial), _trained_weights(fused)
+    return {"fused_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
+            "fused_moved": max((a[m][k] - full[m][k]).abs().max().item() for m in a for k in a[m]),
+            "fused_value_loss": (serial_metrics["value_loss"], fused_metrics["value_loss"])}
 

@@ -62,6 +62,8 @@ def test_flags_fill_the_configs(tmp_path):
     (["--kl-estimator", "k9"], "--kl-estimator: KLConfig.estimator='k9' must be one of"),
     (["--top-p", "0"], "--top-p: top_p=0.0 must be in (0, 1]"),
     (["--trace-iteration", "31"], "--trace-iteration: trace_iteration 31 is past the last iteration 30"),
+    (["--intra-stage-fusion"], "--intra-stage-fusion: intra_stage_fusion needs a schedule file"),
+    (["--schedule", "s.json"], "--schedule: a schedule is run only with intra_stage_fusion"),
     (["--save-interval", "5"], "--save-interval: save_interval needs a checkpoint root to save to (save)"),
     (["--load", "/nonexistent/ckpt"], "--load: load='/nonexistent/ckpt' is not a directory"),
     (["--actor-train", "tp=x"], "--actor-train: cannot parse 'tp=x' in 'tp=x'"),
@@ -112,3 +114,31 @@ def test_built_in_four_rank_plan_is_the_example_file():
     assert PlacementConfig().plan(4) == DEFAULT_PLANS[4] == load_plan(Path(__file__).resolve().parents[1] / "examples" / "placement_4ranks.json")
     assert PlacementConfig().plan(2) == {}  # other world sizes: every task data parallel on all ranks
     assert PlacementConfig(overrides={"ref_inf": {"ranks": "0-3"}}).plan(4)["ref_inf"] == {"ranks": "0-3"}
+
+
+def test_fused_schedule_checked_against_the_placement(tmp_path):
+    from rlhf.schedule.generators import greedy_fused
+    from rlhf.schedule.io import save_schedule
+    from rlhf.schedule.problem import ModelSpec, Problem
+    from rlhf.schedule.schedule import Schedule
+
+    specs = tuple(ModelSpec(name, 2, 1, 2, direction, [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])
+                  for name, direction in (("actor", "down"), ("critic", "up")))
+    path = tmp_path / "fused.json"
+    save_schedule(path, Schedule.from_orders(Problem(2, specs), greedy_fused(Problem(2, specs))))
+    cfg = parse_args(["--intra-stage-fusion", "--schedule", str(path), "--rollout-batch-size", "4",
+                      "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8", "--micro-batch-size", "2"])
+    fits = Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
+                                "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True}}, 4)
+    assert cfg.fused_schedule(fits).problem.stages == 2
+    with pytest.raises(ConfigError, match=f"{path}: model 'actor': schedule pp=2 but placement pp=1") as exc:
+        cfg.check_placement(Placement.from_plan({}, 2))  # dp2: the micro-batch counts agree, pp does not
+    assert exc.value.field_name == "fusion.schedule"
+    with pytest.raises(ConfigError, match="check 'direction' in the schedule against reverse_pp"):
+        cfg.check_placement(Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
+                                                 "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2}}, 4))
+    with pytest.raises(ConfigError, match="schedule has 2 micro-batches per pipeline but the executor was given 4"):
+        parse_args(["--intra-stage-fusion", "--schedule", str(path), "--rollout-batch-size", "8",
+                    "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "16",
+                    "--micro-batch-size", "2"]).check_placement(fits)
+

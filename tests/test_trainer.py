@@ -2,7 +2,8 @@
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
 subsets; two PPO epochs of one mini-batch each. Resume: 2 iterations, save, load
-into a fresh trainer, 2 more, against 4 straight. See tests/scenario_trainer.py.
+into a fresh trainer, 2 more, against 4 straight. Fusion: 2 iterations with a fused
+actor/critic schedule against serial 1F1B. See tests/scenario_trainer.py.
 """
 
 import pytest
@@ -38,4 +39,11 @@ def test_resume_continues_exactly(results):
             if not key.startswith("time_") and not key.endswith("_per_s"):
                 assert resumed[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert r["resume_param_diff"] < 1e-6
+
+
+def test_fused_schedule_trains_like_serial_1f1b(results):
+    r = results[0]
+    assert r["fused_moved"] > 1e-4
+    assert r["fused_param_diff"] < 1e-5
+    assert r["fused_value_loss"][1] == pytest.approx(r["fused_value_loss"][0], rel=1e-5)
 
