@@ -46,9 +46,24 @@ def main(argv=None) -> int:
             print(f"pretrain_rlhf.py: --load {config.checkpoint.load}: {exc}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
-    trainer.train()
+    except ConfigError as exc:  # a model directory, tokenizer, prompt file or reward function the job cannot use
+        return _refuse(exc, rank)
+    try:
+        trainer.train()
+    except ConfigError as exc:  # a reward function failing on a batch (every rank raises the same error)
+        return _refuse(exc, rank)
     dist.destroy_process_group()
     return 0
+
+
+def _refuse(exc: ConfigError, rank: int) -> int:
+    """Report ``exc`` against its flag (rank 0) and end the job with status 2."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        print(f"pretrain_rlhf.py: {flag_of(exc.field_name)}: {exc}", file=sys.stderr)
+    dist.destroy_process_group()
+    return 2
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from rlhf.config import (CheckpointConfig, ConfigError, FusionConfig, GenerationConfig, JobConfig, LoggingConfig,
-                         ModelsConfig, PlacementConfig, PPOConfig, RunConfig)
+from rlhf.checkpoint.sources import ModelSourceError, open_source
+from rlhf.config import (CheckpointConfig, ConfigError, DataConfig, FusionConfig, GenerationConfig, JobConfig,
+                         LoggingConfig, ModelsConfig, PlacementConfig, PPOConfig, RewardConfig, RunConfig)
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
-from rlhf.tasks import TASKS
+from rlhf.tasks import MODELS, TASKS
 
 
 def _optional_float(text: str):
@@ -81,6 +82,24 @@ SECTIONS = {
         ("load", str, "checkpoint root to resume from: models, optimizers, LR schedules, KL controller, RNG "
                       "and data position; the run continues to --iterations"),
     ]),
+    "data": (DataConfig, "tokenizer and prompts", [
+        ("tokenizer", str, "'byte' or an HF tokenizer directory (None: the actor directory's tokenizer with "
+                           "--prompt-data, when it has one; else byte)"),
+        ("prompt_data", str, "JSONL or Parquet file of prompt records (None: the built-in synthetic task)"),
+        ("prompt_field", str, "record field holding the prompt text"),
+        ("messages_field", str, "record field holding chat messages [{role, content}] to render with the "
+                                "tokenizer's chat template (instead of --prompt-field)"),
+        ("chat_template", bool, "wrap each text prompt as one user message in the tokenizer's chat template"),
+        ("add_generation_prompt", bool, "end chat-template prompts where the assistant's answer starts"),
+        ("prompt_overlong", str, "prompts longer than --max-prompt-len: 'reject' (dropped, counted) or "
+                                 "'truncate_left' (keep their end)"),
+    ]),
+    "reward": (RewardConfig, "rewards", [
+        ("reward_fn", str, "MODULE:FUNCTION, fn(prompts, responses) -> one number per sample (token-id lists; "
+                           "a response may end with EOS). Alone: it is the reward and no reward model runs; with "
+                           "--reward-model: logged as gold_reward_mean (None: the synthetic task's gold rule "
+                           "without --prompt-data)"),
+    ]),
 }
 
 
@@ -101,15 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
                             "see examples/placement_4ranks.json. Per-task flags below override it.")
     for task in TASKS:
         place.add_argument(_flag(task), metavar="SPEC", default=None,
-                           help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]' "
-                                "(default: all ranks, data parallel only)")
+                           help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]', or 'none' "
+                                "(default: the plan's entry, else all ranks, data parallel only)")
 
-    model = parser.add_argument_group("models")
-    model.add_argument("--actor-model", default="tiny", metavar="PRESET_OR_JSON",
-                       help=f"actor/reference shape: a preset ({', '.join(sorted(PRESETS))}) or a JSON "
-                            "file of ModelConfig fields (default: tiny)")
-    model.add_argument("--critic-model", default="tiny-critic", metavar="PRESET_OR_JSON",
-                       help="critic/reward shape, same forms (default: tiny-critic)")
+    model = parser.add_argument_group("models (a DIR is an HF model directory or our checkpoint root: shape "
+                                      "and weights from it)")
+    model.add_argument("--actor-model", default="tiny", metavar="PRESET|JSON|DIR",
+                       help=f"the actor: a preset ({', '.join(sorted(PRESETS))}) or a JSON file of ModelConfig "
+                            "fields (a shape: seeded random weights), or a DIR with a *ForCausalLM or our "
+                            "model 'actor' (default: tiny)")
+    model.add_argument("--critic-model", default="tiny-critic", metavar="PRESET|JSON|DIR",
+                       help="the critic, same forms; a DIR with a *ForSequenceClassification (value head from "
+                            "score.weight), a *ForCausalLM (a new value head) or our model 'critic' (else "
+                            "'reward') (default: tiny-critic)")
+    model.add_argument("--reference-model", default=None, metavar="DIR",
+                       help="the reference: a DIR with a *ForCausalLM or our model 'reference' (else 'actor') "
+                            "(default: a copy of the actor's start)")
+    model.add_argument("--reward-model", default=None, metavar="DIR",
+                       help="the reward model: a DIR with a *ForSequenceClassification or our value model "
+                            "'reward' (default: none when --reward-fn is given, whose function is then the reward; "
+                            "else, for the synthetic task, one fitted to its gold rule at start-up)")
 
     for cls, title, fields in SECTIONS.values():
         group = parser.add_argument_group(title)
@@ -126,8 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_task_spec(task: str, spec: str) -> dict:
-    """'tp=2,pp=2,ranks=0-3,reverse_pp' -> plan entry; errors name the flag."""
+def parse_task_spec(task: str, spec: str) -> dict | None:
+    """'tp=2,pp=2,ranks=0-3,reverse_pp' -> plan entry ('none': the task is not placed); errors name the flag."""
+    if spec.strip().lower() == "none":
+        return None
     entry: dict = {}
     ranks: list[str] = []
     for item in spec.split(","):
@@ -156,21 +188,42 @@ def load_model_config(value: str, flag: str) -> ModelConfig:
         return ModelConfig.from_dict(json.loads(Path(value).read_text()))
     except (OSError, ValueError, ModelConfigError) as exc:
         raise SystemExit(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(PRESETS))}, "
-                         "or a JSON file of model fields)") from None
+                         "a JSON file of model fields, an HF model directory or our checkpoint root)") from None
+
+
+def models_config(args: argparse.Namespace) -> ModelsConfig:
+    """The four models' shapes and weight directories of the --<model>-model flags (ConfigError: bad shapes)."""
+    shapes, weights = {}, {}
+    for model in MODELS:
+        value, flag = getattr(args, f"{model}_model"), f"--{model}-model"
+        if value is None:
+            continue
+        if Path(value).is_dir() and value not in PRESETS:
+            try:
+                shapes[model], weights[model] = open_source(value, model).config, value
+            except ModelSourceError as exc:
+                raise SystemExit(f"{flag} {value}: {exc}") from None
+        elif model in ("actor", "critic"):  # the two models with a shape of their own by default
+            shapes[model] = load_model_config(value, flag)
+        else:
+            raise SystemExit(f"{flag} {value}: not a directory; give an HF model directory or our checkpoint root")
+    return ModelsConfig(**shapes, weights=weights)
 
 
 def flag_of(field_name: str) -> str:
-    """The flag that sets a dotted config field (``ppo.clip_eps`` -> ``--clip-eps``)."""
+    """The flag that sets a dotted config field (``ppo.clip_eps`` -> ``--clip-eps``, ``models.critic`` ->
+    ``--critic-model``)."""
     section, _, name = field_name.partition(".")
+    if section == "models" and name in MODELS:
+        return f"--{name}-model"
     return _flag(name) if section in SECTIONS else field_name
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     """The JobConfig of parsed flags; a bad value exits naming its flag."""
     overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
-    models = ModelsConfig(actor=load_model_config(args.actor_model, "--actor-model"),
-                          critic=load_model_config(args.critic_model, "--critic-model"))
     try:
+        models = models_config(args)
         sections = {key: cls(**{name: getattr(args, name) for name, _, _ in fields})
                     for key, (cls, _, fields) in SECTIONS.items()}
         return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, **sections)

@@ -286,7 +286,8 @@ class PlacementConfig:
         unknown = sorted(set(self.overrides) - set(TASKS))
         if unknown:
             raise ConfigError(f"unknown task(s) {unknown}; valid tasks: {', '.join(TASKS)}", "placement.overrides")
-        object.__setattr__(self, "overrides", MappingProxyType({t: dict(e) for t, e in self.overrides.items()}))
+        object.__setattr__(self, "overrides", MappingProxyType(
+            {t: None if e is None else dict(e) for t, e in self.overrides.items()}))
 
     def plan(self, world_size: int | None = None) -> dict:
         """The plan dict: the file's entries (else the built-in plan for ``world_size``) with the
@@ -297,7 +298,7 @@ class PlacementConfig:
         from rlhf.parallel.placement import load_plan
 
         plan = load_plan(self.file) if self.file else copy.deepcopy(DEFAULT_PLANS.get(world_size, {}))
-        plan.update({task: dict(entry) for task, entry in self.overrides.items()})
+        plan.update({task: None if entry is None else dict(entry) for task, entry in self.overrides.items()})
         return plan
 
 
@@ -386,6 +387,8 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self):
         trace = self.logging.trace_iteration
@@ -393,12 +396,50 @@ class JobConfig:
             raise ConfigError(f"trace_iteration {trace} is past the last iteration {self.run.iterations}",
                               "logging.trace_iteration")
         total = self.generation.max_prompt_len + self.generation.max_response_len
-        for model in ("actor", "critic"):
+        for model in MODELS:
             context = self.models[model].max_seq_len
             if total > context:
                 raise ConfigError(f"max_prompt_len + max_response_len = {total} exceeds the {model} model's "
                                   f"context max_seq_len={context}; shorten them or give the model a longer context",
                                   "generation.max_response_len")
+        self._check_inputs()
+
+    # ---- tokenizer, prompts and rewards (docs/training.md, "Models, tokenizer, prompts and rewards")
+
+    @property
+    def has_reward_model(self) -> bool:
+        """Whether a reward model scores the samples (reward_inf runs).
+
+        Yes with reward model weights (``models.weights["reward"]``), or with no
+        reward function (a reward model fitted to the synthetic task's rule).
+        Without one, ``reward.reward_fn``'s score is the reward; with both, the
+        model's score is and the function's is logged as ``gold_reward_mean``
+        (for the synthetic task the function defaults to its gold rule).
+        """
+        return "reward" in self.models.weights or self.reward.reward_fn is None
+
+    def prompt_dataset_config(self):
+        """The rlhf.data.PromptDatasetConfig of ``data.prompt_data`` (a ConfigError names the field)."""
+        return self.data.prompt_dataset_config(self.generation.max_prompt_len)
+
+    def _check_inputs(self) -> None:
+        """A tokenizer the prompts can use, and a reward source for prompt data (ConfigError naming the field)."""
+        if self.data.prompt_data is None:
+            if self.data.tokenizer not in (None, "byte"):
+                raise ConfigError(f"tokenizer {self.data.tokenizer!r} needs prompt data (--prompt-data): the "
+                                  "built-in synthetic task's prompts are byte-tokenizer ids", "data.tokenizer")
+            return
+        if self.has_reward_model and "reward" not in self.models.weights:
+            raise ConfigError("prompt data needs a reward source: a reward model (--reward-model DIR), a reward "
+                              "function (--reward-fn MODULE:FUNCTION) or both; a reward model is fitted at "
+                              "start-up only to the synthetic task's rule", "data.prompt_data")
+        self.prompt_dataset_config()
+
+    def needed_tasks(self) -> tuple:
+        """The tasks this job runs: all six, without the critic's when the estimator needs none, and
+        without reward_inf when there is no reward model (``has_reward_model``)."""
+        return tuple(t for t in TASKS if (self.ppo.uses_critic or t not in ("critic_inf", "critic_train"))
+                     and (self.has_reward_model or t != "reward_inf"))
 
     def trained_tasks(self) -> dict:
         """{model: its training task} of the models this job trains (no critic without a critic estimator)."""
@@ -412,6 +453,16 @@ class JobConfig:
         """Refuse batch sizes that the placement's DP sizes cannot split, and a fused schedule that does not
         fit the training placements (ConfigError naming the field)."""
         ppo = self.ppo
+        missing = [t for t in self.needed_tasks() if t not in placement.meshes]
+        critic = [t for t in missing if t in ("critic_inf", "critic_train")]
+        if critic:
+            raise ConfigError(f"advantage estimator {ppo.advantage_estimator!r} needs a critic, but "
+                              f"{', '.join(critic)} is not placed; place it, or pick an estimator without a "
+                              "critic (grpo, reinforce++)", "ppo.advantage_estimator")
+        if missing:
+            from rlhf.parallel import PlacementError
+
+            raise PlacementError(f"{', '.join(missing)} must be placed: every run needs it")
         for task in self.trained_tasks().values():
             dp = placement[task].strategy.dp
             if ppo.ppo_mini_batch_size % (dp * ppo.micro_batch_size):

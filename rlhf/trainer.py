@@ -16,6 +16,9 @@ mini-batch sees samples of the current policy (docs/training.md).
 
 from __future__ import annotations
 
+import math
+import numbers
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -26,11 +29,12 @@ from rlhf.algorithms import (AdvantageInputs, balanced_minibatches, compute_adva
                              masked_mean, policy_loss, token_rewards, value_loss)
 from rlhf.batch import Batch
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
-from rlhf.config import JobConfig
+from rlhf.config import ConfigError, JobConfig
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf.models.naming import named_global_parameters
 from rlhf.optim import ModelOptimizer, OptimizerConfig
 from rlhf.parallel.exchange import gather_to_all, shares
 from rlhf.parallel.groups import TaskGroups, build_task_groups
@@ -65,18 +69,23 @@ class Trainer:
     """PPO over the placement's six task meshes (collective: every rank builds one).
 
     ``prompts`` yields PromptBatch-like objects (``.prompts`` with ``token_ids``);
-    ``initial_weights`` maps a model name to its full state dict (global names)
-    to start from instead of random weights (the reference starts as a copy of
-    the actor unless given); ``gold_fn`` scores samples by a rule, logged
-    beside the reward model's score.
+    ``initial_weights`` maps a model name to what it starts from instead of
+    random weights: its full state dict (global names), or a function
+    ``names -> full state dict`` of those names (a rank asks for its own
+    stage's, so it reads no more); the reference starts as a copy of the
+    actor unless given. ``reward_fn`` scores samples (rank 0 calls it, every
+    rank gets its scores): the reward when the config has no reward model
+    (``JobConfig.has_reward_model``), else logged beside the model's score.
     """
 
     def __init__(self, config: JobConfig, placement, prompts, tokenizer,
-                 initial_weights: Optional[dict] = None, gold_fn: Optional[RewardFn] = None):
+                 initial_weights: Optional[dict] = None, reward_fn: Optional[RewardFn] = None):
         self.config, self.placement, self.prompts, self.tokenizer = config, placement, prompts, tokenizer
-        self.gold_fn = gold_fn
+        if reward_fn is None and not config.has_reward_model:
+            raise ValueError("a run without a reward model needs a reward_fn: its scores are the reward")
+        self.reward_fn = reward_fn
         self.groups = build_task_groups(placement)
-        self.tasks = [t for t in placement.meshes if config.ppo.uses_critic or TASK_MODEL[t] != "critic"]
+        self.tasks = list(config.needed_tasks())
         self.models = {t: self._build(t) for t in self.tasks if self.groups[t] is not None}
         initial_weights = initial_weights or {}
         self._load_initial(initial_weights)
@@ -204,7 +213,27 @@ class Trainer:
             for name, rows in part.items():
                 merged.setdefault(name, {}).update(rows)
         fields = {name: torch.stack([rows[i] for i in range(len(batch))]) for name, rows in merged.items()}
+        if not self.config.has_reward_model:
+            fields["scores"] = self._function_scores(batch)
         return batch.with_fields(**fields)
+
+    def _function_scores(self, batch: Batch) -> torch.Tensor:
+        """[N] float32 scores of ``reward_fn`` on the batch, the same on every rank (collective).
+
+        Rank 0 calls the function once and broadcasts its scores, or why they
+        are unusable: every rank then raises the same ConfigError, so a
+        function that raises, or is not deterministic, cannot split the ranks.
+        """
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [checked_scores(self.reward_fn, *_prompts_and_responses(batch))]
+            except ConfigError as exc:
+                box = [str(exc)]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise ConfigError(box[0], "reward.reward_fn")
+        return torch.tensor(box[0], dtype=torch.float32, device=batch.tokens.device)
 
     def _infer_task(self, task: str, batch: Batch) -> dict:
         """This rank's replica share of ``task``, micro-batched through its pipeline.
@@ -313,11 +342,17 @@ class Trainer:
                            seed=self.config.run.seed + MODEL_SEEDS[model])
 
     def _load_initial(self, weights: dict) -> None:
-        """Full state dicts into the task that owns each model's weights (the others are resharded)."""
+        """Starting weights into the task that owns each model's weights (the others are resharded).
+
+        A function in ``weights`` is asked for this rank's stage only, one model at a time.
+        """
         for model, full in weights.items():
             task = WEIGHTS_TASK[model]
             if task in self.models:
-                load_full_weights(self.models[task], self.groups[task], full)
+                stage = self.models[task]
+                if callable(full):
+                    full = full(list(named_global_parameters(stage)))
+                load_full_weights(stage, self.groups[task], full)
 
     def _trained(self) -> dict:
         """{model: its training task} of the models this run trains."""
@@ -369,9 +404,31 @@ class Trainer:
                "response_length_mean": lengths.mean(), "response_length_max": lengths.max()}
         if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
             out.update(samples_count=float(len(batch)), tokens_count=lengths.sum())
-        if self.gold_fn is not None:
-            out["gold_reward_mean"] = torch.tensor(self.gold_fn(*_prompts_and_responses(batch))).float().mean()
+        if self.reward_fn is not None and self.config.has_reward_model:
+            out["gold_reward_mean"] = self._function_scores(batch).mean()
         return out
+
+
+def checked_scores(fn: RewardFn, prompts: list, responses: list) -> list[float]:
+    """``fn(prompts, responses)`` as one float per sample; a ConfigError (``reward.reward_fn``) says what
+    went wrong when it raises or returns anything else (a list, tuple or array of finite numbers)."""
+    name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
+    try:
+        scores = fn(prompts, responses)
+    except Exception as exc:  # noqa: BLE001 -- whatever user code raises is reported against its flag
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ConfigError(f"{name} raised {type(exc).__name__}: {exc} (at {where.filename}:{where.lineno})",
+                          "reward.reward_fn") from None
+    scores = scores.tolist() if hasattr(scores, "tolist") else scores  # a numpy array or torch tensor
+    if not isinstance(scores, (list, tuple)) or len(scores) != len(prompts):
+        got = f"{len(scores)} score(s)" if isinstance(scores, (list, tuple)) else f"a {type(scores).__name__}"
+        raise ConfigError(f"{name} returned {got} for {len(prompts)} samples; it must return a list of one "
+                          "number per sample", "reward.reward_fn")
+    for i, score in enumerate(scores):
+        if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
+            raise ConfigError(f"{name} returned {score!r} for sample {i}; every score must be a finite number",
+                              "reward.reward_fn")
+    return [float(score) for score in scores]
 
 
 def _reward_scores(values: torch.Tensor, mb: Batch, g) -> torch.Tensor:

@@ -191,7 +191,7 @@ def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionCon
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5),
                        fusion=fusion)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
-    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, gold_fn=gold_reward)
+    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, reward_fn=gold_reward)
 
 
 def _resume(placement, root: str) -> dict:

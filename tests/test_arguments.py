@@ -142,3 +142,19 @@ def test_fused_schedule_checked_against_the_placement(tmp_path):
                     "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "16",
                     "--micro-batch-size", "2"]).check_placement(fits)
 
+
+
+def test_unplaced_tasks():
+    grpo = parse_args(["--advantage-estimator", "grpo", "--critic-train", "none", "--critic-inf", "none"])
+    placement = Placement.from_plan(grpo.placement.plan(4), 4)
+    assert set(placement.meshes) == {"actor_gen", "ref_inf", "reward_inf", "actor_train"}
+    grpo.check_placement(placement)  # grpo runs no critic tasks
+    with pytest.raises(PlacementError, match="critic_inf is not placed"):
+        placement["critic_inf"]
+    gae = parse_args(["--critic-inf", "none"])
+    with pytest.raises(ConfigError, match="advantage estimator 'gae' needs a critic, but critic_inf is not placed") as exc:
+        gae.check_placement(Placement.from_plan(gae.placement.plan(4), 4))
+    assert exc.value.field_name == "ppo.advantage_estimator"
+    no_gen = parse_args(["--actor-gen", "none"])
+    with pytest.raises(PlacementError, match="actor_gen must be placed"):
+        no_gen.check_placement(Placement.from_plan(no_gen.placement.plan(4), 4))

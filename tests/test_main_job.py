@@ -31,7 +31,8 @@ def run_dir(tmp_path_factory):
 def default_run(run_dir):
     metrics = run_dir / "metrics.jsonl"
     out = _torchrun("--iterations", "12", "--metrics-file", str(metrics), "--no-progress",
-                    "--save", str(run_dir / "ckpt"), "--save-interval", "6")
+                    "--save", str(run_dir / "ckpt"), "--save-interval", "6", "--tensorboard-dir", str(run_dir / "tb"),
+                    "--trace-iteration", "2", "--trace-file", str(run_dir / "trace.json"))
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines(), [json.loads(line) for line in metrics.read_text().splitlines()]
 
@@ -54,6 +55,21 @@ def test_metrics_file_has_every_iteration(default_run):
         assert record["samples_per_s"] > 0 and record["response_length_max"] <= 16
     # the reference starts as a copy of the actor and the engine's log-probs equal the training model's
     assert abs(records[0]["kl_mean"]) < 1e-4
+
+
+def test_trace_and_tensorboard_of_the_run(default_run, run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trace = json.loads((run_dir / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    stages = {(e["pid"], e["name"]) for e in events if e.get("cat") == "STAGE"}
+    for rank in range(4):  # every rank's stages of iteration 2 are in the one trace
+        assert {(rank, s) for s in ("generation", "inference", "training", "reshard")} <= stages
+    assert any(e.get("cat") == "FORWARD" for e in events)  # the executor's instructions too
+    tb = EventAccumulator(str(run_dir / "tb"))
+    tb.Reload()
+    gold = [s.value for s in tb.Scalars("gold_reward_mean")]
+    assert gold == pytest.approx([r["gold_reward_mean"] for r in default_run[1]], rel=1e-6)
 
 
 def test_gold_reward_rises(default_run):

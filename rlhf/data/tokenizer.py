@@ -29,6 +29,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "TokenizerError",
     "build_tokenizer",
+    "is_tokenizer_dir",
     "validate_messages",
 ]
 
@@ -313,11 +314,16 @@ class HFTokenizer(Tokenizer):
                 f"eos={self.eos_id}, pad={self.pad_id}, bos={self.bos_id})")
 
 
+def is_tokenizer_dir(path: Union[str, os.PathLike]) -> bool:
+    """True for a directory holding one of the files that define a tokenizer."""
+    return any(os.path.isfile(os.path.join(path, f)) for f in _DEFINING_FILES)
+
+
 def _check_tokenizer_dir(path: str) -> None:
     if not os.path.isdir(path):
         raise TokenizerError(f"tokenizer {path!r} is neither 'byte' (the built-in byte "
                              f"tokenizer) nor an existing directory")
-    if not any(os.path.isfile(os.path.join(path, f)) for f in _DEFINING_FILES):
+    if not is_tokenizer_dir(path):
         raise TokenizerError(f"directory {path} holds no tokenizer (expected one of "
                              f"{', '.join(_DEFINING_FILES)})")
 

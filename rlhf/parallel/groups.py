@@ -113,6 +113,9 @@ def build_task_groups(placement: Placement, rank: int | None = None) -> dict[str
     singletons = [cache.get([r]) for r in range(placement.world_size)]
     result: dict[str, TaskGroups | None] = {}
     for task in TASKS:
+        if task not in placement.meshes:
+            result[task] = None
+            continue
         mesh = placement[task]
         mine: dict[str, dist.ProcessGroup] = {}
         for kind, sets in _rank_sets(mesh).items():

@@ -10,7 +10,9 @@ and degrees::
 
 Omitted ranks mean the whole world; omitted degrees are 1, except that dp
 defaults to whatever fills the mesh (``len(ranks) / (pp * tp)``). Tasks left
-out of the plan run on the whole world with dp only.
+out of the plan run on the whole world with dp only; a task whose entry is
+null (``"critic_inf": null``, or the flag ``--critic-inf none``) is not placed
+(e.g. the critic tasks of a run whose estimator needs no critic).
 """
 
 from __future__ import annotations
@@ -56,15 +58,18 @@ class Placement:
                 )
 
     def __getitem__(self, task: str) -> TaskMesh:
+        if task not in self.meshes:
+            raise PlacementError(f"{task} is not placed (its plan entry is null); placed: {', '.join(self.meshes)}")
         return self.meshes[task]
 
     @classmethod
     def from_plan(cls, plan: dict, world_size: int) -> "Placement":
-        """Build from a plan dict (see module docstring)."""
+        """Build from a plan dict (see module docstring); a task whose entry is None is not placed."""
         unknown = set(plan) - set(TASKS)
         if unknown:
             raise PlacementError(f"unknown task(s) {sorted(unknown)} in plan; valid tasks: {', '.join(TASKS)}")
-        meshes = {task: _mesh_from_entry(task, plan.get(task, {}), world_size) for task in TASKS}
+        meshes = {task: _mesh_from_entry(task, plan.get(task, {}), world_size)
+                  for task in TASKS if plan.get(task, {}) is not None}
         return cls(meshes=meshes, world_size=world_size)
 
     @classmethod

@@ -1,0 +1,153 @@
+"""Where a model of the job starts: a directory holding a Hugging Face model or our checkpoint.
+
+This module owns telling the two apart, reading a model's shape from either
+without reading tensors (flags are parsed before any process group exists),
+checking that what a directory holds can play its part, and reading its
+full starting tensors by global name, only those asked for (a rank asks for
+its own pipeline stage's, one model at a time: ``Trainer._load_initial``).
+
+    part       HF directory                            our checkpoint root (its latest iteration)
+    actor      *ForCausalLM                            model "actor" (role lm)
+    reference  *ForCausalLM                            model "reference", else "actor" (role lm)
+    critic     *ForSequenceClassification (score),     model "critic", else "reward" (role value,
+               or *ForCausalLM: a new value head       or role lm: a new value head)
+    reward     *ForSequenceClassification              model "reward" (role value)
+
+The reward model is frozen, so it needs a trained value head; the critic is
+trained, so it may start from a language model with a new head, drawn as
+``tools/convert_checkpoint.py --role value`` draws one (normal, std
+``init_std``) from the seed the caller gives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.checkpoint import storage
+from rlhf.checkpoint.hf import HFConversionError, read_hf_config, read_hf_state
+from rlhf.checkpoint.loading import is_hf_dir
+from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, _saved_models, read_full_state, saved_model_config
+from rlhf.data.tokenizer import is_tokenizer_dir
+from rlhf.models.config import ModelConfig
+from rlhf.tasks import MODEL_KIND, TRAIN_TASK
+
+CHECKPOINT_NAMES = {"actor": ("actor",), "reference": ("reference", "actor"), "critic": ("critic", "reward"),
+                    "reward": ("reward",)}
+"""The models of our checkpoint that can start each part, in order of preference."""
+
+HEAD = "output_layer.weight"
+
+
+class ModelSourceError(ValueError):
+    """A directory cannot start a model; the message says what it holds and what would be valid."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a directory holds for one part (actor, reference, critic or reward).
+
+    ``format``: "hf" or "checkpoint"; ``checkpoint_model``: the model's name in
+    our checkpoint; ``new_head``: a value model whose head is drawn, not read.
+    """
+
+    path: str
+    part: str
+    config: ModelConfig
+    format: str
+    new_head: bool = False
+    checkpoint_model: str | None = None
+
+    @property
+    def role(self) -> str:
+        """The head the part runs with: "lm" or "value"."""
+        return MODEL_KIND[self.part]
+
+    def tokenizer_dir(self) -> str | None:
+        """The tokenizer that comes with the model: the HF directory itself, ``<root>/tokenizer`` of a
+        converted checkpoint; None when there is none."""
+        path = self.path if self.format == "hf" else os.path.join(self.path, TOKENIZER_DIR)
+        return path if is_tokenizer_dir(path) else None
+
+
+def _is_checkpoint_root(path: str) -> bool:
+    """A directory holding our checkpoints (a ``latest`` file or an iter_* directory)."""
+    return os.path.isfile(os.path.join(path, storage.LATEST)) or bool(storage.list_checkpoints(path))
+
+
+def open_source(path: str, part: str) -> ModelSource:
+    """What ``path`` holds for ``part``, checked (reads config files only; raises ModelSourceError)."""
+    if not os.path.isdir(path):
+        raise ModelSourceError(f"{path} is not a directory")
+    if is_hf_dir(path):
+        return _hf_source(path, part)
+    if _is_checkpoint_root(path):
+        return _checkpoint_source(path, part)
+    raise ModelSourceError(f"{path} is neither a Hugging Face model directory (no config.json) nor our "
+                           f"checkpoint root (no '{storage.LATEST}' file, no iter_* directory)")
+
+
+def _hf_source(path: str, part: str) -> ModelSource:
+    try:
+        info = read_hf_config(path)
+    except HFConversionError as exc:
+        raise ModelSourceError(str(exc)) from None
+    holds = "lm" if info.kind == "causal_lm" else "value"
+    return ModelSource(path, part, info.config, "hf", _new_head(f"{path} ({info.architecture})", part, holds))
+
+
+def _new_head(what: str, part: str, holds: str) -> bool:
+    """Whether ``part`` starts from ``what`` (a model with head ``holds``: "lm" or "value") with a new
+    value head; raises ModelSourceError when it cannot start from it at all."""
+    needs = MODEL_KIND[part]
+    if holds == needs:
+        return False
+    if needs == "lm":
+        raise ModelSourceError(f"{what} is a value model; the {part} is a language model: give a *ForCausalLM "
+                               "directory (Llama or Qwen2) or our checkpoint with a model of role 'lm'")
+    if part not in TRAIN_TASK:
+        raise ModelSourceError(f"{what} is a language model without a value head; the {part} model is frozen, so "
+                               "it needs a trained one: give a *ForSequenceClassification directory (num_labels=1, "
+                               "head in score.weight) or our checkpoint with a value model "
+                               "(tools/convert_checkpoint.py --role value)")
+    return True
+
+
+def _checkpoint_source(root: str, part: str) -> ModelSource:
+    try:
+        path = storage.checkpoint_path(root, storage.resolve_checkpoint(root))
+        saved = _saved_models(storage.verify_checkpoint(path, []))
+        name = next((n for n in CHECKPOINT_NAMES[part] if n in saved), None)
+        if name is None:
+            raise ModelSourceError(f"checkpoint {path} holds model(s) {sorted(saved)}, none named "
+                                   f"{' or '.join(map(repr, CHECKPOINT_NAMES[part]))} to start the {part} from "
+                                   "(tools/convert_checkpoint.py --model-name sets the name)")
+        config, role = saved_model_config(root, name)
+    except storage.CheckpointError as exc:
+        raise ModelSourceError(str(exc)) from None
+    what = f"model {name!r} of checkpoint {path} (role {role!r})"
+    return ModelSource(root, part, config, "checkpoint", _new_head(what, part, role), name)
+
+
+@torch.no_grad()
+def read_weights(source: ModelSource, names: list[str], head_seed: int) -> dict[str, torch.Tensor]:
+    """Full tensors of ``names`` (global names) from ``source``; a new value head is drawn from ``head_seed``.
+
+    Reads only the tensors behind ``names`` (HF: ``safe_open`` per tensor file;
+    ours: the files of the stages that own them). Raises ModelSourceError for a
+    name the directory does not hold.
+    """
+    stored = [n for n in names if not (source.new_head and n == HEAD)]
+    if source.format == "hf":
+        full = read_hf_state(source.path, read_hf_config(source.path), source.role, stored)
+    else:
+        full = read_full_state(source.path, source.checkpoint_model, names=stored)[2]
+    missing = sorted(set(stored) - set(full))
+    if missing:
+        raise ModelSourceError(f"{source.path} holds no tensor for {missing[:5]} of the {source.part}")
+    if source.new_head and HEAD in names:
+        gen = torch.Generator().manual_seed(head_seed)
+        full[HEAD] = torch.randn(1, source.config.hidden_size, generator=gen) * source.config.init_std
+    return full
