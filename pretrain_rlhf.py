@@ -6,8 +6,7 @@ import warnings
 from rlhf import platform
 from rlhf.arguments import flag_of, parse_args
 from rlhf.config import ConfigError
-from rlhf.parallel import Placement, PlacementError
-from rlhf.tasks import MODELS
+from rlhf.parallel import PlacementError
 
 
 def main(argv=None) -> int:
@@ -18,9 +17,7 @@ def main(argv=None) -> int:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        placement = Placement.from_plan(config.placement.plan(world), world)
-        placement.validate_models({model: config.models[model] for model in MODELS})
-        config.check_placement(placement)
+        placement = config.build_placement(world)
     except (PlacementError, ConfigError) as exc:
         if rank == 0:
             what = f"{flag_of(exc.field_name)}: " if isinstance(exc, ConfigError) else "invalid placement: "

@@ -449,6 +449,16 @@ class JobConfig:
         """Micro-batches one DP replica of ``task`` runs per mini-batch."""
         return self.ppo.ppo_mini_batch_size // (placement[task].strategy.dp * self.ppo.micro_batch_size)
 
+    def build_placement(self, world_size: int):
+        """This job's Placement on ``world_size`` ranks, checked against the models' shapes and the
+        batch sizes (PlacementError or ConfigError naming what to change)."""
+        from rlhf.parallel import Placement
+
+        placement = Placement.from_plan(self.placement.plan(world_size), world_size)
+        placement.validate_models({model: self.models[model] for model in MODELS})
+        self.check_placement(placement)
+        return placement
+
     def check_placement(self, placement) -> None:
         """Refuse batch sizes that the placement's DP sizes cannot split, and a fused schedule that does not
         fit the training placements (ConfigError naming the field)."""

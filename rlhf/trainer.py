@@ -143,7 +143,7 @@ class Trainer:
         self.timer.start_iteration(self.iteration + 1)
         prompts = next(self.prompts)
         with self.timer.stage("reshard"):
-            self._reshard("actor_train", "actor_gen")
+            self.sync_generation_weights()
         with self.timer.stage("generation"):
             batch = self.generate(prompts)
         return self.learn(batch)
@@ -170,6 +170,10 @@ class Trainer:
         return IterationResult(batch, metrics)
 
     # ---- 1. generation ---------------------------------------------------------------
+
+    def sync_generation_weights(self) -> None:
+        """Reshard the trained actor into the generation layout (before every generation)."""
+        self._reshard("actor_train", "actor_gen")
 
     def generate(self, prompt_batch) -> Batch:
         """Samples of ``prompt_batch`` from the actor_gen replicas, as one Batch on every rank.

@@ -19,14 +19,15 @@ from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
 from rlhf.models import ModelConfig
-from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.gpt import stage_forward
 from rlhf.parallel import Placement
-from rlhf.parallel.groups import build_task_groups, local_groups
+from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import gather_tp_full_weights
 from rlhf.schedule.generators import greedy_fused
 from rlhf.schedule.io import save_schedule
 from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.schedule import Schedule
+from rlhf.testing.models import full_weights, plain_logprobs, unsharded
 from rlhf.testing.reference import gae_loop
 from rlhf.trainer import Trainer
 
@@ -53,20 +54,6 @@ PROMPTS = [3, 5, 2, 6]
 RESPONSES = [4, 7, 1, 5, 6, 3, 7, 2]
 
 
-def _full_weights(kind: str, cfg: ModelConfig, seed: int) -> dict:
-    local = local_groups()
-    return gather_tp_full_weights(build_model(cfg, kind, local.pg_collection, local.stage, seed=seed), local)
-
-
-def _unsharded(kind: str, cfg: ModelConfig, full: dict) -> torch.nn.Module:
-    local = local_groups()
-    model = build_model(cfg, kind, local.pg_collection, local.stage, seed=0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(full[name])
-    return model
-
-
 def _samples(actor) -> list:
     """Fixed prompts and responses; old log-probs from the initial actor (as the engine reports them)."""
     g = torch.Generator().manual_seed(5)
@@ -75,22 +62,16 @@ def _samples(actor) -> list:
         prompt = torch.randint(0, ACTOR.vocab_size, (PROMPTS[s // 2],), generator=g).tolist()
         response = torch.randint(0, ACTOR.vocab_size, (r,), generator=g).tolist()
         with torch.no_grad():
-            lp = _logprobs(actor, torch.tensor([prompt + response]), len(prompt), r)[0]
+            lp = plain_logprobs(actor, torch.tensor([prompt + response]), len(prompt), r)[0]
         out.append(SampleResult(str(s // 2), s % 2, tuple(prompt), tuple(response), tuple(lp.tolist()),
                                 "length", 0.0))
     return out
 
 
-def _logprobs(actor, tokens, prompt_len: int, response_len: int) -> torch.Tensor:
-    logits = stage_forward(actor, tokens).float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    return lp[:, prompt_len - 1:prompt_len - 1 + response_len]
-
-
 def _textbook_iteration(full: dict, samples: list) -> dict:
     """One PPO iteration from the definitions, one sample at a time where it is clearer."""
-    actor, critic = _unsharded("lm", ACTOR, full["actor"]), _unsharded("value", CRITIC, full["critic"])
-    reference, reward = _unsharded("lm", ACTOR, full["actor"]), _unsharded("value", CRITIC, full["reward"])
+    actor, critic = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["critic"])
+    reference, reward = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["reward"])
     seqs = [(torch.tensor([list(s.prompt) + list(s.tokens)]), len(s.prompt), len(s.tokens)) for s in samples]
     R = max(r for _, _, r in seqs)
 
@@ -99,7 +80,7 @@ def _textbook_iteration(full: dict, samples: list) -> dict:
 
     with torch.no_grad():
         old = padded([torch.tensor(s.logprobs) for s in samples])
-        ref = padded([_logprobs(reference, t, p, r)[0] for t, p, r in seqs])
+        ref = padded([plain_logprobs(reference, t, p, r)[0] for t, p, r in seqs])
         score = torch.stack([stage_forward(reward, t)[0, p + r - 1] for t, p, r in seqs])
         old_values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
     mask = padded([torch.ones(r) for _, _, r in seqs])
@@ -115,7 +96,7 @@ def _textbook_iteration(full: dict, samples: list) -> dict:
     c_opt = torch.optim.AdamW(critic.parameters(), lr=PPO.critic_lr, betas=BETAS, weight_decay=0.0)
     tokens, norms = mask.sum(), []
     for _ in range(PPO.ppo_epochs):  # one mini-batch holds every sample
-        new = padded([_logprobs(actor, t, p, r)[0] for t, p, r in seqs])
+        new = padded([plain_logprobs(actor, t, p, r)[0] for t, p, r in seqs])
         ratio = torch.exp(new - old)
         surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - PPO.clip_eps, 1 + PPO.clip_eps))
         a_loss = (surrogate * mask).sum() / tokens
@@ -146,7 +127,7 @@ def _gathered(trainer, task: str) -> dict:
 def run(root: str) -> dict:
     """The textbook comparison, then the resume comparison (checkpoints under ``root``)."""
     placement = Placement.from_plan(PLAN, dist.get_world_size())
-    build_task_groups(placement)  # collective; creates the one-rank groups local_groups() uses
+    build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
     out = _against_textbook(placement)
     out.update(_resume(placement, root))
     out.update(_fusion(root))
@@ -156,9 +137,9 @@ def run(root: str) -> dict:
 def _against_textbook(placement) -> dict:
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
                        ppo=PPO)
-    full = {"actor": _full_weights("lm", ACTOR, 101), "critic": _full_weights("value", CRITIC, 202),
-            "reward": _full_weights("value", CRITIC, 303)}
-    samples = _samples(_unsharded("lm", ACTOR, full["actor"]))
+    full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
+            "reward": full_weights("value", CRITIC, 303)}
+    samples = _samples(unsharded("lm", ACTOR, full["actor"]))
     trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full)
     batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
     result = trainer.learn(batch)
@@ -196,8 +177,8 @@ def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionCon
 
 def _resume(placement, root: str) -> dict:
     """4 iterations straight vs 2, save, and 2 more in a fresh trainer that loads: metrics and weights."""
-    full = {"actor": _full_weights("lm", RESUME_MODEL, 11), "critic": _full_weights("value", RESUME_MODEL, 12),
-            "reward": _full_weights("value", RESUME_MODEL, 13)}
+    full = {"actor": full_weights("lm", RESUME_MODEL, 11), "critic": full_weights("value", RESUME_MODEL, 12),
+            "reward": full_weights("value", RESUME_MODEL, 13)}
     straight = _synthetic_trainer(placement, full, mini_batch=4)
     metrics = [straight.step().metrics for _ in range(4)]
     first = _synthetic_trainer(placement, full, mini_batch=4)
@@ -222,8 +203,8 @@ FUSED_PLAN = {"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
 def _fusion(root: str) -> dict:
     """2 iterations with a greedy fused actor/critic schedule vs 2 with serial 1F1B: parameters."""
     placement = Placement.from_plan(FUSED_PLAN, dist.get_world_size())
-    full = {"actor": _full_weights("lm", RESUME_MODEL, 21), "critic": _full_weights("value", RESUME_MODEL, 22),
-            "reward": _full_weights("value", RESUME_MODEL, 23)}
+    full = {"actor": full_weights("lm", RESUME_MODEL, 21), "critic": full_weights("value", RESUME_MODEL, 22),
+            "reward": full_weights("value", RESUME_MODEL, 23)}
     path = f"{root}/fused.json"
     if dist.get_rank() == 0:  # 8 samples, one mini-batch: 2 micro-batches per replica and model
         specs = tuple(ModelSpec(name, 2, 1, 2, direction, [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])

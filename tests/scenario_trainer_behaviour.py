@@ -1,0 +1,127 @@
+"""4-rank scenario for trainer behaviour beyond tests/scenario_trainer.py's one iteration on given samples.
+
+One launch on the built-in 4-rank plan (``rlhf.config.DEFAULT_PLANS[4]``:
+actor_gen TP2xDP2, actor_train TP2xPP2, ref and reward TP1 on rank pairs),
+the tiny presets, the byte tokenizer and the synthetic prompts, 4 prompts x
+4 samples of at most 8 tokens. Two trainers, both without a critic:
+
+- GRPO with ``recompute_logprobs`` and an adaptive KL coefficient, three
+  iterations. Iteration 1 is ``step()`` taken apart (reshard, ``generate``,
+  ``learn``) to keep the engine's batch; ``learn`` gets it with its old
+  log-probs zeroed, so the recomputed ones can only come from actor_train.
+  Rank 0 recomputes the engine's samples' log-probs with an unsharded actor
+  from the same start weights (plain log-softmax).
+- REINFORCE++ (gamma 0.9), one ``step()``.
+
+Start weights are made here: the actor's with EOS made likely (so responses
+end at different lengths), a reference of another seed (so the KL penalty is
+not 0) and a random reward model. Rank 0 returns the batches and metrics; the
+test compares them with references written in the test.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from rlhf.config import DEFAULT_PLANS, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.data import ByteTokenizer, PromptBatchIterator
+from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups
+from rlhf.testing.models import full_weights, plain_logprobs, unsharded
+from rlhf.trainer import Trainer
+
+MODELS = ModelsConfig()  # the tiny presets
+GENERATION = GenerationConfig(max_response_len=8)
+PPO = dict(rollout_batch_size=4, n_samples_per_prompt=4, ppo_mini_batch_size=8, micro_batch_size=2, kl_coef=0.1)
+KL_TARGET = 2.0  # the first iterations' KL (about 2.1, then 0.5) exercise the controller unclipped, then clipped
+EOS_PROBABILITY = 0.15
+SEED = 7
+FIELDS = ("tokens", "prompt_lengths", "response_lengths", "prompt_ids", "scores", "old_logprobs",
+          "ref_logprobs", "advantages", "returns")
+"""Batch fields rank 0 returns (as lists)."""
+
+
+def _likely_eos(full: dict, eos_id: int, probability: float) -> dict:
+    """The actor's full weights with EOS about ``probability`` likely at every position.
+
+    Every token's embedding gets a constant 1 in column 0, which dominates the
+    residual stream (the other entries are ~0.02), so after the final RMS norm
+    that column is about sqrt(hidden) everywhere; the output layer reads it
+    into the EOS logit only: logit_eos ~ log(probability / (1 - probability) * (vocab - 1)).
+    """
+    embedding, head = full["embedding.word_embeddings.weight"].clone(), full["output_layer.weight"].clone()
+    vocab, hidden = head.shape
+    embedding[:, 0] = 1.0
+    head[eos_id, 0] = math.log(probability / (1 - probability) * (vocab - 1)) / math.sqrt(hidden)
+    return {**full, "embedding.word_embeddings.weight": embedding, "output_layer.weight": head}
+
+
+def _start_weights(eos_id: int) -> dict:
+    """Full start weights of the actor, the reference and the reward model (same on every rank)."""
+    return {"actor": _likely_eos(full_weights("lm", MODELS["actor"], 101), eos_id, EOS_PROBABILITY),
+            "reference": full_weights("lm", MODELS["reference"], 202),
+            "reward": full_weights("value", MODELS["reward"], 303)}
+
+
+def _trainer(placement, weights: dict, **ppo) -> Trainer:
+    """A Trainer of the synthetic task from ``weights`` with PPO settings ``PPO`` + ``ppo`` (collective)."""
+    config = JobConfig(models=MODELS, run=RunConfig(iterations=3, seed=SEED), generation=GENERATION,
+                       ppo=PPOConfig(**PPO, **ppo))
+    dataset = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=64, max_length=GENERATION.max_prompt_len))
+    prompts = PromptBatchIterator(dataset, config.ppo.rollout_batch_size, seed=SEED)
+    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=weights, reward_fn=gold_reward)
+
+
+def _first_iteration(trainer: Trainer):
+    """``step()`` taken apart: (the engine's batch, the iteration's result on it with old log-probs zeroed)."""
+    trainer.sync_generation_weights()
+    generated = trainer.generate(next(trainer.prompts))
+    return generated, trainer.learn(generated.with_fields(old_logprobs=torch.zeros_like(generated.old_logprobs)))
+
+
+def _unsharded_logprobs(full: dict, batch) -> torch.Tensor:
+    """[N, R] log-probs of ``batch``'s response tokens under the unsharded actor ``full``, 0 past each response."""
+    actor, out = unsharded("lm", MODELS["actor"], full), torch.zeros_like(batch.old_logprobs)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(batch.prompt_lengths.tolist(), batch.response_lengths.tolist())):
+            out[i, :r] = plain_logprobs(actor, batch.tokens[i:i + 1, :p + r], p, r)[0]
+    return out
+
+
+def _record(result) -> dict:
+    """An iteration's metrics and batch fields as plain Python values."""
+    batch = result.batch
+    return {"metrics": dict(result.metrics), **{name: getattr(batch, name).tolist() for name in FIELDS}}
+
+
+def _placed(trainer: Trainer) -> dict:
+    """What this rank built: its tasks' models, its optimizers, the tasks the trainer placed."""
+    return {"models": sorted(trainer.models), "optimizers": sorted(trainer.optimizers), "tasks": list(trainer.tasks)}
+
+
+def run() -> dict:
+    placement = Placement.from_plan(DEFAULT_PLANS[4], dist.get_world_size())
+    build_task_groups(placement)  # collective; creates the one-rank groups full_weights builds on
+    weights = _start_weights(ByteTokenizer().eos_id)
+    grpo = _trainer(placement, weights, advantage_estimator="grpo", recompute_logprobs=True, kl_target=KL_TARGET)
+    generated, first = _first_iteration(grpo)
+    grpo_results = [first] + [grpo.step() for _ in range(2)]
+    reinforce = _trainer(placement, weights, advantage_estimator="reinforce++", gamma=0.9)
+    reinforce_result = reinforce.step()
+    out = {"grpo_placed": _placed(grpo), "reinforce_placed": _placed(reinforce)}
+    if dist.get_rank() == 0:
+        reference = _unsharded_logprobs(weights["actor"], generated)
+        valid = generated.response_mask > 0
+        out.update(engine_vs_unsharded=(generated.old_logprobs - reference).abs().max().item(),
+                   recomputed_vs_engine=(first.batch.old_logprobs - generated.old_logprobs).abs().max().item(),
+                   engine_logprob_mean=generated.old_logprobs[valid].mean().item(),
+                   finish_reasons=list(generated.finish_reasons),
+                   grpo=[_record(r) for r in grpo_results], reinforce=_record(reinforce_result),
+                   rollout=PPO["rollout_batch_size"] * PPO["n_samples_per_prompt"],
+                   kl_target=KL_TARGET, kl_horizon=grpo.config.ppo.kl_config.horizon,
+                   grpo_eps=grpo.config.ppo.advantage_config.eps,
+                   reinforce_eps=reinforce.config.ppo.advantage_config.eps,
+                   reinforce_gamma=reinforce.config.ppo.gamma, kl_coef=PPO["kl_coef"])
+    return out

@@ -1,0 +1,143 @@
+"""Trainer behaviour on 4 gloo ranks in one launch (tests/scenario_trainer_behaviour.py), against
+references written here from the definitions: the engine's old log-probs and recompute_logprobs,
+GRPO and REINFORCE++ (no critic placed; their advantages), the adaptive KL coefficient
+(Ziegler et al. 2019) and the batch statistics the metrics report.
+"""
+
+import math
+
+import pytest
+
+from rlhf.data.synthetic import gold_reward
+from rlhf.testing.distributed import launch
+
+LOGPROB_TOL = 1e-5
+TOL = 1e-5  # float32 sums of a few dozen O(1) values, against float64 references
+KL_COEF_RTOL = 1e-6  # float32 controller arithmetic; one update moves the coefficient by >= 8e-5 here
+ITERATIONS = [("grpo", 0), ("grpo", 1), ("grpo", 2), ("reinforce", None)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(4, "scenario_trainer_behaviour:run")
+
+
+def _record(results, trainer: str, index):
+    """Rank 0's record of one iteration: metrics and batch fields."""
+    recorded = results[0][trainer]
+    return recorded if index is None else recorded[index]
+
+
+def _valid(rec, field: str) -> list:
+    """Each sample's values of a response-aligned field on its response tokens."""
+    return [row[:n] for row, n in zip(rec[field], rec["response_lengths"])]
+
+
+def _padded(rows: list, width: int) -> list:
+    """Rows right-padded with zeros to ``width`` columns (the batch's response layout)."""
+    return [row + [0.0] * (width - len(row)) for row in rows]
+
+
+def _max_diff(a: list, b: list) -> float:
+    """Largest absolute difference of two equally shaped lists of rows."""
+    return max(abs(x - y) for row_a, row_b in zip(a, b, strict=True) for x, y in zip(row_a, row_b, strict=True))
+
+
+def test_engine_old_logprobs_equal_unsharded_actor(results):
+    out = results[0]
+    assert {"stop", "length"} <= set(out["finish_reasons"])  # responses of several lengths, EOS among them
+    assert out["engine_vs_unsharded"] < LOGPROB_TOL
+
+
+def test_recomputed_old_logprobs_equal_engine(results):
+    out = results[0]
+    assert out["engine_logprob_mean"] < -1.0  # so the zeros learn() was given cannot pass for them
+    assert out["recomputed_vs_engine"] < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("trainer", ["grpo", "reinforce"])
+def test_estimators_without_critic_place_no_critic(results, trainer):
+    for rank in results:
+        placed = rank[f"{trainer}_placed"]
+        assert not [t for t in placed["models"] + placed["tasks"] if t.startswith("critic")], placed
+        assert placed["optimizers"] == ["actor"]
+    records = results[0][trainer] if trainer == "grpo" else [results[0][trainer]]
+    for rec in records:
+        assert "value_loss" not in rec["metrics"] and "policy_loss" in rec["metrics"]
+
+
+def _grpo_reference(rec, eps: float) -> list:
+    """(score - group mean) / (group std + eps) on each valid token, the group being the samples of
+    one prompt (unbiased std), 0 past each response."""
+    groups = {}
+    for score, prompt in zip(rec["scores"], rec["prompt_ids"]):
+        groups.setdefault(prompt, []).append(score)
+    rows = []
+    for score, prompt, length in zip(rec["scores"], rec["prompt_ids"], rec["response_lengths"]):
+        group = groups[prompt]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((s - mean) ** 2 for s in group) / (len(group) - 1))
+        rows.append([(score - mean) / (std + eps)] * length)
+    assert sorted(len(g) for g in groups.values()) == [4, 4, 4, 4]  # 4 prompts x 4 samples
+    return _padded(rows, len(rec["advantages"][0]))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_grpo_advantages_match_group_reference(results, index):
+    rec = _record(results, "grpo", index)
+    assert _max_diff(rec["advantages"], _grpo_reference(rec, results[0]["grpo_eps"])) < TOL
+
+
+def test_reinforce_pp_advantages_match_definition(results):
+    """Returns: discounted sums of -kl_coef * (old - ref) per token plus the score on the last token;
+    advantages: those returns whitened over every valid token of the batch."""
+    out, rec = results[0], results[0]["reinforce"]
+    gamma, coef = out["reinforce_gamma"], out["kl_coef"]  # a fixed coefficient (no kl_target)
+    returns = []
+    for old, ref, score in zip(_valid(rec, "old_logprobs"), _valid(rec, "ref_logprobs"), rec["scores"]):
+        rewards = [-coef * (o - r) for o, r in zip(old, ref)]
+        rewards[-1] += score
+        running, row = 0.0, []
+        for reward in reversed(rewards):
+            running = reward + gamma * running
+            row.insert(0, running)
+        returns.append(row)
+    flat = [g for row in returns for g in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((g - mean) ** 2 for g in flat) / (len(flat) - 1) + out["reinforce_eps"])
+    width = len(rec["returns"][0])
+    assert _max_diff(rec["returns"], _padded(returns, width)) < TOL
+    assert _max_diff(rec["advantages"], _padded([[(g - mean) / std for g in row] for row in returns], width)) < TOL
+
+
+def test_adaptive_kl_coefficient_follows_ziegler(results):
+    """beta_next = beta * (1 + clip(KL / target - 1, -0.2, 0.2) * samples / horizon), KL the logged
+    per-sequence mean of the iteration."""
+    out = results[0]
+    logged = [rec["metrics"] for rec in out["grpo"]]
+    assert abs(logged[0]["kl_coef"] - out["kl_coef"]) < 1e-8  # it starts at PPOConfig.kl_coef
+    for before, after in zip(logged, logged[1:]):
+        error = min(max(before["kl_mean"] / out["kl_target"] - 1.0, -0.2), 0.2)
+        expected = before["kl_coef"] * (1.0 + error * out["rollout"] / out["kl_horizon"])
+        assert abs(after["kl_coef"] - expected) <= KL_COEF_RTOL * expected, (before, after)
+        assert abs(after["kl_coef"] - before["kl_coef"]) > 10 * KL_COEF_RTOL * expected  # it moved
+
+
+@pytest.mark.parametrize("trainer,index", ITERATIONS, ids=["grpo-1", "grpo-2", "grpo-3", "reinforce++-1"])
+def test_metrics_are_statistics_of_the_batch(results, trainer, index):
+    rec = _record(results, trainer, index)
+    metrics, lengths, scores = rec["metrics"], rec["response_lengths"], rec["scores"]
+    n = len(lengths)
+    assert metrics["samples_count"] == n == results[0]["rollout"]
+    assert metrics["tokens_count"] == sum(lengths)
+    assert metrics["response_length_max"] == max(lengths)
+    assert abs(metrics["response_length_mean"] - sum(lengths) / n) < TOL
+    mean = sum(scores) / n
+    assert abs(metrics["reward_mean"] - mean) < TOL
+    assert abs(metrics["reward_std"] - math.sqrt(sum((s - mean) ** 2 for s in scores) / n)) < TOL
+    kl = [sum(o - r for o, r in zip(old, ref)) for old, ref in zip(_valid(rec, "old_logprobs"),
+                                                                   _valid(rec, "ref_logprobs"))]
+    assert abs(metrics["kl_mean"] - sum(kl) / n) < TOL
+    prompts = [row[:p] for row, p in zip(rec["tokens"], rec["prompt_lengths"])]
+    responses = [row[p:p + r] for row, p, r in zip(rec["tokens"], rec["prompt_lengths"], lengths)]
+    assert abs(metrics["gold_reward_mean"] - sum(gold_reward(prompts, responses)) / n) < TOL
