@@ -49,6 +49,13 @@ SECTIONS = {
         ("critic_lr", float, "critic learning rate"),
         ("clip_grad", float, "clip each model's global gradient norm to this (0: off)"),
         ("weight_decay", float, "AdamW weight decay of matrices (1-D parameters get none)"),
+        ("lr_warmup_iters", int, "optimizer steps of linear LR warm-up from 0 (steps: ppo_epochs x mini-batches "
+                                 "per iteration)"),
+        ("lr_decay_style", str, "LR after the warm-up: constant, linear or cosine (to --min-lr at --lr-decay-iters)"),
+        ("lr_decay_iters", int, "optimizer step at which the decay reaches --min-lr"),
+        ("min_lr", float, "the LR the decay ends at"),
+        ("use_distributed_optimizer", bool, "shard the optimizer state and update over each model's DP group "
+                                            "(megatron's distributed optimizer, ZeRO-1)"),
         ("clip_eps", float, "PPO ratio clip range"),
         ("value_clip", _optional_float, "value clip range around the old values ('none': off)"),
         ("kl_coef", float, "KL penalty coefficient (the initial one with --kl-target)"),

@@ -94,6 +94,11 @@ class PPOConfig:
     critic_lr: float = 1e-3
     clip_grad: float = 1.0
     weight_decay: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: int | None = None
+    min_lr: float = 0.0
+    use_distributed_optimizer: bool = False
     clip_eps: float = 0.2
     value_clip: float | None = 0.2
     kl_coef: float = 0.01
@@ -129,6 +134,22 @@ class PPOConfig:
         except ValueError as exc:  # "KLConfig.<field>=...": report the PPO field that set it
             kl_field = re.match(r"KLConfig\.(\w+)=", str(exc)).group(1)
             raise ConfigError(str(exc), f"ppo.kl_{kl_field}") from None
+        for lr in (self.lr, self.critic_lr):
+            try:
+                self.optimizer_config(lr)
+            except ValueError as exc:  # "OptimizerConfig.<field>=...": the PPO field of the same name
+                name = re.match(r"OptimizerConfig\.(\w+)=", str(exc)).group(1)
+                raise ConfigError(str(exc), f"ppo.{name}") from None
+
+    def optimizer_config(self, lr: float):
+        """The rlhf.optim.OptimizerConfig of a model trained at ``lr`` (AdamW; the LR schedule counts
+        optimizer steps: ppo_epochs x mini-batches per iteration)."""
+        from rlhf.optim import OptimizerConfig
+
+        return OptimizerConfig(lr=lr, min_lr=self.min_lr, lr_warmup_iters=self.lr_warmup_iters,
+                               lr_decay_iters=self.lr_decay_iters, lr_decay_style=self.lr_decay_style,
+                               clip_grad=self.clip_grad, weight_decay=self.weight_decay,
+                               use_distributed_optimizer=self.use_distributed_optimizer)
 
     @property
     def kl_config(self) -> KLConfig:

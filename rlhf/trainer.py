@@ -35,7 +35,7 @@ from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, 
 from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
 from rlhf.models.naming import named_global_parameters
-from rlhf.optim import ModelOptimizer, OptimizerConfig
+from rlhf.optim import ModelOptimizer
 from rlhf.parallel.exchange import gather_to_all, shares
 from rlhf.parallel.groups import TaskGroups, build_task_groups
 from rlhf.parallel.reshard import load_full_weights, reshard
@@ -366,8 +366,7 @@ class Trainer:
         """megatron DDP + AdamW + LR schedule per trained model on this rank (collective over its task)."""
         ppo = self.config.ppo
         lrs = {"actor": ppo.lr, "critic": ppo.critic_lr}
-        return {m: ModelOptimizer(self.models[t], self.groups[t],
-                                  OptimizerConfig(lr=lrs[m], clip_grad=ppo.clip_grad, weight_decay=ppo.weight_decay))
+        return {m: ModelOptimizer(self.models[t], self.groups[t], ppo.optimizer_config(lrs[m]))
                 for m, t in self._trained().items() if t in self.models}
 
     def _serial_schedule(self, task: str) -> Schedule:

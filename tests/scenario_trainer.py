@@ -23,10 +23,10 @@ from rlhf.models.gpt import stage_forward
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import gather_tp_full_weights
-from rlhf.schedule.generators import greedy_fused
+from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.io import save_schedule
 from rlhf.schedule.problem import ModelSpec, Problem
-from rlhf.schedule.schedule import Schedule
+from rlhf.schedule.search import SearchConfig, search
 from rlhf.testing.models import full_weights, plain_logprobs, unsharded
 from rlhf.testing.reference import gae_loop
 from rlhf.trainer import Trainer
@@ -164,28 +164,33 @@ RESUME_MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num
                            vocab_size=320, max_seq_len=32)  # holds the byte tokenizer's 259 ids
 
 
-def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig()) -> Trainer:
+def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
+                       **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
-                                     micro_batch_size=2, kl_coef=0.05, kl_target=0.5),
+                                     micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
                        fusion=fusion)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, reward_fn=gold_reward)
+
+
+RESUME_OPTIMIZER = dict(use_distributed_optimizer=True, lr_warmup_iters=2, lr_decay_style="cosine", lr_decay_iters=12)
+"""The resume check also covers the sharded optimizer state and a schedule in the middle of its decay."""
 
 
 def _resume(placement, root: str) -> dict:
     """4 iterations straight vs 2, save, and 2 more in a fresh trainer that loads: metrics and weights."""
     full = {"actor": full_weights("lm", RESUME_MODEL, 11), "critic": full_weights("value", RESUME_MODEL, 12),
             "reward": full_weights("value", RESUME_MODEL, 13)}
-    straight = _synthetic_trainer(placement, full, mini_batch=4)
+    straight = _synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     metrics = [straight.step().metrics for _ in range(4)]
-    first = _synthetic_trainer(placement, full, mini_batch=4)
+    first = _synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     for _ in range(2):
         first.step()
     first.save(root)
-    resumed = _synthetic_trainer(placement, full, mini_batch=4)
+    resumed = _synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     resumed.load(root)
     loaded_at = resumed.iteration
     metrics_resumed = [resumed.step().metrics for _ in range(2)]
@@ -201,7 +206,7 @@ FUSED_PLAN = {"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
 
 
 def _fusion(root: str) -> dict:
-    """2 iterations with a greedy fused actor/critic schedule vs 2 with serial 1F1B: parameters."""
+    """2 iterations with a searched (annealed) fused actor/critic schedule vs 2 with serial 1F1B: parameters."""
     placement = Placement.from_plan(FUSED_PLAN, dist.get_world_size())
     full = {"actor": full_weights("lm", RESUME_MODEL, 21), "critic": full_weights("value", RESUME_MODEL, 22),
             "reward": full_weights("value", RESUME_MODEL, 23)}
@@ -209,8 +214,9 @@ def _fusion(root: str) -> dict:
     if dist.get_rank() == 0:  # 8 samples, one mini-batch: 2 micro-batches per replica and model
         specs = tuple(ModelSpec(name, 2, 1, 2, direction, [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])
                       for name, direction in (("actor", "down"), ("critic", "up")))
-        problem = Problem(2, specs)
-        save_schedule(path, Schedule.from_orders(problem, greedy_fused(problem)))
+        result = search(Problem(2, specs), SearchConfig(budget_s=0.05, memory_budget_s=0.02))
+        assert result.orders != serial_1f1b(result.problem)  # a fused order, not the serial baseline
+        save_schedule(path, result.schedule)
     dist.barrier()
     serial = _synthetic_trainer(placement, full, mini_batch=8)
     fused = _synthetic_trainer(placement, full, mini_batch=8, fusion=FusionConfig(intra_stage_fusion=True, schedule=path))

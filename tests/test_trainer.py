@@ -2,7 +2,7 @@
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
 subsets; two PPO epochs of one mini-batch each. Resume: 2 iterations, save, load
-into a fresh trainer, 2 more, against 4 straight. Fusion: 2 iterations with a fused
+into a fresh trainer, 2 more, against 4 straight. Fusion: 2 iterations with a searched fused
 actor/critic schedule against serial 1F1B. See tests/scenario_trainer.py.
 """
 
