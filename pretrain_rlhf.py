@@ -1,66 +1,76 @@
-"""Entry point: ``torchrun --nproc-per-node=N pretrain_rlhf.py [flags]`` (see --help)."""
+"""Entry point: ``torchrun --nproc-per-node=N pretrain_rlhf.py [flags]`` (see --help).
 
+Bad input (a flag, the placement, a file the flags name, a checkpoint root)
+is refused on rank 0 with one line naming it, and exit status 2 on every rank.
+"""
+
+import contextlib
 import sys
-import warnings
 
 from rlhf import platform
 from rlhf.arguments import flag_of, parse_args
+from rlhf.cli import UsageError, quiet_unless_first_rank, report
 from rlhf.config import ConfigError
 from rlhf.parallel import PlacementError
 
+PROGRAM = "pretrain_rlhf.py"
+
 
 def main(argv=None) -> int:
-    config = parse_args(argv)
-    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    try:
+        with quiet_unless_first_rank():
+            config = parse_args(argv)
+    except UsageError as exc:
+        return report(PROGRAM, exc)
     platform.init_distributed()
     import torch.distributed as dist
 
-    world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        placement = config.build_placement(world)
-    except (PlacementError, ConfigError) as exc:
-        if rank == 0:
-            what = f"{flag_of(exc.field_name)}: " if isinstance(exc, ConfigError) else "invalid placement: "
-            print(f"pretrain_rlhf.py: {what}{exc}", file=sys.stderr)
+        run(config)
+    except UsageError as exc:
+        return report(PROGRAM, exc)
+    finally:
         dist.destroy_process_group()
-        return 2
-    if rank == 0:
+    return 0
+
+
+def run(config) -> None:
+    """Place the tasks, build the trainer (and resume it), train; bad input raises UsageError."""
+    import torch.distributed as dist
+
+    from rlhf.checkpoint import CheckpointError, resolve_checkpoint
+
+    world = dist.get_world_size()
+    with usage_errors():
+        placement = config.build_placement(world)
+    if dist.get_rank() == 0:
         print(f"world size {world}; placement:")
         for task, mesh in placement.meshes.items():
             reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
             print(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
-    from rlhf.checkpoint import CheckpointError, resolve_checkpoint
     from rlhf.job import build_trainer
 
+    with usage_errors():
+        try:
+            if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
+                resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
+            trainer = build_trainer(config, placement)
+            if config.checkpoint.load:
+                trainer.load(config.checkpoint.load)
+        except CheckpointError as exc:
+            raise UsageError(f"--load {config.checkpoint.load}: {exc}") from None
+        trainer.train()  # a reward function failing on a batch raises a ConfigError on every rank
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Turn the job's own input errors into UsageErrors naming the flag."""
     try:
-        if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
-            resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
-        trainer = build_trainer(config, placement)
-        if config.checkpoint.load:
-            trainer.load(config.checkpoint.load)
-    except CheckpointError as exc:
-        if rank == 0:
-            print(f"pretrain_rlhf.py: --load {config.checkpoint.load}: {exc}", file=sys.stderr)
-        dist.destroy_process_group()
-        return 2
-    except ConfigError as exc:  # a model directory, tokenizer, prompt file or reward function the job cannot use
-        return _refuse(exc, rank)
-    try:
-        trainer.train()
-    except ConfigError as exc:  # a reward function failing on a batch (every rank raises the same error)
-        return _refuse(exc, rank)
-    dist.destroy_process_group()
-    return 0
-
-
-def _refuse(exc: ConfigError, rank: int) -> int:
-    """Report ``exc`` against its flag (rank 0) and end the job with status 2."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        print(f"pretrain_rlhf.py: {flag_of(exc.field_name)}: {exc}", file=sys.stderr)
-    dist.destroy_process_group()
-    return 2
+        yield
+    except PlacementError as exc:
+        raise UsageError(f"invalid placement: {exc}") from None
+    except ConfigError as exc:  # flags, a model directory, tokenizer, prompt file or reward function
+        raise UsageError(f"{flag_of(exc.field_name)}: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -47,14 +47,11 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
     """This rank's records of the timed iterations (collective: every rank runs it): its own stage
     seconds and iteration span (``Trainer.timer`` read right after ``step()``, so the span includes
     the metrics reduction), the trainer's reduced metrics, and the side-by-side generation."""
-    import warnings
-
     import torch.distributed as dist
 
     from rlhf.arguments import parse_args
     from rlhf.job import build_trainer
 
-    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")  # as pretrain_rlhf.py
     config = parse_args(job_flags)
     trainer = build_trainer(config, config.build_placement(dist.get_world_size()))
     reference = one_sample_at_a_time(trainer)
@@ -190,10 +187,14 @@ def check_job(job_flags: list):
     """The JobConfig of ``job_flags`` after the checks pretrain_rlhf.py makes before it starts
     (exits with the job's message on a bad flag or a placement the 4 ranks cannot run)."""
     from rlhf.arguments import flag_of, parse_args
+    from rlhf.cli import UsageError
     from rlhf.config import ConfigError
     from rlhf.parallel import PlacementError
 
-    config = parse_args(job_flags)
+    try:
+        config = parse_args(job_flags)
+    except UsageError as exc:
+        raise SystemExit(f"e2e.py: {exc}") from None
     try:
         config.build_placement(WORLD_SIZE)
     except PlacementError as exc:

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
+from rlhf.cli import UsageError
 from rlhf.config import (CheckpointConfig, ConfigError, DataConfig, FusionConfig, GenerationConfig, JobConfig,
                          LoggingConfig, ModelsConfig, PlacementConfig, PPOConfig, RewardConfig, RunConfig)
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
@@ -124,7 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     place = parser.add_argument_group("placement (device mesh and parallel strategy per task)")
     place.add_argument("--placement", metavar="FILE",
                        help="JSON/YAML plan mapping each task to {ranks, dp, pp, tp, reverse_pp}; "
-                            "see examples/placement_4ranks.json. Per-task flags below override it.")
+                            "see examples/placement_4ranks.json. Per-task flags below merge into its entries "
+                            "field by field (default: that file's plan on 4 ranks, else every task data "
+                            "parallel on all ranks)")
     for task in TASKS:
         place.add_argument(_flag(task), metavar="SPEC", default=None,
                            help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]', or 'none' "
@@ -148,19 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
                             "'reward' (default: none when --reward-fn is given, whose function is then the reward; "
                             "else, for the synthetic task, one fitted to its gold rule at start-up)")
 
-    for cls, title, fields in SECTIONS.values():
+    add_section_flags(parser, SECTIONS)
+    parser.add_argument("--train-iters", dest="iterations", type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def add_section_flags(parser: argparse.ArgumentParser, sections: dict) -> None:
+    """One argument group per config section of ``sections`` (a table like SECTIONS), one flag per
+    listed field, defaulting to the dataclass's default (shared with train_reward.py)."""
+    for cls, title, fields in sections.values():
         group = parser.add_argument_group(title)
         for name, kind, text in fields:
             default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
             if kind is bool and default:
                 group.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
-                                   help=f"do not: {text}")
+                                   help=f"do not: {text} (default: do)")
             elif kind is bool:
-                group.add_argument(_flag(name), action="store_true", help=text)
+                group.add_argument(_flag(name), action="store_true", help=f"{text} (default: off)")
             else:
                 group.add_argument(_flag(name), type=kind, default=default, help=f"{text} (default: {default})")
-    parser.add_argument("--train-iters", dest="iterations", type=int, help=argparse.SUPPRESS)
-    return parser
+
+
+def section_configs(args: argparse.Namespace, sections: dict) -> dict:
+    """{section: its config} from parsed flags (a bad value raises ConfigError naming its field)."""
+    return {key: cls(**{name: getattr(args, name) for name, _, _ in fields})
+            for key, (cls, _, fields) in sections.items()}
 
 
 def parse_task_spec(task: str, spec: str) -> dict | None:
@@ -180,7 +195,7 @@ def parse_task_spec(task: str, spec: str) -> dict | None:
         elif not eq and key and ranks:  # continuation of a rank list: ranks=0,2,4-5
             ranks.append(key)
         else:
-            raise SystemExit(f"{_flag(task)}: cannot parse {item!r} in {spec!r}; "
+            raise UsageError(f"{_flag(task)}: cannot parse {item!r} in {spec!r}; "
                              "expected e.g. 'tp=2,pp=2,ranks=0-3,reverse_pp'")
     if ranks:
         entry["ranks"] = ",".join(ranks)
@@ -194,7 +209,7 @@ def load_model_config(value: str, flag: str) -> ModelConfig:
             return preset(value)
         return ModelConfig.from_dict(json.loads(Path(value).read_text()))
     except (OSError, ValueError, ModelConfigError) as exc:
-        raise SystemExit(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(PRESETS))}, "
+        raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(PRESETS))}, "
                          "a JSON file of model fields, an HF model directory or our checkpoint root)") from None
 
 
@@ -209,21 +224,21 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
             try:
                 shapes[model], weights[model] = open_source(value, model).config, value
             except ModelSourceError as exc:
-                raise SystemExit(f"{flag} {value}: {exc}") from None
+                raise UsageError(f"{flag} {value}: {exc}") from None
         elif model in ("actor", "critic"):  # the two models with a shape of their own by default
             shapes[model] = load_model_config(value, flag)
         else:
-            raise SystemExit(f"{flag} {value}: not a directory; give an HF model directory or our checkpoint root")
+            raise UsageError(f"{flag} {value}: not a directory; give an HF model directory or our checkpoint root")
     return ModelsConfig(**shapes, weights=weights)
 
 
-def flag_of(field_name: str) -> str:
+def flag_of(field_name: str, sections: dict = SECTIONS) -> str:
     """The flag that sets a dotted config field (``ppo.clip_eps`` -> ``--clip-eps``, ``models.critic`` ->
-    ``--critic-model``)."""
+    ``--critic-model``) of a job whose flag table is ``sections``."""
     section, _, name = field_name.partition(".")
     if section == "models" and name in MODELS:
         return f"--{name}-model"
-    return _flag(name) if section in SECTIONS else field_name
+    return _flag(name) if section in sections else field_name
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
@@ -231,11 +246,10 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
     try:
         models = models_config(args)
-        sections = {key: cls(**{name: getattr(args, name) for name, _, _ in fields})
-                    for key, (cls, _, fields) in SECTIONS.items()}
+        sections = section_configs(args, SECTIONS)
         return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, **sections)
     except ConfigError as exc:
-        raise SystemExit(f"{flag_of(exc.field_name)}: {exc}") from None
+        raise UsageError(f"{flag_of(exc.field_name)}: {exc}") from None
 
 
 def parse_args(argv=None) -> JobConfig:

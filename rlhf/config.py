@@ -298,7 +298,7 @@ as examples/placement_4ranks.json); other world sizes run every task data parall
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Where tasks run: a plan file (JSON/YAML; else the built-in plan) and per-task entries that override it."""
+    """Where tasks run: a plan file (JSON/YAML; else the built-in plan) and per-task entries merged into it."""
 
     file: str | None = None
     overrides: Mapping[str, Mapping] = field(default_factory=dict)
@@ -311,15 +311,17 @@ class PlacementConfig:
             {t: None if e is None else dict(e) for t, e in self.overrides.items()}))
 
     def plan(self, world_size: int | None = None) -> dict:
-        """The plan dict: the file's entries (else the built-in plan for ``world_size``) with the
-        overrides replacing whole task entries.
+        """The plan dict: the file's entries (else the built-in plan for ``world_size``) with each
+        override merged field by field into its task's entry (``None`` leaves the task unplaced).
 
         Raises rlhf.parallel.PlacementError for an unreadable or malformed file.
         """
         from rlhf.parallel.placement import load_plan
 
         plan = load_plan(self.file) if self.file else copy.deepcopy(DEFAULT_PLANS.get(world_size, {}))
-        plan.update({task: None if entry is None else dict(entry) for task, entry in self.overrides.items()})
+        for task, entry in self.overrides.items():  # field by field into the file's entry ('none': unplaced)
+            base = plan.get(task) or {}
+            plan[task] = None if entry is None else {**base, **entry}
         return plan
 
 

@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+# megatron-core warns at import that TE/apex are missing and it falls back to torch: expected on CPU,
+# and once per module per process it is a dozen lines of noise in every entry point's output.
+warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 
 _MEGATRON_READY = False
 DEVICE_ENV = "RLHF_DEVICE"

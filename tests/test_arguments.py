@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.arguments import build_parser, parse_args
+from rlhf.cli import UsageError
 from rlhf.config import ConfigError, JobConfig, PlacementConfig, PPOConfig, RunConfig
 from rlhf.models.config import preset
 from rlhf.parallel import Placement, PlacementError
@@ -44,7 +45,7 @@ def test_flags_fill_the_configs(tmp_path):
     assert not cfg.ppo.uses_critic
     assert cfg.logging.metrics_file == str(tmp_path / "m.jsonl") and not cfg.logging.progress
     assert cfg.models.actor.num_layers == 4 and cfg.models["reference"].vocab_size == 256
-    # a flag replaces the file's whole entry for its task; other file entries stay
+    # a flag's fields merge into the file's entry for its task; other file entries stay
     assert cfg.placement.plan() == {
         "actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
         "critic_train": {"ranks": "0,1,2-3", "dp": 2, "pp": 2, "reverse_pp": True},
@@ -70,7 +71,7 @@ def test_flags_fill_the_configs(tmp_path):
     (["--critic-model", "nope"], "--critic-model nope: [Errno 2] No such file or directory"),
 ])
 def test_bad_values_name_their_flag(argv, message):
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UsageError) as exc:
         parse_args(argv)
     assert str(exc.value).startswith(message)
 
@@ -114,6 +115,8 @@ def test_built_in_four_rank_plan_is_the_example_file():
     assert PlacementConfig().plan(4) == DEFAULT_PLANS[4] == load_plan(Path(__file__).resolve().parents[1] / "examples" / "placement_4ranks.json")
     assert PlacementConfig().plan(2) == {}  # other world sizes: every task data parallel on all ranks
     assert PlacementConfig(overrides={"ref_inf": {"ranks": "0-3"}}).plan(4)["ref_inf"] == {"ranks": "0-3"}
+    # e.g. --ref-inf tp=2 keeps the built-in entry's ranks
+    assert PlacementConfig(overrides={"ref_inf": {"tp": 2}}).plan(4)["ref_inf"] == {"ranks": "2-3", "tp": 2}
 
 
 def test_fused_schedule_checked_against_the_placement(tmp_path):

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from rlhf.cli import UsageError
 from rlhf.testing.tools import load_tool
 
 convert_checkpoint = load_tool("convert_checkpoint")
@@ -52,13 +53,12 @@ def runs(tmp_path_factory):
                                                                 "--prompts", str(prompts), "--tokenizer", "byte"]
     code = ("from rlhf.testing.tools import load_tool; generate = load_tool('generate')\n"
             + "".join(f"assert generate.main({a!r}) == 0\n" for a in argvs.values())
-            + f"try:\n    generate.main({overlong!r})\nexcept SystemExit as e:\n    print('EXIT:', e)\n"
-            + f"try:\n    generate.main({bad_flag!r})\nexcept SystemExit as e:\n    print('BAD FLAG:', e)\n")
+            + f"assert generate.main({overlong!r}) == 2\n"
+            + f"assert generate.main({bad_flag!r}) == 2\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {k: [json.loads(line) for line in open(a[a.index("--out") + 1])] for k, a in argvs.items()}
-    out["overlong_exit"] = [line for line in proc.stdout.splitlines() if line.startswith("EXIT:")]
-    out["bad_flag_exit"] = [line for line in proc.stdout.splitlines() if line.startswith("BAD FLAG:")]
+    out["refusals"] = [line for line in proc.stderr.splitlines() if line.startswith("generate.py: ")]
     return model, out
 
 
@@ -89,14 +89,14 @@ def test_sampling_runs_and_stops_at_limits(runs):
 
 def test_prompt_longer_than_context_is_refused_with_its_line(runs):
     _, out = runs
-    assert len(out["overlong_exit"]) == 1
-    message = out["overlong_exit"][0]
-    assert "too_long.jsonl:2:" in message and "101 tokens" in message
+    assert len(out["refusals"]) == 2
+    message = out["refusals"][0]
+    assert message.startswith("generate.py: ") and "too_long.jsonl:2:" in message and "101 tokens" in message
 
 
 def test_invalid_sampling_flag_is_refused_naming_the_flag(runs):
     _, out = runs
-    assert out["bad_flag_exit"] == ["BAD FLAG: generate: --top-k: top_k=-1 is invalid: must be >= 0 (0 disables)"]
+    assert out["refusals"][1] == "generate.py: --top-k: top_k=-1 is invalid: must be >= 0 (0 disables)"
 
 
 def test_bos_flags_and_record_errors(tmp_path, capsys):
@@ -118,10 +118,19 @@ def test_bos_flags_and_record_errors(tmp_path, capsys):
     assert "argument --no-bos: not allowed with argument --add-bos" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n\n{"text": "no prompt"}\n')
-    with pytest.raises(SystemExit, match=rf"^generate: {bad}:3: no string field 'prompt'$"):
+    with pytest.raises(UsageError, match=rf"^{bad}:3: no string field 'prompt'$"):
         generate.read_prompts(str(bad), ByteTokenizer(), None)
     bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
-    with pytest.raises(SystemExit, match=rf"^generate: {bad}:2: invalid JSON \("):
+    with pytest.raises(UsageError, match=rf"^{bad}:2: invalid JSON \("):
         generate.read_prompts(str(bad), ByteTokenizer(), None)
-    with pytest.raises(SystemExit, match="^generate: --prompts .*nope.jsonl: prompt file not found"):
+    with pytest.raises(UsageError, match="^--prompts .*nope.jsonl: prompt file not found"):
         generate.read_prompts(str(tmp_path / "nope.jsonl"), ByteTokenizer(), None)
+    bad.write_text("")
+    with pytest.raises(UsageError, match=rf"^--prompts {bad}: no prompts in the file"):
+        generate.read_prompts(str(bad), ByteTokenizer(), None)
+    path.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "\u00e9t\u00e9"}) + "\n")
+    with pytest.raises(UsageError, match=rf"^{path}:2: token id 195 of the tokenizer is outside the model's "
+                                         r"vocabulary \(vocab_size=128\)"):
+        generate.read_prompts(str(path), ByteTokenizer(), False, vocab_size=128)
+    with pytest.raises(UsageError, match=rf"^--out {tmp_path}/missing/o.jsonl: cannot write there"):
+        generate.check_out_path(str(tmp_path / "missing" / "o.jsonl"))

@@ -5,7 +5,10 @@ classifier) must match its to 1e-4 in fp32, and exporting the sharded model
 back must reproduce the original safetensors exactly.
 """
 
+import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
@@ -144,6 +147,9 @@ class _ReadSpy:
                 spy.read.add(name)
                 return self.f.get_tensor(name)
 
+            def get_slice(self, name):  # a lazy handle: shape checks read the header only
+                return self.f.get_slice(name)
+
         return Handle()
 
 
@@ -198,3 +204,38 @@ def test_missing_weights_and_sharded_index(setup, tmp_path):
     names = ["decoder.layers.1.mlp.linear_fc1.weight", "output_layer.weight"]
     got, want = read_hf_state(sharded, info, names=names), read_hf_state(llama, info)
     assert sorted(got) == sorted(names) and all(torch.equal(got[n], want[n]) for n in names)
+
+
+def test_broken_hf_directories_are_refused_naming_the_file(setup, tmp_path, capsys):
+    cases, _ = setup
+    llama = cases[0]["dir"]
+
+    def broken(name: str, edit) -> str:
+        path = tmp_path / name
+        shutil.copytree(llama, path)
+        edit(path)
+        return str(path)
+
+    def truncate(file):
+        return lambda p: (p / file).write_bytes((p / file).read_bytes()[:200])
+
+    def wider(p):
+        raw = json.loads((p / "config.json").read_text())
+        raw["intermediate_size"] *= 2
+        (p / "config.json").write_text(json.dumps(raw))
+
+    cases = {broken("st", truncate("model.safetensors")): r"model.safetensors: cannot read safetensors \(.*\); "
+                                                           "the file is truncated or not a safetensors file",
+             broken("cfg", truncate("config.json")): "config.json: cannot read a Hugging Face config.json",
+             broken("wide", wider): r"model.safetensors: tensor model.layers.0.mlp.down_proj.weight has shape "
+                                    r"\[64, 96\] but config.json implies \[64, 192\]"}
+    for path, message in cases.items():
+        assert convert_checkpoint.main(["hf-to-ours", "--hf", path, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"convert_checkpoint.py: {path}/") and re.search(message, err), err
+    out = str(tmp_path / "ok")
+    assert convert_checkpoint.main(["hf-to-ours", "--hf", llama, "--out", out]) == 0
+    capsys.readouterr()
+    assert convert_checkpoint.main(["hf-to-ours", "--hf", llama, "--out", out]) == 2
+    assert capsys.readouterr().err == (f"convert_checkpoint.py: --out {out}: iteration 0 already exists there; "
+                                       "give another --out or --iteration\n")

@@ -28,6 +28,7 @@ import torch
 from rlhf.arguments import flag_of, parse_args
 from rlhf.checkpoint.hf import read_hf_config, read_hf_state
 from rlhf.checkpoint.sources import open_source, read_weights
+from rlhf.cli import UsageError
 from rlhf.config import ConfigError
 from rlhf.parallel import Placement, PlacementError
 from rlhf.tasks import MODELS
@@ -219,7 +220,7 @@ def test_reward_fn_with_a_wrong_count_stops_every_rank(tmp_path):
 # ---- refusals, in-process ----------------------------------------------------------------
 
 def _refusal(argv) -> str:
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UsageError) as exc:
         parse_args(argv)
     return str(exc.value)
 

@@ -107,3 +107,13 @@ def test_main_job_rejects_batch_sizes_the_placement_cannot_split():
     assert out.returncode != 0  # torchrun reports a failed worker as 1
     assert ("pretrain_rlhf.py: --ppo-mini-batch-size: ppo_mini_batch_size 32 must be a multiple of "
             "actor_train's dp 2 x micro_batch_size 32") in out.stderr
+    assert out.stderr.count("pretrain_rlhf.py: --ppo-mini-batch-size") == 1  # rank 0 only
+
+
+def test_flag_errors_print_once_with_status_2():
+    out = _torchrun("--iterations", "0", nproc=2)
+    assert out.stderr.count("pretrain_rlhf.py: --iterations: iterations must be an integer >= 1, got 0") == 1
+    assert "exitcode  : 2" in out.stderr  # torchrun's report of the workers' status
+    out = _torchrun("--iterations", "x", nproc=2)
+    assert out.stderr.count("error: argument --iterations: invalid int value: 'x'") == 1
+    assert 'pretrain_rlhf.py", line' not in out.stderr  # no traceback through our code (torchrun prints its own)

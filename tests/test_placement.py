@@ -71,3 +71,18 @@ def test_placement_file_json_and_yaml(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(PlacementError, match="placement file .*bad.json"):
         Placement.from_file(tmp_path / "bad.json", 2)
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"tp": 2.9}, "actor_train: tp=2.9 must be a positive integer"),
+    ({"tp": "two"}, "actor_train: tp='two' must be a positive integer"),
+    ({"dp": True}, "actor_train: dp=True must be a positive integer"),
+    ({"pp": 0}, "actor_train: pp=0 must be a positive integer"),
+    ({"reverse_pp": "false"}, "actor_train: reverse_pp='false' must be true or false"),
+    ({"ranks": "3-0"}, "actor_train: cannot parse ranks '3-0'"),
+    ({"ranks": [0, 1.5]}, r"actor_train: ranks \[0, 1.5\] must be integers"),
+    ({"ranks": 3}, "actor_train: ranks 3 is a int"),
+])
+def test_plan_values_are_checked_not_coerced(entry, message):
+    with pytest.raises(PlacementError, match=message):
+        Placement.from_plan({"actor_train": entry}, 4)

@@ -22,6 +22,7 @@ import torch
 from rlhf.checkpoint import storage
 from rlhf.checkpoint.hf import HFConversionError, export_hf, read_hf_config, read_hf_state
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, read_full_state, stage_files
+from rlhf.cli import HelpFormatter, report
 from rlhf.data import TOKENIZER_FILES
 from rlhf.tasks import KINDS
 
@@ -68,9 +69,9 @@ def ours_to_hf(root: str, out: str, model_name: str = "actor", iteration: int | 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("hf-to-ours", help="HF directory -> our checkpoint root")
+    a = sub.add_parser("hf-to-ours", help="HF directory -> our checkpoint root", formatter_class=HelpFormatter)
     a.add_argument("--hf", required=True, help="HF model directory (config.json + model.safetensors "
                    "or model.safetensors.index.json)")
     a.add_argument("--out", required=True, help="our checkpoint root; written as <out>/iter_<N>, <out>/latest")
@@ -79,12 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--role", choices=KINDS, default="lm",
                    help="lm: causal LM (actor/reference); value: critic/reward, value head from "
                         "score.weight of a *ForSequenceClassification checkpoint, or new for a causal LM")
-    a.add_argument("--iteration", type=int, default=0, help="iteration number of the new checkpoint (default 0)")
+    a.add_argument("--iteration", type=int, default=0, help="iteration number of the new checkpoint")
     a.add_argument("--seed", type=int, default=0, help="seed of a new value head (--role value from a causal LM)")
-    b = sub.add_parser("ours-to-hf", help="our checkpoint root -> HF directory")
+    b = sub.add_parser("ours-to-hf", help="our checkpoint root -> HF directory", formatter_class=HelpFormatter)
     b.add_argument("--load", required=True, help="our checkpoint root (the directory holding 'latest')")
     b.add_argument("--out", required=True, help="output HF directory (created; files overwritten)")
-    b.add_argument("--model-name", default="actor", help="which model of the checkpoint to export (default actor)")
+    b.add_argument("--model-name", default="actor", help="which model of the checkpoint to export")
     b.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the one 'latest' names)")
     b.add_argument("--family", choices=("llama", "qwen2"), default=None,
                    help="HF architecture family (default: qwen2 when the model has QKV bias, else llama)")
@@ -97,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.direction == "hf-to-ours":
             if not os.path.isdir(args.hf):
                 raise HFConversionError(f"--hf {args.hf}: not a directory")
+            if os.path.exists(storage.checkpoint_path(args.out, args.iteration)):
+                raise HFConversionError(f"--out {args.out}: iteration {args.iteration} already exists there; "
+                                        "give another --out or --iteration")
             print(hf_to_ours(args.hf, args.out, args.model_name, args.role, args.iteration, args.seed))
         else:
             print(ours_to_hf(args.load, args.out, args.model_name, args.iteration, args.family))
     except (HFConversionError, storage.CheckpointError) as e:
-        print(f"convert_checkpoint: error: {e}", file=sys.stderr)
-        return 2
+        return report("convert_checkpoint.py", e)
     return 0
 
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import NamedTuple
+
+from rlhf.cli import HelpFormatter, UsageError, report
 
 # engine config / sampling field -> the flag that sets it (for error messages)
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
@@ -24,7 +27,7 @@ _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--load", required=True, help="our checkpoint root or an HF model directory")
     p.add_argument("--prompts", required=True, help='input JSONL, one {"prompt": "..."} per line '
                    "(or Parquet with a 'prompt' column)")
@@ -32,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most per prompt")
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer directory (default: the HF "
                    "directory itself, or <checkpoint root>/tokenizer)")
-    p.add_argument("--model-name", default="actor", help="model to use from our checkpoint (default actor)")
+    p.add_argument("--model-name", default="actor", help="model to use from our checkpoint")
     p.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: latest)")
     bos = p.add_mutually_exclusive_group()  # default (neither): the tokenizer's own rules
     bos.add_argument("--add-bos", dest="add_bos", action="store_const", const=True, default=None,
@@ -45,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
-    p.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks of 16 tokens (default 256); "
+    p.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks of 16 tokens; "
                    "fewer blocks only means more preemption, never lost samples")
     return p
 
@@ -58,11 +61,12 @@ class PromptLine(NamedTuple):
     ids: list[int]
 
 
-def read_prompts(path: str, tokenizer, add_bos: bool | None) -> list[PromptLine]:
+def read_prompts(path: str, tokenizer, add_bos: bool | None, vocab_size: int | None = None) -> list[PromptLine]:
     """The records of a prompts file with their token ids; errors name file:line.
 
     ``add_bos``: None tokenizes as the tokenizer's own rules say, True puts its
-    BOS first, False adds nothing (``rlhf.data.encode_prompt``).
+    BOS first, False adds nothing (``rlhf.data.encode_prompt``). Ids at or above
+    ``vocab_size`` (the model's) are refused: the model has no embedding for them.
     """
     from rlhf.data import PromptDataError, encode_prompt, load_prompt_records
 
@@ -72,13 +76,18 @@ def read_prompts(path: str, tokenizer, add_bos: bool | None) -> list[PromptLine]
             if problem is None and not (isinstance(record, dict) and isinstance(record.get("prompt"), str)):
                 problem = "no string field 'prompt'"
             if problem is not None:
-                raise SystemExit(f"generate: {path}:{line}: {problem}")
+                raise UsageError(f"{path}:{line}: {problem}")
             ids = encode_prompt(tokenizer, record["prompt"], add_bos)
             if not ids:
-                raise SystemExit(f"generate: {path}:{line}: the prompt has no tokens (empty text, no BOS added)")
+                raise UsageError(f"{path}:{line}: the prompt has no tokens (empty text, no BOS added)")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise UsageError(f"{path}:{line}: token id {max(ids)} of the tokenizer is outside the model's "
+                                 f"vocabulary (vocab_size={vocab_size}); pass the model's own tokenizer (--tokenizer)")
             prompts.append(PromptLine(line, record, ids))
     except PromptDataError as e:
-        raise SystemExit(f"generate: --prompts {e} (expected JSONL or Parquet with a 'prompt' per record)") from None
+        raise UsageError(f"--prompts {e} (expected JSONL or Parquet with a 'prompt' per record)") from None
+    if not prompts:
+        raise UsageError(f"--prompts {path}: no prompts in the file (expected one {{\"prompt\": ...}} per line)")
     return prompts
 
 
@@ -91,37 +100,54 @@ def sampling_params(args, index: int, eos_id: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return generate(build_parser().parse_args(argv))
+    except UsageError as e:
+        return report("generate.py", e)
+
+
+def check_out_path(path: str) -> None:
+    """The output's folder must exist and be writable before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise UsageError(f"--out {path}: cannot write there (the folder {folder} must exist and be writable, "
+                         "and --out must name a file)")
+
+
+def generate(args) -> int:
+    """Generate completions for ``args.prompts`` into ``args.out``; bad input raises UsageError."""
     from rlhf.checkpoint.hf import HFConversionError
     from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.checkpoint.storage import CheckpointError
     from rlhf.data import TokenizerError, build_tokenizer
     from rlhf.engine import Engine, EngineConfig, EngineConfigError, NeverFitsError, Request
 
-    args = build_parser().parse_args(argv)
+    check_out_path(args.out)
     try:
         loaded = load_unsharded_lm(args.load, args.model_name, args.iteration)
     except (CheckpointError, HFConversionError) as e:
-        raise SystemExit(f"generate: --load {args.load}: {e}") from None
+        raise UsageError(f"--load {args.load}: {e}") from None
     model, cfg, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
     if args.tokenizer is None and tok_dir is None:
-        raise SystemExit(f"generate: {args.load} has no tokenizer files; pass --tokenizer byte or a directory")
+        raise UsageError(f"--load {args.load}: no tokenizer files saved with the model; pass --tokenizer byte "
+                         "or a tokenizer directory")
     try:
         tokenizer = build_tokenizer(args.tokenizer or tok_dir)
     except TokenizerError as e:
-        raise SystemExit(f"generate: {'--tokenizer: ' if args.tokenizer else ''}{e}") from None
-    prompts = read_prompts(args.prompts, tokenizer, args.add_bos)
+        raise UsageError(f"{'--tokenizer: ' if args.tokenizer else ''}{e}") from None
+    prompts = read_prompts(args.prompts, tokenizer, args.add_bos, cfg.vocab_size)
     try:
         engine = Engine(model, None, cfg, EngineConfig(num_blocks=args.kv_blocks))
         requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.eos_id))
                     for i, p in enumerate(prompts)]
     except EngineConfigError as e:
         flag = _FLAGS.get(e.field_name)
-        raise SystemExit(f"generate: {flag + ': ' if flag else ''}{e}") from None
+        raise UsageError(f"{flag + ': ' if flag else ''}{e}") from None
     for prompt, request in zip(prompts, requests):
         try:
             engine.check_fits(request)
         except NeverFitsError as e:
-            raise SystemExit(f"generate: {args.prompts}:{prompt.line}: {e}") from None
+            raise UsageError(f"{args.prompts}:{prompt.line}: {e}") from None
     results = engine.generate(requests)
     with open(args.out, "w", encoding="utf-8") as fout:
         for prompt, result in zip(prompts, results):

@@ -15,6 +15,8 @@ import json
 import statistics
 import sys
 
+from rlhf.cli import HelpFormatter, UsageError, report
+
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a metrics file, in file order; errors name file:line."""
@@ -26,9 +28,9 @@ def read_metrics(path: str) -> list[dict]:
                     try:
                         records.append(json.loads(line))
                     except ValueError as e:
-                        raise SystemExit(f"plot_metrics: {path}:{n}: not JSON ({e})") from None
+                        raise UsageError(f"{path}:{n}: not JSON ({e})") from None
     except OSError as e:
-        raise SystemExit(f"plot_metrics: --metrics {path}: {e}") from None
+        raise UsageError(f"--metrics {path}: {e}") from None
     return records
 
 
@@ -39,7 +41,15 @@ def window_stats(values: list[float]) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    try:
+        return plot(argv)
+    except UsageError as e:
+        return report("plot_metrics.py", e)
+
+
+def plot(argv=None) -> int:
+    """Parse the flags, plot, print the window statistics; bad input raises UsageError."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--metrics", required=True, help="JSON Lines written by pretrain_rlhf.py --metrics-file")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--keys", nargs="+", default=["reward_mean", "gold_reward_mean"], help="metrics to plot")
@@ -51,7 +61,7 @@ def main(argv=None) -> int:
     records = read_metrics(args.metrics)
     missing = [k for k in args.keys if not records or k not in records[0]]
     if missing:
-        raise SystemExit(f"plot_metrics: --keys {missing} not in {args.metrics} "
+        raise UsageError(f"--keys {missing} not in {args.metrics} "
                          f"(it has {sorted(records[0]) if records else 'no records'})")
     import matplotlib
 

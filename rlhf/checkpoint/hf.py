@@ -29,6 +29,7 @@ behind the requested global names, so a pipeline stage reads only its layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -112,8 +113,9 @@ def read_hf_config(hf_dir: str) -> HFModelInfo:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
         raise HFConversionError(f"{hf_dir}: no config.json; expected a Hugging Face model directory")
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
+    raw = _read_json(path, "a Hugging Face config.json")
+    if not isinstance(raw, dict):
+        raise HFConversionError(f"{path}: expected a JSON object of model settings, got {type(raw).__name__}")
     family, kind = _parse_architecture(raw, path)
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:
@@ -182,6 +184,24 @@ def _layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
     return out
 
 
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every HF tensor of a Llama/Qwen2 model with this config must have (by HF name)."""
+    h, f, v, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_kv_heads * hd
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h),
+           "score.weight": (1, h)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                    p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,)})
+    return out
+
+
 def hf_sources(cfg: ModelConfig, head: str | None) -> dict[str, list[str]]:
     """Global name -> the HF tensor names it is built from.
 
@@ -235,16 +255,38 @@ def _split(name: str, full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor
 
 
 # --------------------------------------------------------------------------- reading
+def _read_json(path: str, what: str):
+    """The parsed JSON of ``path``; HFConversionError naming it if it is unreadable or truncated."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise HFConversionError(f"{path}: cannot read {what} ({exc}); the file is truncated or not JSON") from None
+
+
+@contextlib.contextmanager
+def _safetensors(path: str):
+    """``safe_open`` of ``path``; HFConversionError naming it for a truncated or foreign file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        raise HFConversionError(f"{path}: cannot read safetensors ({exc}); the file is truncated or not "
+                                "a safetensors file") from None
+
+
 def _weight_files(hf_dir: str) -> dict[str, str]:
     """HF tensor name -> safetensors file path (single file or sharded index)."""
     single, index = os.path.join(hf_dir, WEIGHTS_FILE), os.path.join(hf_dir, INDEX_FILE)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            return {k: os.path.join(hf_dir, v) for k, v in json.load(f)["weight_map"].items()}
+        weight_map = _read_json(index, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise HFConversionError(f"{index}: no 'weight_map' object of tensor name -> file")
+        return {k: os.path.join(hf_dir, v) for k, v in weight_map.items()}
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _safetensors(single) as f:
             return {k: single for k in f.keys()}
     raise HFConversionError(f"{hf_dir}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors checkpoints "
                             f"are supported; re-save with save_pretrained(safe_serialization=True))")
@@ -268,8 +310,6 @@ def read_hf_state(hf_dir: str, info: HFModelInfo, role: str = "lm",
     With role "value" and a causal-LM checkpoint there is no ``output_layer.weight``
     (the value head is new); requesting it is skipped.
     """
-    from safetensors import safe_open
-
     sources = hf_sources(info.config, head_source(info, role))
     wanted = list(sources) if names is None else [n for n in names if n in sources]
     files = _weight_files(hf_dir)
@@ -278,11 +318,15 @@ def read_hf_state(hf_dir: str, info: HFModelInfo, role: str = "lm",
     if missing:
         raise HFConversionError(f"{hf_dir}: missing tensor(s) {missing[:5]} for {info.architecture}")
     loaded: dict[str, torch.Tensor] = {}
+    shapes = hf_shapes(info.config)
     for path in sorted({files[s] for s in needed}):
-        with safe_open(path, framework="pt") as f:
-            for s in needed:
-                if files[s] == path:
-                    loaded[s] = f.get_tensor(s)
+        with _safetensors(path) as f:
+            for s in sorted(n for n in needed if files[n] == path):
+                shape = tuple(f.get_slice(s).get_shape())
+                if shape != shapes[s]:
+                    raise HFConversionError(f"{path}: tensor {s} has shape {list(shape)} but config.json "
+                                            f"implies {list(shapes[s])}; the weights and the config disagree")
+                loaded[s] = f.get_tensor(s)
     return {n: _combine(n, [loaded[s] for s in sources[n]], info.config) for n in wanted}
 
 

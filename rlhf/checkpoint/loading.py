@@ -10,6 +10,7 @@ import torch
 from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, load_rlhf_state, saved_model_config
 from rlhf.checkpoint.storage import CheckpointError
+from rlhf.data.tokenizer import is_tokenizer_dir
 from rlhf.models.config import ModelConfig
 
 
@@ -54,4 +55,4 @@ def load_unsharded_lm(path: str, model_name: str = "actor", iteration: int | Non
     model = build_model(cfg, "lm", groups.pg_collection, groups.stage)
     load_rlhf_state(path, {model_name: ModelSlot(cfg, role, model, groups)}, iteration, restore_rng=False)
     tok_dir = os.path.join(path, TOKENIZER_DIR)
-    return LoadedModel(model.eval(), cfg, tok_dir if os.path.isdir(tok_dir) else None)
+    return LoadedModel(model.eval(), cfg, tok_dir if is_tokenizer_dir(tok_dir) else None)

@@ -26,17 +26,26 @@ from rlhf.tasks import TASK_MODEL, TASKS
 
 
 def parse_ranks(spec, task: str) -> tuple[int, ...]:
-    """Ranks from a list ``[0, 1]`` or a string ``"0-3"`` / ``"0,2,4-5"``."""
+    """Ranks from a list ``[0, 1]`` or a string ``"0-3"`` / ``"0,2,4-5"`` (ascending ranges only)."""
+    usage = "use e.g. '0-3' or '0,2,4-5' or a list of integers"
     if isinstance(spec, (list, tuple)):
-        return tuple(int(r) for r in spec)
+        if not all(_is_int(r) for r in spec):
+            raise PlacementError(f"{task}: ranks {list(spec)!r} must be integers; {usage}")
+        return tuple(spec)
+    if not isinstance(spec, str):
+        raise PlacementError(f"{task}: ranks {spec!r} is a {type(spec).__name__}; {usage}")
     ranks: list[int] = []
-    try:
-        for part in str(spec).split(","):
-            lo, _, hi = part.strip().partition("-")
-            ranks.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise PlacementError(f"{task}: cannot parse ranks {spec!r}; use e.g. '0-3' or '0,2,4-5' or a list") from None
+    for part in spec.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
+            raise PlacementError(f"{task}: cannot parse ranks {spec!r} ({part.strip()!r}); {usage}")
+        ranks.extend(range(int(lo), int(hi or lo) + 1))
     return tuple(ranks)
+
+
+def _is_int(value) -> bool:
+    """A true integer (a bool or 2.9 is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -111,17 +120,22 @@ def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
     if extra:
         raise PlacementError(f"{task}: unknown key(s) {sorted(extra)}; allowed: {sorted(allowed)}")
     ranks = parse_ranks(entry["ranks"], task) if "ranks" in entry else tuple(range(world_size))
-    tp, pp = int(entry.get("tp", 1)), int(entry.get("pp", 1))
+    for key in ("dp", "pp", "tp"):
+        if key in entry and not (_is_int(entry[key]) and entry[key] >= 1):
+            raise PlacementError(f"{task}: {key}={entry[key]!r} must be a positive integer (e.g. {key}=2)")
+    if not isinstance(entry.get("reverse_pp", False), bool):
+        raise PlacementError(f"{task}: reverse_pp={entry['reverse_pp']!r} must be true or false (a JSON boolean)")
+    tp, pp = entry.get("tp", 1), entry.get("pp", 1)
     if "dp" in entry:
-        dp = int(entry["dp"])
+        dp = entry["dp"]
     else:
-        if tp < 1 or pp < 1 or len(ranks) % (tp * pp):
+        if len(ranks) % (tp * pp):
             raise PlacementError(
                 f"{task}: pp*tp = {pp}*{tp} does not divide the mesh size {len(ranks)}; "
                 "choose pp and tp whose product divides the number of ranks"
             )
         dp = len(ranks) // (tp * pp)
-    return TaskMesh(task, ranks, ParallelStrategy(dp=dp, pp=pp, tp=tp), bool(entry.get("reverse_pp", False)))
+    return TaskMesh(task, ranks, ParallelStrategy(dp=dp, pp=pp, tp=tp), entry.get("reverse_pp", False))
 
 
 def check_strategy_fits_model(task: str, strategy: ParallelStrategy, cfg) -> None:
