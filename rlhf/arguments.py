@@ -79,9 +79,12 @@ SECTIONS = {
     ]),
     "fusion": (FusionConfig, "fusion", [
         ("intra_stage_fusion", bool, "run actor and critic training as one fused pipeline schedule (they must "
-                                     "be placed on the same ranks in opposite directions; needs --schedule)"),
-        ("schedule", str, "the fused schedule file (tools/search_schedule.py --out); checked against the "
-                          "placement and micro-batch counts at start-up"),
+                                     "be placed on the same ranks in opposite directions)"),
+        ("schedule", str, "the fused schedule file (tools/search_schedule.py --out), checked against the "
+                          "placement and micro-batch counts at start-up; without it the first iteration runs "
+                          "serial 1F1B, measures every stage's forward and backward time and a fused schedule "
+                          "is searched for them"),
+        ("search_budget", float, "nominal seconds of that search's annealing (a fixed proposal count)"),
     ]),
     "checkpoint": (CheckpointConfig, "checkpointing", [
         ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest)"),

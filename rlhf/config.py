@@ -9,6 +9,7 @@ argument parser can report the flag that set it.
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -362,16 +363,19 @@ def _check_path(value, name: str, kind: str) -> None:
 
 @dataclass(frozen=True)
 class FusionConfig:
-    """Intra-stage fusion: actor and critic training run as one fused pipeline schedule (a schedule
-    file from tools/search_schedule.py) instead of one serial 1F1B schedule each."""
+    """Intra-stage fusion: actor and critic training run as one fused pipeline schedule instead of one
+    serial 1F1B schedule each: the ``schedule`` file (tools/search_schedule.py), or without one a
+    schedule searched after the first iteration from its measured stage times (``search_budget``
+    nominal seconds of annealing, rlhf/schedule/search.py)."""
 
     intra_stage_fusion: bool = False
     schedule: str | None = None
+    search_budget: float = 10.0
 
     def __post_init__(self):
-        if self.intra_stage_fusion and self.schedule is None:
-            raise ConfigError("intra_stage_fusion needs a schedule file (tools/search_schedule.py writes one)",
-                              "fusion.intra_stage_fusion")
+        if not (math.isfinite(self.search_budget) and self.search_budget > 0):
+            raise ConfigError(f"search_budget={self.search_budget!r} must be a finite number of seconds > 0",
+                              "fusion.search_budget")
         if self.schedule is not None and not self.intra_stage_fusion:
             raise ConfigError("a schedule is run only with intra_stage_fusion; turn it on or drop the schedule",
                               "fusion.schedule")
@@ -506,17 +510,51 @@ class JobConfig:
             self.fused_schedule(placement)
 
     def fused_schedule(self, placement):
-        """The fused schedule file, checked against the training placements and micro-batch counts
-        before anything runs (ConfigError naming the schedule and what differs)."""
-        from rlhf.pipeline.compiler import compile_all
+        """The fused schedule file checked against the training placements and micro-batch counts
+        before anything runs, or None when the schedule is to be searched (then the placements are
+        checked with a stand-in schedule). ConfigError names the schedule and what differs."""
+        from rlhf.schedule.generators import serial_1f1b
         from rlhf.schedule.io import load_schedule
-        from rlhf.schedule.schedule import ScheduleError
+        from rlhf.schedule.problem import ProblemError
+        from rlhf.schedule.schedule import Schedule, ScheduleError
+
+        try:
+            if self.fusion.schedule is None:
+                problem = self.fusion_problem(placement, {m: None for m in self.trained_tasks()})
+                self.check_fused(Schedule.from_orders(problem, serial_1f1b(problem)), placement)
+                return None
+            schedule = load_schedule(self.fusion.schedule)
+            self.check_fused(schedule, placement)
+        except (ScheduleError, ProblemError) as exc:
+            where = self.fusion.schedule or "intra_stage_fusion"
+            raise ConfigError(f"{where}: {exc}", "fusion.schedule" if self.fusion.schedule else
+                              "fusion.intra_stage_fusion") from None
+        return schedule
+
+    def check_fused(self, schedule, placement) -> None:
+        """ScheduleError unless ``schedule`` runs on the training placements with this job's micro-batches."""
+        from rlhf.pipeline.compiler import compile_all
 
         trained = self.trained_tasks()
-        try:
-            schedule = load_schedule(self.fusion.schedule)
-            compile_all(schedule, {m: placement[t] for m, t in trained.items()},
-                        {m: self.microbatches(placement, t) for m, t in trained.items()})
-        except ScheduleError as exc:
-            raise ConfigError(f"{self.fusion.schedule}: {exc}", "fusion.schedule") from None
-        return schedule
+        compile_all(schedule, {m: placement[t] for m, t in trained.items()},
+                    {m: self.microbatches(placement, t) for m, t in trained.items()})
+
+    def fusion_problem(self, placement, costs: dict):
+        """The fused-schedule problem of the training placements: per model, ``costs[model]`` =
+        (forward seconds, backward seconds) per stage, or None for unit costs. Activation memory per
+        stage is taken as proportional to hidden size x layers per stage (relative units)."""
+        from rlhf.schedule.problem import ModelSpec, Problem
+
+        trained = self.trained_tasks()
+        stages = max(placement[t].strategy.pp for t in trained.values())
+        specs = []
+        for model, task in trained.items():
+            mesh, cfg = placement[task], self.models[model]
+            pp = mesh.strategy.pp
+            fwd, bwd = costs[model] or ([1.0] * pp, [2.0] * pp)
+            memory = cfg.hidden_size * cfg.num_layers / pp
+            # a shorter pipeline runs stages // pp of its DP replicas side by side (RLHFuse's fusion
+            # factor); every replica is one pipeline with its own micro-batches
+            specs.append(ModelSpec(model, pp, stages // pp, self.microbatches(placement, task),
+                                   "up" if mesh.reverse_pp else "down", fwd, bwd, [memory] * pp))
+        return Problem(stages, tuple(specs), time_unit="s", mem_unit="rel")

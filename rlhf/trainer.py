@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -41,9 +42,12 @@ from rlhf.parallel.groups import TaskGroups, build_task_groups
 from rlhf.parallel.reshard import load_full_weights, reshard
 from rlhf.pipeline.executor import ModelRuntime, run_step
 from rlhf.pipeline.microbatch import pipeline_forward
+from rlhf.pipeline.timeline import COMPUTE_KINDS
 from rlhf.schedule.generators import serial_1f1b
+from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
 from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.schedule import Schedule
+from rlhf.schedule.search import SearchConfig, search
 from rlhf.tasks import TASK_MODEL, WEIGHTS_TASK, task_kind
 
 RewardFn = Callable[[list, list], list]
@@ -51,6 +55,9 @@ RewardFn = Callable[[list, list], list]
 
 MODEL_SEEDS = {"actor": 11, "critic": 23, "reward": 37, "reference": 11}
 """Seed offsets of each model's random initial weights (reference = actor: they start equal)."""
+
+FUSED_SCHEDULE_FILE = "fused_schedule.json"
+"""Beside the checkpoints (``<save>/``): the fused schedule searched at start-up, reused on resume."""
 
 INFERENCE_FIELDS = {"ref_inf": "ref_logprobs", "reward_inf": "scores", "critic_inf": "values",
                     "actor_train": "old_logprobs"}
@@ -92,6 +99,8 @@ class Trainer:
         self.optimizers = self._build_optimizers()
         self.schedules = {name: self._serial_schedule(task) for name, task in self._trained().items()}
         self.fused = config.fused_schedule(placement) if config.fusion.intra_stage_fusion else None
+        self.stage_times = StageTimes() if config.fusion.intra_stage_fusion and self.fused is None else None
+        self._training_steps = []  # this iteration's executor timelines
         self.engine = self._build_engine()
         self.kl = make_kl_controller(config.ppo.kl_config)
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
@@ -127,6 +136,11 @@ class Trainer:
         self.prompts.load_state_dict(state.data_position)
         self.kl.value = torch.tensor(state.extra["kl_coef"])
         self._reshard("critic_train", "critic_inf")
+        cached = os.path.join(root, FUSED_SCHEDULE_FILE)
+        if self.stage_times is not None and os.path.isfile(cached):  # searched by the run that saved
+            self.fused = load_schedule(cached)
+            self.config.check_fused(self.fused, self.placement)
+            self.stage_times = None
 
     def _slots(self) -> dict:
         """Each model of this run where its weights live (WEIGHTS_TASK), with its optimizer if trained."""
@@ -276,7 +290,7 @@ class Trainer:
     def update(self, batch: Batch) -> dict:
         """``ppo_epochs`` passes of token-balanced mini-batches; one optimizer step per mini-batch and model."""
         ppo = self.config.ppo
-        recorded = []
+        recorded, self._training_steps = [], []
         for epoch in range(ppo.ppo_epochs):
             plans = {name: self._minibatches(batch, task, epoch) for name, task in self._trained().items()}
             for m in range(ppo.minibatches):
@@ -288,18 +302,47 @@ class Trainer:
                         runtimes[name] = self._runtime(name, task, batch.select(plans[name][m][g.coord.dp]),
                                                        int(batch.response_lengths[members].sum()), recorded)
                 self._run_minibatch(runtimes)
-        return _mean_records(recorded)
+        if self.stage_times is not None:  # the first iteration measured the stages: fuse from now on
+            self.fused = self._search_fused_schedule()
+            self.stage_times = None
+        return {**_mean_records(recorded), **_bubble_fraction(self._training_steps)}
 
     def _run_minibatch(self, runtimes: dict) -> None:
         """One optimizer step of every trained model on this rank: the fused schedule over both
         models, or each model's serial 1F1B over its own mesh."""
         if self.fused is not None:
             if runtimes:  # a fused pipeline spans the same ranks for both models
-                group = self.groups["actor_train"].mesh_group
-                self.timer.include(run_step(self.fused, runtimes, group=group).timeline)
+                self._record_step(run_step(self.fused, runtimes, group=self.groups["actor_train"].mesh_group))
             return
         for name, rt in runtimes.items():
-            self.timer.include(run_step(self.schedules[name], {name: rt}, group=rt.groups.mesh_group).timeline)
+            self._record_step(run_step(self.schedules[name], {name: rt}, group=rt.groups.mesh_group))
+
+    def _record_step(self, step) -> None:
+        """Keep an executor step's timeline: for the trace, the bubble metric and (before a
+        searched fused schedule exists) the stage times the search needs."""
+        self.timer.include(step.timeline)
+        self._training_steps.append(step.timeline)
+        if self.stage_times is not None:
+            self.stage_times.add(step.timeline, {m: self.groups[t].coord.pp for m, t in self._trained().items()
+                                                 if self.groups[t] is not None})
+
+    def _search_fused_schedule(self) -> Schedule:
+        """A fused schedule for the measured stage times, searched on rank 0 and shared (collective)."""
+        costs = self.stage_times.per_stage(self.config, self.placement)
+        problem = self.config.fusion_problem(self.placement, costs)
+        found = [None]
+        if dist.get_rank() == 0:
+            budget = self.config.fusion.search_budget
+            found = [schedule_to_dict(search(problem, SearchConfig(budget_s=budget, memory_budget_s=budget / 4,
+                                                                   seed=self.config.run.seed)).schedule)]
+        dist.broadcast_object_list(found, src=0)
+        schedule = schedule_from_dict(found[0])
+        self.config.check_fused(schedule, self.placement)
+        root = self.config.checkpoint.save
+        if root is not None and dist.get_rank() == 0:  # a resumed run reuses it (see load)
+            os.makedirs(root, exist_ok=True)
+            save_schedule(os.path.join(root, FUSED_SCHEDULE_FILE), schedule)
+        return schedule
 
     def _minibatches(self, batch: Batch, task: str, epoch: int) -> list:
         """result[m][dp] = sample indices; the same on every rank (seeded by run seed, iteration, epoch)."""
@@ -473,3 +516,40 @@ def _mean_records(recorded: list) -> dict:
             sums[key] = sums.get(key, 0.0) + value * tokens
             weights[key] = weights.get(key, 0.0) + tokens
     return {key: sums[key] / weights[key].clamp(min=1) for key in sums}
+
+
+def _bubble_fraction(timelines: list) -> dict:
+    """``training_bubble_fraction``: this rank's idle share of its training steps, from the start of
+    each step to its last FORWARD/BACKWARD (0 when the rank trains nothing)."""
+    busy = sum(t.compute_busy() for t in timelines)
+    span = sum(t.compute_end() for t in timelines)
+    return {"training_bubble_fraction": 1.0 - busy / span} if span > 0 else {}
+
+
+class StageTimes:
+    """FORWARD/BACKWARD seconds per (model, pipeline stage), from the executor's timelines."""
+
+    def __init__(self):
+        self.seconds: dict = {}  # (model, stage, kind) -> [seconds]
+
+    def add(self, timeline, stages: dict) -> None:
+        """Record ``timeline``'s compute events; ``stages``: {model: this rank's stage of it}."""
+        for label, kind, start, end in timeline.to_list():
+            model = label.split()[0]
+            if kind in COMPUTE_KINDS and model in stages:
+                self.seconds.setdefault((model, stages[model], kind), []).append(end - start)
+
+    def per_stage(self, config: JobConfig, placement) -> dict:
+        """{model: (forward seconds per stage, backward seconds per stage)}, means over the ranks that
+        ran each stage (collective: every rank's measurements are gathered)."""
+        sums: dict = {}
+        for (model, stage, kind), values in gather_to_all(list(self.seconds.items())):
+            total, count = sums.get((model, stage, kind), (0.0, 0))
+            sums[model, stage, kind] = (total + sum(values), count + len(values))
+        out = {}
+        for model, task in config.trained_tasks().items():
+            pp = placement[task].strategy.pp
+            out[model] = tuple([sums[model, s, kind][0] / sums[model, s, kind][1] for s in range(pp)]
+                               for kind in COMPUTE_KINDS)
+        return out
+

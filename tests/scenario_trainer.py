@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.batch import Batch
-from rlhf.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.config import CheckpointConfig, FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
@@ -165,13 +165,13 @@ RESUME_MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num
 
 
 def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
-                       **optimizer) -> Trainer:
+                       checkpoint: CheckpointConfig = CheckpointConfig(), **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
-                       fusion=fusion)
+                       fusion=fusion, checkpoint=checkpoint)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, reward_fn=gold_reward)
 
@@ -220,10 +220,21 @@ def _fusion(root: str) -> dict:
     dist.barrier()
     serial = _synthetic_trainer(placement, full, mini_batch=8)
     fused = _synthetic_trainer(placement, full, mini_batch=8, fusion=FusionConfig(intra_stage_fusion=True, schedule=path))
+    searched = _synthetic_trainer(placement, full, mini_batch=8,
+                                  fusion=FusionConfig(intra_stage_fusion=True, search_budget=0.05),
+                                  checkpoint=CheckpointConfig(save=f"{root}/searched"))
     for _ in range(2):
         serial_metrics, fused_metrics = serial.step().metrics, fused.step().metrics
-    a, b = _trained_weights(serial), _trained_weights(fused)
+        searched_metrics = searched.step().metrics
+    searched.save(f"{root}/searched")
+    resumed = _synthetic_trainer(placement, full, mini_batch=8, fusion=searched.config.fusion)
+    resumed.load(f"{root}/searched")  # takes the cached schedule: no second measurement
+    a, b, c = _trained_weights(serial), _trained_weights(fused), _trained_weights(searched)
     return {"fused_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
+            "searched_param_diff": max((a[m][k] - c[m][k]).abs().max().item() for m in a for k in a[m]),
+            "searched_schedule": searched.fused is not None and searched.fused.model_names,
+            "cached_schedule_reused": resumed.stage_times is None and resumed.fused == searched.fused,
             "fused_moved": max((a[m][k] - full[m][k]).abs().max().item() for m in a for k in a[m]),
-            "fused_value_loss": (serial_metrics["value_loss"], fused_metrics["value_loss"])}
+            "fused_value_loss": (serial_metrics["value_loss"], fused_metrics["value_loss"]),
+            "bubble": (serial_metrics["training_bubble_fraction"], searched_metrics["training_bubble_fraction"])}
 

@@ -63,7 +63,7 @@ def test_flags_fill_the_configs(tmp_path):
     (["--kl-estimator", "k9"], "--kl-estimator: KLConfig.estimator='k9' must be one of"),
     (["--top-p", "0"], "--top-p: top_p=0.0 must be in (0, 1]"),
     (["--trace-iteration", "31"], "--trace-iteration: trace_iteration 31 is past the last iteration 30"),
-    (["--intra-stage-fusion"], "--intra-stage-fusion: intra_stage_fusion needs a schedule file"),
+    (["--search-budget", "nan"], "--search-budget: search_budget=nan must be a finite number of seconds > 0"),
     (["--schedule", "s.json"], "--schedule: a schedule is run only with intra_stage_fusion"),
     (["--save-interval", "5"], "--save-interval: save_interval needs a checkpoint root to save to (save)"),
     (["--load", "/nonexistent/ckpt"], "--load: load='/nonexistent/ckpt' is not a directory"),
@@ -161,3 +161,17 @@ def test_unplaced_tasks():
     no_gen = parse_args(["--actor-gen", "none"])
     with pytest.raises(PlacementError, match="actor_gen must be placed"):
         no_gen.check_placement(Placement.from_plan(no_gen.placement.plan(4), 4))
+
+
+def test_searched_fusion_checks_the_placement_first():
+    cfg = parse_args(["--intra-stage-fusion"])
+    with pytest.raises(ConfigError, match="^intra_stage_fusion: .*'critic'") as exc:
+        cfg.check_placement(Placement.from_plan(cfg.placement.plan(4), 4))  # actor TP2xPP2, critic TP1
+    assert exc.value.field_name == "fusion.intra_stage_fusion"
+    fused = Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
+                                 "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True}}, 4)
+    assert cfg.fused_schedule(fused) is None  # fits: searched after the first iteration
+    problem = cfg.fusion_problem(fused, {"actor": ([1.0, 1.5], [2.0, 3.0]), "critic": None})
+    assert [(m.name, m.pp, m.pipelines, m.microbatches, m.direction, m.fwd) for m in problem.models] == [
+        ("actor", 2, 1, 4, "down", (1.0, 1.5)), ("critic", 2, 1, 4, "up", (1.0, 1.0))]
+
