@@ -15,8 +15,14 @@ baseline) and the annealed fused schedule.
    annealed on those, and the measured bubble fraction per rank
    (1 - compute time / makespan) is printed for both.
 
+Both print the receive buffers that order-matched messaging holds at once
+per rank (``compiler.early_buffers``); ``--tags per_pair`` sends every
+message between two ranks under one tag (gloo then pairs them by order, as
+NCCL does).
+
 Usage: ``python benchmarks/fused_pipeline.py [--unit-ms 40] [--repeats 3]
-[--trace-dir DIR]`` (DIR receives Chrome traces, open in ui.perfetto.dev).
+[--tags per_message|per_pair] [--trace-dir DIR]`` (DIR receives Chrome
+traces, open in ui.perfetto.dev).
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ def schedules(pb, budget_s: float = 0.2) -> dict:
     return {"serial_1f1b": serial_1f1b(pb), "annealed": fused}
 
 
-def _timed_runs(sched, runtimes, compute, repeats: int, trace_path) -> list:
+def _timed_runs(sched, runtimes, compute, repeats: int, trace_path, tags: str) -> list:
     """Gathered per-rank events of ``repeats`` runs after one warm-up."""
     from rlhf.pipeline.executor import run_step
 
@@ -57,7 +63,7 @@ def _timed_runs(sched, runtimes, compute, repeats: int, trace_path) -> list:
     for i in range(repeats + 1):
         last = i == repeats
         res = run_step(sched, runtimes, compute, trace_path=trace_path if last else None,
-                       gather_timeline=True)
+                       gather_timeline=True, tags=tags)
         if i:
             runs.append(res.per_rank)
     return runs
@@ -67,8 +73,16 @@ def _trace(trace_dir, mode, label):
     return None if trace_dir is None else os.path.join(trace_dir, f"{mode}_{label}.json")
 
 
-def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
-    """Per schedule: (predicted s, measured median s) with sleeps for compute."""
+def early_buffers(sched, runtimes) -> list:
+    """Per rank, the most messages held at once that arrived ahead of their receive."""
+    from rlhf.pipeline.compiler import compile_all, early_buffers as held
+
+    return [held(p) for p in compile_all(sched, {n: rt.mesh for n, rt in runtimes.items()}).values()]
+
+
+def sleep_rank(unit_ms: float, repeats: int, tags: str, trace_dir=None) -> dict:
+    """Per schedule: (predicted s, measured median s) with sleeps for compute; "buffers": per
+    schedule, early receive buffers per rank."""
     import torch.distributed as dist
 
     from rlhf.parallel import Placement
@@ -82,12 +96,13 @@ def sleep_rank(unit_ms: float, repeats: int, trace_dir=None) -> dict:
     runtimes = {name: ModelRuntime(name, placement[task], [{}] * MICROBATCHES)
                 for name, task in TRAIN_TASK.items()}
     compute = SleepCompute(pb, unit)
-    out = {}
+    out = {"buffers": {}}
     for label, orders in schedules(pb).items():
-        runs = _timed_runs(Schedule.from_orders(pb, orders), runtimes, compute, repeats,
-                           _trace(trace_dir, "sleep", label))
+        sched = Schedule.from_orders(pb, orders)
+        runs = _timed_runs(sched, runtimes, compute, repeats, _trace(trace_dir, "sleep", label), tags)
         out[label] = (simulate(pb, orders).makespan * unit,
                       statistics.median(makespan(r) for r in runs))
+        out["buffers"][label] = early_buffers(sched, runtimes)
     return out
 
 
@@ -161,7 +176,7 @@ def _summary(pb, orders, runs) -> dict:
             "bubbles": {rank: statistics.mean(b[rank] for b in bubbles) for rank in bubbles[0]}}
 
 
-def real_rank(repeats: int, trace_dir=None) -> dict:
+def real_rank(repeats: int, tags: str, trace_dir=None) -> dict:
     """Serial 1F1B, then the fused schedule annealed on the costs measured in it."""
     import torch.distributed as dist
 
@@ -174,14 +189,14 @@ def real_rank(repeats: int, trace_dir=None) -> dict:
     runtimes = _real_runtimes(build_task_groups(placement))
     base = sleep_problem()
     serial_runs = _timed_runs(Schedule.from_orders(base, serial_1f1b(base)), runtimes, None, repeats,
-                              _trace(trace_dir, "real", "serial_1f1b"))
+                              _trace(trace_dir, "real", "serial_1f1b"), tags)
     pb = fitted_problem(serial_runs, placement)  # same on every rank: events were all-gathered
-    fused = schedules(pb)["annealed"]
-    fused_runs = _timed_runs(Schedule.from_orders(pb, fused), runtimes, None, repeats,
-                             _trace(trace_dir, "real", "annealed"))
+    fused = Schedule.from_orders(pb, schedules(pb)["annealed"])
+    fused_runs = _timed_runs(fused, runtimes, None, repeats, _trace(trace_dir, "real", "annealed"), tags)
     return {"serial_1f1b": _summary(pb, serial_1f1b(pb), serial_runs),
-            "annealed": _summary(pb, fused, fused_runs),
-            "costs_ms": {m.name: (m.fwd, m.bwd) for m in pb.models}}
+            "annealed": _summary(pb, fused.orders, fused_runs),
+            "costs_ms": {m.name: (m.fwd, m.bwd) for m in pb.models},
+            "buffers": early_buffers(fused, runtimes)}
 
 
 # -- report ------------------------------------------------------------------------
@@ -205,6 +220,9 @@ def main(argv=None) -> None:
                     help="timed runs per schedule after a warm-up; the median is reported (default %(default)s)")
     ap.add_argument("--trace-dir", default=None,
                     help="write Chrome traces of each schedule's last run here (default: none)")
+    ap.add_argument("--tags", choices=("per_message", "per_pair"), default="per_message",
+                    help="one tag per message, or one per rank pair (order matching, as NCCL) "
+                         "(default %(default)s)")
     ap.add_argument("--skip-real", action="store_true", help="sleep mode only (skip the tiny models)")
     args = ap.parse_args(argv)
     if args.unit_ms <= 0:
@@ -214,14 +232,17 @@ def main(argv=None) -> None:
     from rlhf.testing.distributed import launch
 
     print(f"machine: {host.node()} {host.machine()}, {os.cpu_count()} cores, 4 gloo ranks; "
-          f"actor pp4 down + critic pp4 up, {MICROBATCHES} micro-batches each")
+          f"actor pp4 down + critic pp4 up, {MICROBATCHES} micro-batches each; tags {args.tags}")
     sleep = launch(4, "fused_pipeline:sleep_rank", unit_ms=args.unit_ms, repeats=args.repeats,
-                   trace_dir=args.trace_dir)[0]
+                   tags=args.tags, trace_dir=args.trace_dir)[0]
     _print_makespans(f"sleep mode (1 time unit = {args.unit_ms:g} ms; actor F/B = 1/2, critic 0.5/1; "
                      f"median of {args.repeats}):", sleep)
+    print("  early receive buffers per rank (order matching): "
+          + "; ".join(f"{label} {b}" for label, b in sleep["buffers"].items()))
     if args.skip_real:
         return
-    real = launch(4, "fused_pipeline:real_rank", repeats=args.repeats, trace_dir=args.trace_dir)[0]
+    real = launch(4, "fused_pipeline:real_rank", repeats=args.repeats, tags=args.tags,
+                  trace_dir=args.trace_dir)[0]
     print("real tiny models (F/B ms per stage, measured in serial 1F1B): "
           + "; ".join(f"{n} F {[round(x, 1) for x in f]} B {[round(x, 1) for x in b]}"
                       for n, (f, b) in real["costs_ms"].items()))
@@ -234,6 +255,7 @@ def main(argv=None) -> None:
         b = real[label]["bubbles"]
         print(f"  {label:<12} " + "  ".join(f"rank{r} {b[r]:.3f}" for r in sorted(b))
               + f"   mean {statistics.mean(b.values()):.3f}")
+    print(f"  early receive buffers per rank, annealed: {real['buffers']}")
 
 
 if __name__ == "__main__":

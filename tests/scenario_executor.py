@@ -3,8 +3,9 @@
 For each placement given (e.g. actor pp4 down + critic pp4 up with
 reverse_pp), one PPO mini-batch step (4 micro-batches of 2 samples, SGD
 through megatron's DDP and optimizer, ``rlhf.optim.ModelOptimizer``) through
-the executor with each schedule given, compared with unsharded single-process
-training (``torch.optim.SGD``) of the same weights on the same micro-batches.
+the executor with each schedule and tag mode given, compared with unsharded
+single-process training (``torch.optim.SGD``) of the same weights on the same
+micro-batches and with the config's first (serial) run.
 Also: mismatched and cyclic schedules are refused with no p2p or collective
 call made.
 """
@@ -128,16 +129,17 @@ def _refusal(sched_dict: dict, runtimes: dict) -> dict:
     return {"message": message, "comm_calls": counter.calls}
 
 
-def _train(cfg: str, schedules: dict, groups: dict, refs: dict, mbs: list, results: dict,
+def _train(cfg: str, runs: dict, groups: dict, refs: dict, mbs: list, results: dict,
            trace_path: str | None) -> None:
-    """One step per schedule; parameter errors vs the reference and vs serial 1F1B."""
+    """One step per run ``{label: (schedule dict, tags)}``; parameter errors vs the
+    reference and vs the first run (serial 1F1B); ``trace_path`` from "fused/per_message"."""
     full = {name: ref[0] for name, ref in refs.items()}
     after = {}
-    for label, d in schedules.items():
+    for label, (d, tags) in runs.items():
         runtimes = make_runtimes(groups, full, mbs)
-        res = run_step(schedule_from_dict(d), runtimes,
-                       trace_path=trace_path if label == "fused" else None)
-        if label == "fused":
+        traced = label == "fused/per_message"
+        res = run_step(schedule_from_dict(d), runtimes, trace_path=trace_path if traced else None, tags=tags)
+        if traced:
             results["events"][cfg] = len(res.timeline.events)
         after[label] = {n: gather_tp_full_weights(rt.module, rt.groups) for n, rt in runtimes.items()}
         results["losses"][cfg, label] = {n: v.item() for n, v in res.losses.items()}
@@ -145,13 +147,13 @@ def _train(cfg: str, schedules: dict, groups: dict, refs: dict, mbs: list, resul
             mine = after[label][name]
             results["err"][cfg, label, name] = _max_err(mine, ref_after)
             results["moved"][cfg, label, name] = max((mine[k] - before[k]).abs().max().item() for k in mine)
-            results["vs_serial"][cfg, label, name] = _max_err(mine, after["serial"][name])
+            results["vs_serial"][cfg, label, name] = _max_err(mine, after[next(iter(runs))][name])
 
 
 def run(configs: dict, refused: dict, trace_path: str) -> dict:
-    """``configs``: {name: {"plan": placement plan, "schedules": {label: schedule dict}}}
-    (labels include "serial"); ``refused``: {label: schedule dict} refused under the
-    first config's placement; the first config's "fused" run writes ``trace_path``."""
+    """``configs``: {name: {"plan": placement plan, "runs": {label: (schedule dict, tags)}}}
+    (the first run is serial 1F1B); ``refused``: {label: schedule dict} refused under the
+    first config's placement; the first config's "fused/per_message" run writes ``trace_path``."""
     world = dist.get_world_size()
     all_groups = [build_task_groups(Placement.from_plan(spec["plan"], world)) for spec in configs.values()]
     mbs = make_microbatches()
@@ -163,5 +165,5 @@ def run(configs: dict, refused: dict, trace_path: str) -> dict:
             full = {name: ref[0] for name, ref in refs.items()}
             for label, d in refused.items():
                 results["refused"][label] = _refusal(d, make_runtimes(groups, full, mbs))
-        _train(cfg, spec["schedules"], groups, refs, mbs, results, trace_path if i == 0 else None)
+        _train(cfg, spec["runs"], groups, refs, mbs, results, trace_path if i == 0 else None)
     return results

@@ -1,8 +1,10 @@
 """Compiler and timeline unit tests (pure: no torch.distributed, no processes).
 
-Exact instruction lists for a small pipeline, deadlock freedom and send/recv
-pairing for many valid schedules (serial, greedy, annealed, random
-topological orders) on several placements, and every refusal's message.
+Exact instruction lists for a small pipeline and a mixed-TP one, deadlock
+freedom under order-matched receives and TP collectives for many valid
+schedules (serial, greedy, annealed, random topological orders) on several
+placements, the early-receive buffer bound (exact on small examples, equal
+to its formula on random ones), and every refusal's message.
 """
 import json
 import random
@@ -13,6 +15,7 @@ from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.pipeline import compiler as C
 from rlhf.pipeline.timeline import Timeline, bubble_fractions, chrome_trace, makespan
 from rlhf.schedule.anneal import AnnealConfig, anneal_makespan
+from rlhf.schedule.cost_model import ModelShape, build_problem
 from rlhf.schedule.generators import greedy_fused, serial_1f1b
 from rlhf.schedule.io import load_schedule, schedule_from_dict, schedule_to_dict
 from rlhf.schedule.problem import ModelSpec, Problem
@@ -24,8 +27,8 @@ def spec(name, pp, pipelines, mbs, direction, f=1.0, b=2.0):
     return ModelSpec(name, pp, pipelines, mbs, direction, [f] * pp, [b] * pp, [1.0] * pp)
 
 
-def mesh(task, ranks, pp, dp=1, reverse=False):
-    return TaskMesh(task, tuple(ranks), ParallelStrategy(dp=dp, pp=pp), reverse)
+def mesh(task, ranks, pp, dp=1, reverse=False, tp=1):
+    return TaskMesh(task, tuple(ranks), ParallelStrategy(dp=dp, pp=pp, tp=tp), reverse)
 
 
 # actor pp4 down, critic pp4 up (reverse_pp) on ranks 0-3
@@ -38,6 +41,15 @@ PLACE_K2 = {"actor": mesh("actor_train", [0, 2, 1, 3], 2, dp=2),
 # two data copies of the fused pipeline on 8 ranks
 PLACE_X2 = {"actor": mesh("actor_train", [0, 4, 1, 5, 2, 6, 3, 7], 4, dp=2),
             "critic": mesh("critic_train", [0, 4, 1, 5, 2, 6, 3, 7], 4, dp=2, reverse=True)}
+# both tp2 x pp2 (TP collectives in every compute)
+PB_2 = Problem(2, (spec("actor", 2, 1, 4, "down"), spec("critic", 2, 1, 4, "up", 0.7, 1.4)))
+PLACE_TP2 = {"actor": mesh("actor_train", range(4), 2, tp=2),
+             "critic": mesh("critic_train", range(4), 2, reverse=True, tp=2)}
+# mixed TP (RLHFuse 5.2): actor tp2 x pp2, critic tp1 x pp4 up; critic stages 2k, 2k+1 form
+# its schedule stage k (ranks 3, 2 = schedule stage 0 on fused stage 1)
+PLACE_MIXED = {"actor": mesh("actor_train", range(4), 2, tp=2),
+               "critic": mesh("critic_train", range(4), 4, reverse=True)}
+PLACEMENTS = [(PB, PLACE), (PB_K2, PLACE_K2), (PB, PLACE_X2), (PB_2, PLACE_TP2), (PB_2, PLACE_MIXED)]
 
 
 def random_topological(pb, seed):
@@ -76,14 +88,19 @@ def test_reversed_critic_peers():
     assert critic_f0 == ["SEND_ACT critic[p0].mb0@s0 peer=2 tag=32"]
 
 
-@pytest.mark.parametrize("pb,place", [(PB, PLACE), (PB_K2, PLACE_K2), (PB, PLACE_X2)])
+def valid_orders(pb, randoms=20):
+    """Serial, greedy, two annealed and ``randoms`` random topological orders."""
+    return [serial_1f1b(pb), greedy_fused(pb)] + [
+        anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=300), seed=s)[0] for s in (1, 2)] + [
+        random_topological(pb, seed) for seed in range(randoms)]
+
+
+@pytest.mark.parametrize("pb,place", PLACEMENTS)
 def test_valid_schedules_compile_deadlock_free(pb, place):
-    orders = [serial_1f1b(pb), greedy_fused(pb),
-              anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=300), seed=1)[0]]
-    orders += [random_topological(pb, seed) for seed in range(20)]
-    for o in orders:
+    for o in valid_orders(pb):
         progs = C.compile_all(Schedule.from_orders(pb, o), place)
-        C.check_deadlock_free(progs)  # also: every send received exactly once
+        C.check_deadlock_free(progs)  # order-matched receives, TP barriers, every send received
+        assert progs[0] == C.compile_rank(Schedule.from_orders(pb, o), place, 0)
         for r, prog in progs.items():
             assert sum(i.kind in C.COMPUTE for i in prog) == sum(
                 2 * m.microbatches for m in pb.models)
@@ -106,11 +123,144 @@ def test_cyclic_programs_detected_by_replay():
         C.check_deadlock_free(bad)
 
 
-def test_pair_order_for_tagless_backends():
-    C.check_pair_order(C.compile_all(Schedule.from_orders(PB, serial_1f1b(PB)), PLACE))
-    with pytest.raises(ScheduleError, match=r"rank \d -> \d: message #\d+ is sent as tag \d+ but "
-                                              r"received as tag \d+; this backend matches messages by order"):
-        C.check_pair_order(C.compile_all(Schedule.from_orders(PB, greedy_fused(PB)), PLACE))
+def without_posts(progs):
+    return {r: tuple(i for i in p if i.kind != C.POST_RECV) for r, p in progs.items()}
+
+
+def test_receives_posted_in_sender_order():
+    serial = C.compile_all(Schedule.from_orders(PB, serial_1f1b(PB)), PLACE)
+    assert without_posts(serial) == serial  # every pair already receives in send order
+    greedy = C.compile_all(Schedule.from_orders(PB, greedy_fused(PB)), PLACE)
+    C.check_deadlock_free(greedy)
+    # without the POST_RECVs an order-matching backend would pair the wrong messages
+    with pytest.raises(ScheduleError, match=r"rank 2's receive #3 from rank 3 \(RECV_GRAD actor\[p0\].mb0@s2 "
+                                              r"peer=3 tag=4\) would get rank 3's message #3 to it, tag 56"):
+        C.check_deadlock_free(without_posts(greedy))
+
+
+def test_posts_precede_the_receive_that_overtakes_them():
+    """Single model, stage 1 runs micro-batches last-first: its first receive
+    (mb1, sent second) posts mb0's first; stage 0's first gradient (mb0) is
+    sent last, so mb1's is posted ahead of it."""
+    pb = Problem(2, (spec("a", 2, 1, 2, "down"),))
+    ids = lambda s, ops: [pb.node_id_fast(0, 0, int(x[1]), s, x[0] == "F") for x in ops]  # noqa: E731
+    orders = [ids(0, ["F0", "F1", "B0", "B1"]), ids(1, ["F1", "B1", "F0", "B0"])]
+    progs = C.compile_all(Schedule.from_orders(pb, orders), {"a": mesh("actor_train", [0, 1], 2)})
+    assert [str(i) for i in progs[1][:3]] == [
+        "POST_RECV a[p0].mb0@s1 peer=0 tag=0", "RECV_ACT a[p0].mb1@s1 peer=0 tag=4", "FORWARD a[p0].mb1@s1"]
+    assert [str(i) for i in progs[0] if i.kind in (C.POST_RECV, C.RECV_GRAD)] == [
+        "POST_RECV a[p0].mb1@s0 peer=1 tag=6", "RECV_GRAD a[p0].mb0@s0 peer=1 tag=2",
+        "RECV_GRAD a[p0].mb1@s0 peer=1 tag=6"]
+    C.check_deadlock_free(progs)
+
+
+def buffers(pb, orders, place) -> dict:
+    progs = C.compile_all(Schedule.from_orders(pb, orders), place)
+    return {r: C.early_buffers(p) for r, p in progs.items()}
+
+
+def test_early_buffers_exact():
+    # serial 1F1B: every pair receives in send order, nothing arrives early
+    for pb, place in PLACEMENTS:
+        assert set(buffers(pb, serial_1f1b(pb), place).values()) == {0}
+    # one model, stage 1 takes micro-batches last-first: rank 1's first receive overtakes
+    # m - 1 activations, rank 0's first gradient (mb0) is the last rank 1 sends
+    m = 4
+    pb = Problem(2, (spec("a", 2, 1, m, "down"),))
+    ids = lambda s, op, mbs: [pb.node_id_fast(0, 0, b, s, op == "F") for b in mbs]  # noqa: E731
+    rev = [v for b in reversed(range(m)) for v in ids(1, "F", [b]) + ids(1, "B", [b])]
+    assert buffers(pb, [ids(0, "F", range(m)) + ids(0, "B", range(m)), rev],
+                   {"a": mesh("actor_train", [0, 1], 2)}) == {0: m - 1, 1: m - 1}
+    # actor down + critic up on 2 ranks; stage 1 runs all critic work before the actor's:
+    # its first critic gradient is rank 0's message #m, so all m actor activations wait
+    m = 3
+    pb = Problem(2, (spec("actor", 2, 1, m, "down"), spec("critic", 2, 1, m, "up")))
+    a = lambda s, op, b: pb.node_id_fast(0, 0, b, s, op == "F")  # noqa: E731
+    c = lambda s, op, b: pb.node_id_fast(1, 0, b, s, op == "F")  # noqa: E731
+    stage0 = [a(0, "F", b) for b in range(m)] + [v for b in range(m) for v in (c(1, "F", b), c(1, "B", b))] \
+        + [a(0, "B", b) for b in range(m)]
+    stage1 = [c(0, "F", b) for b in range(m)] + [c(0, "B", b) for b in range(m)] \
+        + [v for b in range(m) for v in (a(1, "F", b), a(1, "B", b))]
+    place = {"actor": mesh("actor_train", [0, 1], 2), "critic": mesh("critic_train", [0, 1], 2, reverse=True)}
+    assert buffers(pb, [stage0, stage1], place) == {0: 0, 1: m}
+    # the measured cases quoted in docs/executor.md
+    assert buffers(PB, greedy_fused(PB), PLACE) == {0: 0, 1: 2, 2: 1, 3: 0}
+
+
+def formula_buffers(progs) -> dict:
+    """Independent reference of the bound: per rank b, the max over its receives t
+    of sum over peers a of (1 + max send index taken from a) - (count taken from a)."""
+    send_index = {}
+    for a, prog in progs.items():
+        for i in prog:
+            if i.kind in C.SENDS:
+                order = send_index.setdefault((a, i.peer), {})
+                order[i.tag] = len(order)
+    out = {}
+    for b, prog in progs.items():
+        top, taken, best = {}, {}, 0
+        for i in prog:
+            if i.kind in C.RECVS:
+                top[i.peer] = max(top.get(i.peer, -1), send_index[i.peer, b][i.tag])
+                taken[i.peer] = taken.get(i.peer, 0) + 1
+                best = max(best, sum(top[a] + 1 - taken[a] for a in top))
+        out[b] = best
+    return out
+
+
+@pytest.mark.parametrize("pb,place", PLACEMENTS)
+def test_early_buffers_equal_the_formula(pb, place):
+    seen = set()
+    for o in valid_orders(pb, randoms=10):
+        progs = C.compile_all(Schedule.from_orders(pb, o), place)
+        got = {r: C.early_buffers(p) for r, p in progs.items()}
+        assert got == formula_buffers(progs)
+        seen |= set(got.values())
+    assert max(seen) > 0  # the random orders do overtake
+
+
+def test_mixed_tp_programs_exact():
+    """Actor tp2 x pp2, critic tp1 x pp4 up, one micro-batch, serial 1F1B: ranks 3
+    and 2 run critic stages 0 and 1, the two parts of critic schedule stage 0."""
+    pb = Problem(2, (spec("actor", 2, 1, 1, "down"), spec("critic", 2, 1, 1, "up")))
+    progs = C.compile_all(Schedule.from_orders(pb, serial_1f1b(pb)), PLACE_MIXED)
+    assert [str(i) for i in progs[3]] == [
+        "RECV_ACT actor[p0].mb0@s1 peer=1 tag=0", "FORWARD actor[p0].mb0@s1", "BACKWARD actor[p0].mb0@s1",
+        "SEND_GRAD actor[p0].mb0@s1 peer=1 tag=2",
+        "FORWARD critic[p0].mb0@s0", "SEND_ACT critic[p0].mb0@s0 peer=2 tag=4",
+        "RECV_GRAD critic[p0].mb0@s0 peer=2 tag=7", "BACKWARD critic[p0].mb0@s0",
+        "WAIT_SENDS", "REDUCE_GRADS actor", "OPTIMIZER_STEP actor", "REDUCE_GRADS critic", "OPTIMIZER_STEP critic"]
+    assert [str(i) for i in progs[2] if i.model == "critic" and i.mb == 0] == [
+        "RECV_ACT critic[p0].mb0@s1 peer=3 tag=4", "FORWARD critic[p0].mb0@s1",
+        "SEND_ACT critic[p0].mb0@s1 peer=1 tag=4", "RECV_GRAD critic[p0].mb0@s1 peer=1 tag=6",
+        "BACKWARD critic[p0].mb0@s1", "SEND_GRAD critic[p0].mb0@s1 peer=3 tag=7"]
+    groups = {(r, i.model): i.group for r, p in progs.items() for i in p if i.kind in C.COMPUTE}
+    assert groups[2, "actor"] == groups[3, "actor"] == (2, 3) and groups[0, "actor"] == (0, 1)
+    assert groups[2, "critic"] == ()
+
+
+def test_mixed_tp_is_the_cost_models_problem():
+    shapes = [ModelShape("actor", 4, 64, 128, 4, tp=2, pp=2, microbatches=4),
+              ModelShape("critic", 4, 64, 128, 4, tp=1, pp=4, microbatches=4, direction="up")]
+    pb = build_problem(shapes)
+    assert (pb.stages, [(m.pp, m.pipelines) for m in pb.models]) == (2, [(2, 1), (2, 1)])
+    sched = Schedule.from_orders(pb, greedy_fused(pb))
+    assert C.merge_factors(sched, PLACE_MIXED) == {"actor": 1, "critic": 2}
+    assert C.rank_slots(sched, PLACE_MIXED) == {0: C.Slot(0, 0), 1: C.Slot(0, 0), 2: C.Slot(1, 0), 3: C.Slot(1, 0)}
+    C.check_deadlock_free(C.compile_all(sched, PLACE_MIXED))
+
+
+def test_tp_collectives_modelled_by_replay():
+    """Rank 2 moved its critic work (waiting for rank 3's critic stage 0) before its
+    actor forward; rank 3 waits in that forward's TP collective for rank 2."""
+    pb = Problem(2, (spec("actor", 2, 1, 1, "down"), spec("critic", 2, 1, 1, "up")))
+    progs = dict(C.compile_all(Schedule.from_orders(pb, serial_1f1b(pb)), PLACE_MIXED))
+    C.check_deadlock_free(progs)
+    critic_first = [i for i in progs[2] if i.model == "critic"]
+    progs[2] = tuple(critic_first) + tuple(i for i in progs[2] if i.model != "critic")
+    with pytest.raises(ScheduleError, match=r"programs deadlock; ranks wait at .*2: 'RECV_ACT critic"
+                                              r".*3: 'FORWARD actor"):
+        C.check_deadlock_free(progs)
 
 
 def _swap_stage(sched, s, pick_a, pick_b):
@@ -148,6 +298,13 @@ def test_cyclic_order_refused():
      r"placed on ranks \[0, 1, 2, 3\], the fused pipeline spans \[0, 1, 2, 3, 4, 5, 6, 7\]"),
     (PB, PLACE, {"actor": 4, "critic": 2}, "model 'critic': schedule has 4 micro-batches per "
                                           "pipeline but the executor was given 2"),
+    (PB_2, {**PLACE_MIXED, "critic": mesh("critic_train", range(4), 2, dp=2, reverse=True)}, None,
+     r"model 'critic': schedule pp=2 but placement pp=2 \(tp=1 is 1/2 of the largest tp: 2 placement "
+     r"stages form one schedule stage, so pp=4 is needed\)"),
+    (PB_2, {**PLACE_MIXED, "critic": mesh("critic_train", range(4), 4)}, None,
+     r"rank 0: model 'actor' puts it on Slot\(fused=0, copy=0\) but model 'critic' on Slot\(fused=1, copy=0\)"),
+    (PB_2, {"actor": mesh("actor_train", range(6), 2, tp=3), "critic": mesh("critic_train", range(6), 3, tp=2)},
+     None, "model 'critic': tp=2 does not divide the largest tp=3"),
 ])
 def test_mismatch_refused(pb, place, counts, message):
     with pytest.raises(ScheduleError, match=message):

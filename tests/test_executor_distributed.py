@@ -4,12 +4,16 @@ one PPO mini-batch step each, in named configurations:
 * ``pp4``: actor pp4 "down", critic pp4 "up" (reverse_pp) - the main case;
 * ``tp2_pp2``: both tp2 x pp2, the critic reversed (TP peers, vocab-parallel loss);
 * ``pp2_dp2``: both pp2 x dp2: two copies of the fused pipeline, DP all-reduce;
-* ``k2``: actor pp2 with 2 pipelines (its dp2 replicas) fused with critic pp4 up.
+* ``k2``: actor pp2 with 2 pipelines (its dp2 replicas) fused with critic pp4 up;
+* ``mixed_tp``: actor tp2 x pp2 with critic tp1 x pp4 up (RLHFuse 5.2: critic
+  stages 0, 1 form one fused stage on the ranks of actor stage 1).
 
-The annealed fused schedule (and greedy, in ``pp4``) and serial 1F1B all
-give the parameters of unsharded single-process training (1e-5); schedules
-that do not match the placement, and a cyclic one, are refused with no
-communication.
+Each runs the serial 1F1B, greedy and annealed fused schedules with every
+message between two ranks under one tag ("per_pair": gloo then pairs them by
+order, as NCCL does), ``pp4`` and ``mixed_tp`` also with a tag per message;
+all give the parameters of unsharded single-process training and of the
+serial run (1e-5).  Schedules that do not match the placement, and a cyclic
+one, are refused with no communication.
 """
 import json
 
@@ -38,13 +42,16 @@ def plan(actor: dict, critic: dict) -> dict:
     return {"actor_train": {"ranks": "0-3", **actor}, "critic_train": {"ranks": "0-3", **critic}}
 
 
-CONFIGS = {  # name: (placement plan, problem, schedule labels)
-    "pp4": (plan({"pp": 4}, {"pp": 4, "reverse_pp": True}), problem(), ("serial", "fused", "greedy")),
-    "tp2_pp2": (plan({"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "reverse_pp": True}), problem(pp=2),
-                ("serial", "fused")),
-    "pp2_dp2": (plan({"pp": 2}, {"pp": 2, "reverse_pp": True}), problem(2, pp=2), ("serial", "fused")),
+ONE_TAG = ("serial/per_pair", "fused/per_pair", "greedy/per_pair")  # the first run is the baseline
+CONFIGS = {  # name: (placement plan, problem, runs "schedule/tags")
+    "pp4": (plan({"pp": 4}, {"pp": 4, "reverse_pp": True}), problem(),
+            ONE_TAG + ("serial/per_message", "fused/per_message", "greedy/per_message")),
+    "tp2_pp2": (plan({"tp": 2, "pp": 2}, {"tp": 2, "pp": 2, "reverse_pp": True}), problem(pp=2), ONE_TAG),
+    "pp2_dp2": (plan({"pp": 2}, {"pp": 2, "reverse_pp": True}), problem(2, pp=2), ONE_TAG),
     "k2": (plan({"ranks": [0, 2, 1, 3], "pp": 2}, {"pp": 4, "reverse_pp": True}),
-           problem(pp=2, actor_pipelines=2, critic_pp=4), ("serial", "fused")),
+           problem(pp=2, actor_pipelines=2, critic_pp=4), ONE_TAG),
+    "mixed_tp": (plan({"tp": 2, "pp": 2}, {"pp": 4, "reverse_pp": True}), problem(pp=2),
+                 ONE_TAG + ("fused/per_message",)),
 }
 
 
@@ -81,9 +88,10 @@ def trace_path(tmp_path_factory):
 def results(trace_path):
     configs = {}
     for name, (plan_, pb, labels) in CONFIGS.items():
-        schedules = {k: schedule_to_dict(SCHEDULES[k](pb)) for k in labels}
+        schedules = {k: schedule_to_dict(SCHEDULES[k](pb)) for k in SCHEDULES}
         assert schedules["fused"]["schedule"] != schedules["serial"]["schedule"]
-        configs[name] = {"plan": plan_, "schedules": schedules}
+        runs = {label: (schedules[label.split("/")[0]], label.split("/")[1]) for label in labels}
+        configs[name] = {"plan": plan_, "runs": runs}
     refused = {k: schedule_to_dict(f()) for k, f in REFUSED.items()}
     return launch(4, "scenario_executor:run", configs=configs, refused=refused,
                   trace_path=str(trace_path))

@@ -1,7 +1,13 @@
 """Instruction executor: runs one rank's compiled program (see compiler.py).
 
 The executor is a ``{kind: handler}`` table over a small per-step state
-(received inputs, stage outputs, received output gradients, pending sends).
+(received inputs, stage outputs, received output gradients, receives posted
+ahead, pending sends).  Receives are posted in each peer's send order (the
+compiler's POST_RECVs), so a backend that pairs messages by order (NCCL)
+runs every valid schedule; ``tags="per_pair"`` sends every message under one
+tag so that gloo pairs them by order too (the tests run both).  Each
+instruction names this rank's placement stage of its model (with mixed TP,
+one of the ``k`` stages that form a schedule stage).
 What a FORWARD/BACKWARD *computes* is a pluggable :class:`Compute`:
 
 * :class:`StageCompute` - megatron GPTModel stages: ``set_input_tensor`` via
@@ -31,7 +37,7 @@ from rlhf.batch import Batch
 from rlhf.schedule.schedule import Schedule
 
 from . import compiler as C
-from .p2p import post_send, recv_into
+from .p2p import post_recv, post_send, wait_all
 from .timeline import Timeline, gather, write_chrome_trace
 
 
@@ -113,12 +119,18 @@ class SleepCompute:
         while time.perf_counter() < end - 2e-4:  # finish the last sliver in short sleeps
             time.sleep(1e-4)
 
+    def _cost(self, rt, ins: C.Instr, field: str) -> float:
+        """The schedule stage's cost; with mixed TP each of its ``k`` placement
+        stages takes it (the cost model's same-work-per-GPU rule)."""
+        m = self.models[rt.name]
+        return getattr(m, field)[ins.stage * m.pp // rt.mesh.strategy.pp]
+
     def forward(self, rt, ins: C.Instr, x):
-        self._sleep(self.models[rt.name].fwd[ins.stage] * self.unit)
+        self._sleep(self._cost(rt, ins, "fwd") * self.unit)
         return torch.zeros((), device=platform.device()) if rt.is_last(ins.stage) else self._dummy()
 
     def backward(self, rt, ins: C.Instr, out, grad, x):
-        self._sleep(self.models[rt.name].bwd[ins.stage] * self.unit)
+        self._sleep(self._cost(rt, ins, "bwd") * self.unit)
         return None if x is None else self._dummy()
 
     def _dummy(self) -> torch.Tensor:
@@ -149,21 +161,34 @@ class _State:
     outputs: dict = field(default_factory=dict)     # stage outputs / loss shares
     out_grads: dict = field(default_factory=dict)   # received gradients of outputs
     in_grads: dict = field(default_factory=dict)    # gradients of inputs, to send
+    posted: dict = field(default_factory=dict)      # (peer, tag) -> (requests, buffer) of POST_RECVs
     pending: list = field(default_factory=list)     # outstanding send requests
     losses: dict = field(default_factory=dict)      # model -> summed loss shares (last stage)
 
 
-class Executor:
-    """Runs one rank's instruction list; one handler per instruction kind."""
+TAG_MODES = ("per_message", "per_pair")
 
-    def __init__(self, runtimes: dict, compute=None):
+
+class Executor:
+    """Runs one rank's instruction list; one handler per instruction kind.
+
+    ``tags``: "per_message" sends each message under its own tag (the producing
+    subtask's id); "per_pair" sends everything under tag 0, so messages between
+    two ranks are paired by order alone, as NCCL pairs them.
+    """
+
+    def __init__(self, runtimes: dict, compute=None, tags: str = "per_message"):
+        if tags not in TAG_MODES:
+            raise ValueError(f"tags={tags!r} must be one of {TAG_MODES}")
         self.runtimes = runtimes
         self.compute = compute or StageCompute()
+        self.per_pair = tags == "per_pair"
         self.state = _State()
         self.handlers = {
             C.RECV_ACT: self._recv_act, C.FORWARD: self._forward, C.SEND_ACT: self._send_act,
             C.RECV_GRAD: self._recv_grad, C.BACKWARD: self._backward, C.SEND_GRAD: self._send_grad,
-            C.WAIT_SENDS: self._wait_sends, C.REDUCE_GRADS: self._reduce, C.OPTIMIZER_STEP: self._step,
+            C.POST_RECV: self._post_recv, C.WAIT_SENDS: self._wait_sends, C.REDUCE_GRADS: self._reduce,
+            C.OPTIMIZER_STEP: self._step,
         }
 
     def run(self, program: Sequence[C.Instr], timeline: Timeline) -> dict:
@@ -175,8 +200,20 @@ class Executor:
             timeline.record(_label(ins), ins.kind, t0, time.perf_counter())
         return self.state.losses
 
+    def _tag(self, ins) -> int:
+        return 0 if self.per_pair else ins.tag
+
+    def _post_recv(self, rt, ins):
+        buffer = self.compute.buffer(rt, ins.mb)
+        self.state.posted[ins.peer, ins.tag] = (post_recv(buffer, ins.peer, self._tag(ins)), buffer)
+
     def _recv(self, rt, ins) -> torch.Tensor:
-        return recv_into(self.compute.buffer(rt, ins.mb), ins.peer, ins.tag)
+        """The message, from a POST_RECV's buffer if it was posted ahead (else posted now)."""
+        if (ins.peer, ins.tag) not in self.state.posted:
+            self._post_recv(rt, ins)
+        requests, buffer = self.state.posted.pop((ins.peer, ins.tag))
+        wait_all(requests)
+        return buffer
 
     def _recv_act(self, rt, ins):
         self.state.inputs[ins.model, ins.mb] = self._recv(rt, ins).requires_grad_()
@@ -188,7 +225,7 @@ class Executor:
             self.state.losses[ins.model] = self.state.losses.get(ins.model, 0.0) + out.detach()
 
     def _send_act(self, rt, ins):
-        self.state.pending += post_send(self.state.outputs[ins.model, ins.mb], ins.peer, ins.tag)
+        self.state.pending += post_send(self.state.outputs[ins.model, ins.mb], ins.peer, self._tag(ins))
 
     def _recv_grad(self, rt, ins):
         self.state.out_grads[ins.model, ins.mb] = self._recv(rt, ins)
@@ -201,11 +238,11 @@ class Executor:
             st.in_grads[key] = grad
 
     def _send_grad(self, rt, ins):
-        self.state.pending += post_send(self.state.in_grads.pop((ins.model, ins.mb)), ins.peer, ins.tag)
+        self.state.pending += post_send(self.state.in_grads.pop((ins.model, ins.mb)), ins.peer,
+                                        self._tag(ins))
 
     def _wait_sends(self, rt, ins):
-        for request in self.state.pending:
-            request.wait()
+        wait_all(self.state.pending)
         self.state.pending.clear()
 
     def _reduce(self, rt, ins):
@@ -232,26 +269,24 @@ class StepResult:
 
 
 def run_step(schedule: Schedule, runtimes: dict, compute=None, trace_path=None,
-             gather_timeline: bool = False, group=None) -> StepResult:
+             gather_timeline: bool = False, group=None, tags: str = "per_message") -> StepResult:
     """One mini-batch step of every model in ``schedule`` on this rank.
 
     Refuses (ScheduleError) a schedule that is cyclic or does not match the
-    runtimes' placements and micro-batch counts before any communication (and,
-    on backends that ignore message tags, one whose rank pairs would receive
-    messages out of send order).
+    runtimes' placements and micro-batch counts before any communication.
     Collective over ``group`` (default: world), which must hold the fused
-    pipeline's ranks; ``trace_path``/``gather_timeline`` must agree on all ranks.
+    pipeline's ranks; ``trace_path``/``gather_timeline``/``tags`` (see
+    :class:`Executor`) must agree on all ranks.
     Gradients must be zero (or None) on entry; the optimizer step clears them.
     """
     rank = dist.get_rank()
     placements = {name: rt.mesh for name, rt in runtimes.items()}
     counts = {name: len(rt.microbatches) for name, rt in runtimes.items()}
     program = C.compile_rank(schedule, placements, rank, counts)
-    if dist.get_backend(group) != "gloo":  # tags ignored: per-pair order must match
-        C.check_pair_order(C.compile_all(schedule, placements, counts))
+    executor = Executor(runtimes, compute, tags)
     dist.barrier(group=group)
     timeline = Timeline(rank)
-    losses = Executor(runtimes, compute).run(program, timeline)
+    losses = executor.run(program, timeline)
     per_rank = None
     if trace_path is not None or gather_timeline:
         per_rank = gather(timeline, group)

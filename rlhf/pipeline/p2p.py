@@ -23,8 +23,7 @@ def communicate(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.T
     requests += [dist.irecv(t, peer, tag=tag) for t, peer in recvs]
     if not wait:
         return requests
-    for request in requests:
-        request.wait()
+    wait_all(requests)
     return []
 
 
@@ -54,7 +53,12 @@ def post_send(tensor: torch.Tensor, peer: int, tag: int) -> list:
     return communicate([(tensor.detach(), peer)], [], tag=tag, wait=False)
 
 
-def recv_into(buffer: torch.Tensor, peer: int, tag: int) -> torch.Tensor:
-    """Receive the message tagged ``tag`` from ``peer`` into ``buffer`` (blocking)."""
-    communicate([], [(buffer, peer)], tag=tag)
-    return buffer
+def post_recv(buffer: torch.Tensor, peer: int, tag: int) -> list:
+    """Start receiving the next message from ``peer`` under ``tag`` into ``buffer``;
+    returns the requests to wait on (:func:`wait_all`)."""
+    return communicate([], [(buffer, peer)], tag=tag, wait=False)
+
+
+def wait_all(requests: list) -> None:
+    for request in requests:
+        request.wait()
