@@ -42,7 +42,7 @@ from rlhf.parallel.groups import TaskGroups, build_task_groups
 from rlhf.parallel.reshard import load_full_weights, reshard
 from rlhf.pipeline.executor import ModelRuntime, run_step
 from rlhf.pipeline.microbatch import pipeline_forward
-from rlhf.pipeline.timeline import COMPUTE_KINDS
+from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
 from rlhf.schedule.problem import ModelSpec, Problem
@@ -305,7 +305,8 @@ class Trainer:
         if self.stage_times is not None:  # the first iteration measured the stages: fuse from now on
             self.fused = self._search_fused_schedule()
             self.stage_times = None
-        return {**_mean_records(recorded), **_bubble_fraction(self._training_steps)}
+        idle = idle_fraction(self._training_steps)
+        return {**_mean_records(recorded), **({} if idle is None else {"training_bubble_fraction": idle})}
 
     def _run_minibatch(self, runtimes: dict) -> None:
         """One optimizer step of every trained model on this rank: the fused schedule over both
@@ -328,7 +329,7 @@ class Trainer:
 
     def _search_fused_schedule(self) -> Schedule:
         """A fused schedule for the measured stage times, searched on rank 0 and shared (collective)."""
-        costs = self.stage_times.per_stage(self.config, self.placement)
+        costs = self.stage_times.per_stage({m: self.placement[t].strategy.pp for m, t in self._trained().items()})
         problem = self.config.fusion_problem(self.placement, costs)
         found = [None]
         if dist.get_rank() == 0:
@@ -516,40 +517,3 @@ def _mean_records(recorded: list) -> dict:
             sums[key] = sums.get(key, 0.0) + value * tokens
             weights[key] = weights.get(key, 0.0) + tokens
     return {key: sums[key] / weights[key].clamp(min=1) for key in sums}
-
-
-def _bubble_fraction(timelines: list) -> dict:
-    """``training_bubble_fraction``: this rank's idle share of its training steps, from the start of
-    each step to its last FORWARD/BACKWARD (0 when the rank trains nothing)."""
-    busy = sum(t.compute_busy() for t in timelines)
-    span = sum(t.compute_end() for t in timelines)
-    return {"training_bubble_fraction": 1.0 - busy / span} if span > 0 else {}
-
-
-class StageTimes:
-    """FORWARD/BACKWARD seconds per (model, pipeline stage), from the executor's timelines."""
-
-    def __init__(self):
-        self.seconds: dict = {}  # (model, stage, kind) -> [seconds]
-
-    def add(self, timeline, stages: dict) -> None:
-        """Record ``timeline``'s compute events; ``stages``: {model: this rank's stage of it}."""
-        for label, kind, start, end in timeline.to_list():
-            model = label.split()[0]
-            if kind in COMPUTE_KINDS and model in stages:
-                self.seconds.setdefault((model, stages[model], kind), []).append(end - start)
-
-    def per_stage(self, config: JobConfig, placement) -> dict:
-        """{model: (forward seconds per stage, backward seconds per stage)}, means over the ranks that
-        ran each stage (collective: every rank's measurements are gathered)."""
-        sums: dict = {}
-        for (model, stage, kind), values in gather_to_all(list(self.seconds.items())):
-            total, count = sums.get((model, stage, kind), (0.0, 0))
-            sums[model, stage, kind] = (total + sum(values), count + len(values))
-        out = {}
-        for model, task in config.trained_tasks().items():
-            pp = placement[task].strategy.pp
-            out[model] = tuple([sums[model, s, kind][0] / sums[model, s, kind][1] for s in range(pp)]
-                               for kind in COMPUTE_KINDS)
-        return out
-

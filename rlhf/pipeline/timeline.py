@@ -94,3 +94,40 @@ def write_chrome_trace(path: str | Path, per_rank: list) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(per_rank)))
+
+
+def idle_fraction(timelines: list) -> float | None:
+    """One rank's idle share of its steps (``timelines``, one per step), from the start of each step
+    to its last FORWARD/BACKWARD; None when the rank computed nothing."""
+    busy = sum(t.compute_busy() for t in timelines)
+    span = sum(t.compute_end() for t in timelines)
+    return 1.0 - busy / span if span > 0 else None
+
+
+class StageTimes:
+    """FORWARD/BACKWARD seconds per (model, pipeline stage), from the executor's timelines."""
+
+    def __init__(self):
+        self.seconds: dict = {}  # (model, stage, kind) -> [seconds]
+
+    def add(self, timeline, stages: dict) -> None:
+        """Record ``timeline``'s compute events; ``stages``: {model: this rank's stage of it}."""
+        for label, kind, start, end in timeline.to_list():
+            model = label.split()[0]
+            if kind in COMPUTE_KINDS and model in stages:
+                self.seconds.setdefault((model, stages[model], kind), []).append(end - start)
+
+    def per_stage(self, stage_counts: dict, group=None) -> dict:
+        """{model: (forward seconds per stage, backward seconds per stage)} for ``stage_counts``
+        ({model: pp}), means over the ranks that ran each stage (collective: gathered over ``group``)."""
+        import torch.distributed as dist
+
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, list(self.seconds.items()), group=group)
+        sums: dict = {}
+        for (model, stage, kind), values in (item for part in parts for item in part):
+            total, count = sums.get((model, stage, kind), (0.0, 0))
+            sums[model, stage, kind] = (total + sum(values), count + len(values))
+        return {model: tuple([sums[model, s, kind][0] / sums[model, s, kind][1] for s in range(pp)]
+                             for kind in COMPUTE_KINDS) for model, pp in stage_counts.items()}
+
