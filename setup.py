@@ -13,7 +13,7 @@ setup(
     "generation/inference and fused actor/critic pipeline schedules",
     python_requires=">=3.10",
     packages=find_packages(include=["rlhf", "rlhf.*"]),
-    py_modules=["pretrain_rlhf"],
+    py_modules=["pretrain_rlhf", "train_reward"],
     install_requires=[
         "torch>=2.4,<2.15",
         "megatron-core>=0.16.1",

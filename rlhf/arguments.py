@@ -152,7 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--reward-model", default=None, metavar="DIR",
                        help="the reward model: a DIR with a *ForSequenceClassification or our value model "
                             "'reward' (default: none when --reward-fn is given, whose function is then the reward; "
-                            "else, for the synthetic task, one fitted to its gold rule at start-up)")
+                            "else, for the synthetic task, one trained at start-up on its gold rule's preference "
+                            "pairs; train_reward.py trains one from your preference data)")
 
     add_section_flags(parser, SECTIONS)
     parser.add_argument("--train-iters", dest="iterations", type=int, help=argparse.SUPPRESS)

@@ -220,6 +220,15 @@ class Batch:
         picked = per_position.gather(1, torch.where(valid, positions, torch.zeros_like(positions)))
         return torch.where(valid, picked, torch.zeros((), dtype=picked.dtype, device=picked.device))
 
+    def last_token_values(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[N] of per-position model output [N, T] at each sample's last token, position
+        P_i + R_i - 1: a reward model's score (its value once it has read the whole response)."""
+        if per_position.dim() != 2 or per_position.shape != self.tokens.shape:
+            raise ValueError(f"Batch.last_token_values: per_position {_describe(per_position)}; "
+                             f"expected [N, T] = {tuple(self.tokens.shape)}, one output per token")
+        last = self._on_device(self.sequence_lengths - 1, per_position.device)
+        return per_position.gather(1, last.unsqueeze(1)).squeeze(1)
+
     def _on_device(self, host: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
         # non_blocking: a host -> device copy of a few ints must not wait for the queued kernels.
         return host.to(device or self.tokens.device, non_blocking=True)

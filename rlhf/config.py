@@ -184,7 +184,7 @@ class ModelsConfig:
     HF model directory or our checkpoint root (rlhf/checkpoint/sources.py, the
     flags ``--<model>-model DIR``); a model without an entry starts from seeded
     random weights, except the reference (a copy of the actor's start) and the
-    reward model (fitted at start-up, or none: ``JobConfig.has_reward_model``).
+    reward model (trained at start-up, or none: ``JobConfig.has_reward_model``).
     Every model reads the ids the actor generates, so none has a smaller
     vocabulary than the actor.
     """
@@ -438,7 +438,7 @@ class JobConfig:
         """Whether a reward model scores the samples (reward_inf runs).
 
         Yes with reward model weights (``models.weights["reward"]``), or with no
-        reward function (a reward model fitted to the synthetic task's rule).
+        reward function (a reward model trained on the synthetic task's preference pairs).
         Without one, ``reward.reward_fn``'s score is the reward; with both, the
         model's score is and the function's is logged as ``gold_reward_mean``
         (for the synthetic task the function defaults to its gold rule).
@@ -458,8 +458,9 @@ class JobConfig:
             return
         if self.has_reward_model and "reward" not in self.models.weights:
             raise ConfigError("prompt data needs a reward source: a reward model (--reward-model DIR), a reward "
-                              "function (--reward-fn MODULE:FUNCTION) or both; a reward model is fitted at "
-                              "start-up only to the synthetic task's rule", "data.prompt_data")
+                              "function (--reward-fn MODULE:FUNCTION) or both; a reward model is trained at "
+                              "start-up only for the synthetic task (train_reward.py trains one from preference "
+                              "data)", "data.prompt_data")
         self.prompt_dataset_config()
 
     def needed_tasks(self) -> tuple:

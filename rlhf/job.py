@@ -10,9 +10,10 @@ then the Trainer (docs/training.md, "Models, tokenizer, prompts and rewards").
   rlhf/checkpoint/sources.py, lazily: the Trainer asks for the tensors of the
   stage each rank holds, one model at a time. Other models start from seeded
   random weights; the reference as a copy of the actor's start; a reward model
-  without weights is fitted at start-up to the synthetic task's gold rule (on
-  rank 0, an unsharded model; its full weights are broadcast). With ``--load``
-  none of this is read or fitted: the checkpoint holds every model.
+  without weights is trained at start-up on the synthetic task's preference
+  pairs (rlhf/reward_trainer.py, the pairwise Bradley-Terry loss, on the
+  reward_inf mesh; its full weights are then on every rank). With ``--load``
+  none of this is read or trained: the checkpoint holds every model.
 - rewards: the reward model, ``--reward-fn`` or both (JobConfig.has_reward_model);
   the synthetic task's function defaults to its gold rule.
 
@@ -21,20 +22,21 @@ Every refusal is a ConfigError naming its field, raised alike on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import time
 
+import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
-from rlhf.config import ConfigError, JobConfig
-from rlhf.data import (PromptBatchIterator, PromptDataError, PromptDataset, Tokenizer, TokenizerError,
-                       build_tokenizer)
-from rlhf.data.synthetic import GOLD_TARGET_IDS, SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
-from rlhf.models.gpt import build_model
-from rlhf.parallel.groups import build_task_groups, local_groups
-from rlhf.parallel.reshard import gather_tp_full_weights
-from rlhf.reward_fit import RewardFitConfig, fit_reward_model
+from rlhf.config import ConfigError, JobConfig, LoggingConfig, RunConfig
+from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
+                       PromptDataset, Tokenizer, TokenizerError, build_tokenizer)
+from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
+from rlhf.reward_config import RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
+from rlhf.reward_trainer import RewardTrainer
 from rlhf.trainer import MODEL_SEEDS, RewardFn, Trainer
 
 SYNTHETIC_RULE = "rlhf.data.synthetic:gold_reward"
@@ -50,7 +52,7 @@ def build_trainer(config: JobConfig, placement) -> Trainer:
     if config.checkpoint.load is None:  # a resumed run takes every model's weights from the checkpoint
         weights = {model: directory_weights(config, model) for model in config.models.weights}
         if config.has_reward_model and "reward" not in weights:
-            weights["reward"] = fitted_reward_weights(config, dataset, tokenizer, placement)
+            weights["reward"] = trained_reward_weights(config, dataset, tokenizer, placement)
     if dist.get_rank() == 0:
         print(describe_rewards(config), flush=True)
     return Trainer(config, placement, prompts, tokenizer, initial_weights=weights, reward_fn=reward_fn)
@@ -58,16 +60,21 @@ def build_trainer(config: JobConfig, placement) -> Trainer:
 
 def job_tokenizer(config: JobConfig) -> Tokenizer:
     """``--tokenizer`` or its default, refused when its ids do not fit the actor's vocabulary."""
-    name = config.data.tokenizer or default_tokenizer(config)
+    return checked_tokenizer(config.data.tokenizer or default_tokenizer(config), config.models.actor.vocab_size,
+                             "the actor", "--actor-model")
+
+
+def checked_tokenizer(name: str, vocab: int, model: str, model_flag: str) -> Tokenizer:
+    """``build_tokenizer(name)``, refused (ConfigError naming ``data.tokenizer``) when it cannot be built
+    or has more ids than ``model``'s vocabulary ``vocab`` (set by ``model_flag``)."""
     try:
         tokenizer = build_tokenizer(name)
     except TokenizerError as exc:
         raise ConfigError(str(exc), "data.tokenizer") from None
-    vocab = config.models.actor.vocab_size
     if tokenizer.vocab_size > vocab:
-        raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than the actor's vocab_size="
-                          f"{vocab} (--actor-model); give a tokenizer of the actor's vocabulary (--tokenizer) or an "
-                          "actor whose vocabulary covers it (--actor-model)", "data.tokenizer")
+        raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than {model}'s vocab_size="
+                          f"{vocab} ({model_flag}); give a tokenizer of {model}'s vocabulary (--tokenizer) or "
+                          f"a model whose vocabulary covers it ({model_flag})", "data.tokenizer")
     return tokenizer
 
 
@@ -133,7 +140,7 @@ def describe_rewards(config: JobConfig) -> str:
     spec = reward_fn_spec(config)
     if not config.has_reward_model:
         return f"reward: {spec} (no reward model: reward_inf does not run)"
-    where = config.models.weights.get("reward", "fitted to the synthetic task's gold rule")
+    where = config.models.weights.get("reward", "trained on the synthetic task's preference pairs")
     return f"reward: the reward model's score ({where})" + (f"; gold_reward_mean: {spec}" if spec else "")
 
 
@@ -153,19 +160,50 @@ def _source(config: JobConfig, model: str):
         raise ConfigError(str(exc), f"models.{model}") from None
 
 
-def fitted_reward_weights(config: JobConfig, dataset, tokenizer, placement) -> dict:
-    """Full weights of a reward model fitted to the gold rule on rank 0, on every rank (collective)."""
-    build_task_groups(placement)  # collective; makes the one-rank groups an unsharded model uses
-    weights = [None]
+SYNTHETIC_REWARD = RewardTrainingConfig(global_batch_size=64, center_rewards_coef=0.01)
+"""The tiny default's reward training: 64 preference pairs per step, reward centering (it keeps the scores
+of the untrained actor's samples near 0, where the critic starts; measured in docs/reward_model.md)."""
+SYNTHETIC_REWARD_STEPS = 300
+SYNTHETIC_REWARD_LR = 3e-3
+SYNTHETIC_HELD_OUT = 512
+
+
+def trained_reward_weights(config: JobConfig, dataset, tokenizer, placement) -> dict:
+    """Full weights of a reward model trained on the synthetic task's preference pairs, on every rank
+    (collective): rlhf/reward_trainer.py on the placement's reward_inf mesh, where PPO serves it; one
+    micro-batch per DP replica and step, AdamW with a cosine decay to 0, the held-out pairs scored last."""
+    dp, steps = placement["reward_inf"].strategy.dp, SYNTHETIC_REWARD_STEPS
+    micro = -(-SYNTHETIC_REWARD.global_batch_size // dp)  # about 64 pairs a step whatever the dp
+    size = micro * dp
+    reward = RewardJobConfig(
+        model=config.models["reward"], run=RunConfig(iterations=steps, seed=config.run.seed + MODEL_SEEDS["reward"]),
+        training=dataclasses.replace(SYNTHETIC_REWARD, global_batch_size=size, micro_batch_size=micro,
+                                     eval_interval=steps),
+        optimizer=RewardOptimizerConfig(lr=SYNTHETIC_REWARD_LR, lr_decay_style="cosine", lr_decay_iters=steps),
+        logging=LoggingConfig(progress=False))
+    held_out, train = synthetic_preferences(config, dataset, tokenizer, steps * size)
+    trainer = RewardTrainer(reward, placement, train, tokenizer.pad_id, held_out)
+    start = time.perf_counter()
+    for _ in range(steps):
+        metrics = trainer.step()
     if dist.get_rank() == 0:
-        local = local_groups()
-        model = build_model(config.models["reward"], "value", local.pg_collection, local.stage,
-                            seed=config.run.seed + MODEL_SEEDS["reward"])
-        report = fit_reward_model(model, gold_reward, [p.token_ids for p in dataset],
-                                  RewardFitConfig(seed=config.run.seed,
-                                                  max_response_length=config.generation.max_response_len),
-                                  target_ids=GOLD_TARGET_IDS, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-        print(report.summary(), flush=True)
-        weights = [gather_tp_full_weights(model, local)]
-    dist.broadcast_object_list(weights, src=0)
-    return weights[0]
+        print(f"reward model: {steps} steps on {len(train)} synthetic preference pairs in "
+              f"{time.perf_counter() - start:.1f} s; held-out ({len(held_out)} pairs): accuracy "
+              f"{metrics['eval_accuracy']:.3f}, loss {metrics['eval_loss']:.3f}", flush=True)
+    return trainer.full_weights()
+
+
+def synthetic_preferences(config: JobConfig, dataset, tokenizer, n: int) -> tuple:
+    """(held-out, training) preference pairs of the synthetic task: the seed's first SYNTHETIC_HELD_OUT
+    draws, then ``n`` more (rlhf.data.synthetic.preference_pairs over the reward model's whole vocabulary,
+    responses as long as the actor's, a quarter ending with EOS)."""
+    gen = torch.Generator().manual_seed(config.run.seed)
+    prompts = [p.token_ids for p in dataset]
+    model = config.models["reward"]
+    out = []
+    for name, count in (("synthetic-held-out", SYNTHETIC_HELD_OUT), ("synthetic-preferences", n)):
+        pairs = preference_pairs(prompts, count, range(model.vocab_size), config.generation.max_response_len, gen,
+                                 tokenizer.eos_id, eos_probability=0.25)
+        out.append(PreferenceDataset.from_token_ids(pairs, PreferenceDatasetConfig(name, model.max_seq_len),
+                                                    tokenizer.bos_id))
+    return tuple(out)

@@ -207,6 +207,8 @@ class MetricsWriter:
     Built on every rank; only ``rank == 0`` writes. ``start_iteration`` is the
     number of iterations already done (a resumed checkpoint's iteration; 0 for a
     fresh run), so the first :meth:`log` is iteration ``start_iteration + 1``.
+    ``desc`` names the progress bar and ``postfix`` lists the (label, metric
+    key) pairs shown after it (default: PPO's).
 
     Resume rule: the outputs describe the run that is writing them. Lines of
     ``metrics_file`` with ``iteration > start_iteration`` (an abandoned future
@@ -216,11 +218,13 @@ class MetricsWriter:
     ``SummaryWriter(purge_step=...)``.
     """
 
-    def __init__(self, config: LoggingConfig, total_iterations: int, rank: int, start_iteration: int = 0):
+    def __init__(self, config: LoggingConfig, total_iterations: int, rank: int, start_iteration: int = 0,
+                 desc: str = "ppo", postfix: tuple = POSTFIX):
         self.active = rank == 0
         self.last_iteration = start_iteration
+        self.postfix = postfix
         self._file = self._tb = None
-        self._bar = tqdm(total=total_iterations, initial=start_iteration, desc="ppo", unit="it",
+        self._bar = tqdm(total=total_iterations, initial=start_iteration, desc=desc, unit="it",
                          dynamic_ncols=True, disable=not (self.active and config.progress))
         if not self.active:
             return
@@ -246,7 +250,7 @@ class MetricsWriter:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, global_step=iteration)
             self._tb.flush()
-        self._bar.set_postfix({label: f"{metrics[key]:.4g}" for label, key in POSTFIX if key in metrics},
+        self._bar.set_postfix({label: f"{metrics[key]:.4g}" for label, key in self.postfix if key in metrics},
                               refresh=False)
         self._bar.update(1)
 

@@ -206,7 +206,7 @@ def test_reward_fn_alone_is_the_reward(fn_run):
         assert "gold_reward_mean" not in m
     lines = stdout.splitlines()
     assert "reward: scenario_job_sources:record (no reward model: reward_inf does not run)" in lines
-    assert not any(line.startswith("reward model fit:") for line in lines)
+    assert not any(line.startswith("reward model:") for line in lines)
 
 
 def test_reward_fn_with_a_wrong_count_stops_every_rank(tmp_path):

@@ -31,3 +31,15 @@ def test_bad_input_names_the_file_or_key(tmp_path, capsys):
     path.write_text('{"iteration": 1, "reward_mean": 0.1}\n')
     assert plot_metrics.main(["--metrics", str(path), "--out", str(tmp_path / "p.png")]) == 2
     assert capsys.readouterr().err.startswith("plot_metrics.py: --keys ['gold_reward_mean'] not in")
+
+
+def test_a_key_of_some_iterations_is_plotted_where_it_is(tmp_path, capsys):
+    """train_reward.py writes eval_accuracy on eval iterations only: its window counts those."""
+    path = tmp_path / "m.jsonl"
+    records = [{"iteration": i, "loss": 1.0 / i} | ({"eval_accuracy": i / 10} if i % 2 == 0 else {})
+               for i in range(1, 7)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["--metrics", str(path), "--out", str(tmp_path / "p.png"), "--keys", "eval_accuracy", "--window", "2"]
+    assert plot_metrics.main(argv) == 0
+    # eval iterations 2, 4, 6: first 2 (0.2, 0.4) and last 2 (0.4, 0.6), sem 0.1/sqrt(2)
+    assert capsys.readouterr().out.splitlines() == ["eval_accuracy: first 2 0.3000 +- 0.1000, last 2 0.5000 +- 0.1000"]

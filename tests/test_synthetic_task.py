@@ -1,13 +1,12 @@
-"""The built-in synthetic task: seeded prompts, the gold rule, the reward-model fit."""
+"""The built-in synthetic task: seeded prompts, the gold rule, the preference pairs its reward model trains on."""
 
 import pytest
 import torch
 
 from rlhf.data import PromptBatchIterator
-from rlhf.data.synthetic import GOLD_TARGET_IDS, SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
+from rlhf.data.synthetic import (GOLD_TARGET_IDS, TEXT_IDS, SyntheticPromptConfig, SyntheticPromptDataset,
+                                  gold_reward, preference_pairs, preference_records, sample_responses)
 from rlhf.data.tokenizer import ByteTokenizer
-from rlhf.reward_fit import RewardFitConfig, pack_sequences, sample_sequences
-from rlhf.testing.distributed import launch
 
 BOS, EOS, PAD = ByteTokenizer.BOS, ByteTokenizer.EOS, ByteTokenizer.PAD
 
@@ -89,58 +88,34 @@ def test_gold_reward_needs_one_prompt_per_response():
         gold_reward([[BOS], [BOS]], [[EOS]])
 
 
-# -- fit sequences --------------------------------------------------------------
-def test_pack_sequences_follows_the_batch_layout_and_scores_the_last_response_token():
-    tokens, positions = pack_sequences([[BOS, 1, 2], [BOS]], [[3, EOS], [4, 5, 6]], PAD)
-    assert tokens.tolist() == [[BOS, 1, 2, 3, EOS], [BOS, 4, 5, 6, PAD]]
-    assert positions.tolist() == [4, 3]
-
-
-def test_fit_sequences_span_the_score_range():
-    config = RewardFitConfig(max_response_length=20, eos_probability=0.25)
-    prompts = [[BOS, 65], [BOS, 66, 67]]
-    p, r = sample_sequences(prompts, 2000, GOLD_TARGET_IDS, 512, EOS, config,
-                            torch.Generator().manual_seed(0))
-    again = sample_sequences(prompts, 2000, GOLD_TARGET_IDS, 512, EOS, config,
-                             torch.Generator().manual_seed(0))
-    assert (p, r) == again
-    assert all(pi in prompts for pi in p)
+# -- preference pairs ------------------------------------------------------------
+def test_responses_span_the_score_range():
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    r = sample_responses(2000, range(512), 20, gen(), eos_id=EOS, eos_probability=0.25)
+    assert r == sample_responses(2000, range(512), 20, gen(), eos_id=EOS, eos_probability=0.25)
     assert {len(ri) for ri in r} == set(range(1, 21))
     assert abs(sum(ri[-1] == EOS for ri in r) / len(r) - 0.25) < 0.04
-    scores = torch.tensor(gold_reward(p, r))
+    scores = torch.tensor(gold_reward([[]] * len(r), r))
     # q ~ U(0, 1): scores spread over [0, 1], not piled at a uniform policy's 0.05
     assert abs(scores.mean().item() - 0.5) < 0.05
     assert (scores < 0.1).float().mean() > 0.1 and (scores > 0.9).float().mean() > 0.05
 
 
-def test_fit_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"RewardFitConfig.eos_probability=1.5: must be in \[0, 1\]"):
-        RewardFitConfig(eos_probability=1.5)
-    with pytest.raises(ValueError, match="RewardFitConfig.steps=0: must be an int >= 1"):
-        RewardFitConfig(steps=0)
+def test_preference_pairs_follow_the_gold_rule_and_drop_ties():
+    prompts = [[BOS, 65], [BOS, 66, 67]]
+    pairs = preference_pairs(prompts, 1000, range(512), 8, torch.Generator().manual_seed(1), EOS, 0.25)
+    assert 850 < len(pairs) < 1000  # ties (equal scores, e.g. two letter-free answers) are dropped
+    for prompt, chosen, rejected in pairs:
+        assert prompt in prompts
+        assert gold_reward([prompt], [chosen])[0] > gold_reward([prompt], [rejected])[0]
 
 
-# -- the fit (one gloo rank) ----------------------------------------------------
-@pytest.fixture(scope="module")
-def fit():
-    return launch(1, "scenario_synthetic:run", timeout_s=300)[0]
-
-
-def test_reward_fit_ranks_held_out_sequences_like_the_rule(fit):
-    report = fit["report"]
-    assert report["steps"] == 120 and report["eval_samples"] == 256
-    assert report["correlation"] >= 0.9 and report["mae"] < 0.12
-    assert report["final_loss"] < 0.03
-
-
-def test_reward_fit_report_agrees_with_an_independent_check(fit):
-    check = fit["check"]
-    assert check["corr"] >= 0.9 and abs(check["corr"] - fit["report"]["correlation"]) < 0.05
-    assert abs(check["mae"] - fit["report"]["mae"]) < 0.03
-    # right padding leaves the last response token's value as an unpadded forward gives it
-    assert check["single_err"] < 1e-5
-
-
-def test_reward_fit_is_a_function_of_its_seeds(fit):
-    assert fit["rerun_diff"] == 0.0
-    assert fit["other_seed_diff"] > 0.0
+def test_preference_records_are_text_ordered_by_the_rule():
+    records = preference_records(300, seed=2)
+    tok = ByteTokenizer()
+    assert len(records) > 250 and records == preference_records(300, seed=2)
+    for r in records:
+        chosen, rejected = (tok.encode(r[k]) for k in ("chosen", "rejected"))
+        assert set(chosen + rejected) <= set(TEXT_IDS)
+        assert r["prompt"].replace(" ", "").isupper()
+        assert gold_reward([[]], [chosen])[0] > gold_reward([[]], [rejected])[0]

@@ -14,27 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 import torch
 
 from rlhf.checkpoint import storage
-from rlhf.checkpoint.hf import HFConversionError, export_hf, read_hf_config, read_hf_state
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, read_full_state, stage_files
+from rlhf.checkpoint.hf import HFConversionError, read_hf_config, read_hf_state
+from rlhf.checkpoint.hf import export_saved_model as ours_to_hf  # ours-to-hf: tests call it under this name too
+from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, stage_files
 from rlhf.cli import HelpFormatter, report
-from rlhf.data import TOKENIZER_FILES
+from rlhf.data import copy_tokenizer_files
 from rlhf.tasks import KINDS
-
-
-def copy_tokenizer(src: str, dst: str) -> list[str]:
-    """Copy the tokenizer files present in ``src`` to ``dst``; returns their names."""
-    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
-    if names:
-        os.makedirs(dst, exist_ok=True)
-    for n in names:
-        shutil.copy2(os.path.join(src, n), os.path.join(dst, n))
-    return names
 
 
 def hf_to_ours(hf_dir: str, out: str, model_name: str = "actor", role: str = "lm", iteration: int = 0,
@@ -54,18 +44,8 @@ def hf_to_ours(hf_dir: str, out: str, model_name: str = "actor", role: str = "lm
     path = storage.save_checkpoint(out, iteration, shards=shards, json_files=json_files,
                                    state={"data_position": {}, "extra": {"converted_from": os.path.abspath(hf_dir),
                                                                          "architecture": info.architecture}})
-    copy_tokenizer(hf_dir, os.path.join(out, TOKENIZER_DIR))
+    copy_tokenizer_files(hf_dir, os.path.join(out, TOKENIZER_DIR))
     return path
-
-
-def ours_to_hf(root: str, out: str, model_name: str = "actor", iteration: int | None = None,
-               family: str | None = None) -> str:
-    """Export model ``model_name`` of our checkpoint as an HF directory; returns ``out``."""
-    cfg, role, full = read_full_state(root, model_name, iteration)
-    kind = "sequence_classification" if role == "value" else "causal_lm"
-    export_hf(out, cfg, full, kind=kind, family=family)
-    copy_tokenizer(os.path.join(root, TOKENIZER_DIR), out)
-    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,8 @@
         --keys reward_mean gold_reward_mean
 
 Prints, per key, the mean and standard error of the first and the last N
-iterations (--window, default 10).
+iterations (--window, default 10). A key that only some iterations have
+(train_reward.py's eval_* metrics) is plotted and averaged where it is.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
 def plot(argv=None) -> int:
     """Parse the flags, plot, print the window statistics; bad input raises UsageError."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--metrics", required=True, help="JSON Lines written by pretrain_rlhf.py --metrics-file")
+    p.add_argument("--metrics", required=True,
+                   help="JSON Lines written by pretrain_rlhf.py or train_reward.py --metrics-file")
     p.add_argument("--out", required=True, help="PNG to write")
     p.add_argument("--keys", nargs="+", default=["reward_mean", "gold_reward_mean"], help="metrics to plot")
     p.add_argument("--window", type=int, default=10, help="iterations averaged at the start and the end")
@@ -59,19 +61,19 @@ def plot(argv=None) -> int:
     if args.window < 1:
         p.error(f"--window {args.window} must be >= 1")
     records = read_metrics(args.metrics)
-    missing = [k for k in args.keys if not records or k not in records[0]]
+    missing = [k for k in args.keys if all(r.get(k) is None for r in records)]
     if missing:
         raise UsageError(f"--keys {missing} not in {args.metrics} "
-                         f"(it has {sorted(records[0]) if records else 'no records'})")
+                         f"(it has {sorted(set().union(*records)) if records else 'no records'})")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    iterations = [r["iteration"] for r in records]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in args.keys:
-        values = [r[key] for r in records]
+    for key in args.keys:  # a key some iterations lack (eval_*) is plotted where it is
+        iterations, values = zip(*[(r["iteration"], r[key]) for r in records if r.get(key) is not None])
+        values = list(values)
         ax.plot(iterations, values, marker="o", markersize=3, label=key)
         (m0, s0), (m1, s1) = window_stats(values[:args.window]), window_stats(values[-args.window:])
         print(f"{key}: first {args.window} {m0:.4f} +- {s0:.4f}, last {args.window} {m1:.4f} +- {s1:.4f}")

@@ -2,7 +2,8 @@
 
 - gae: matrix-form GAE and discounted returns (blocked, masked by compaction)
 - kl: KL estimators k1/k2/k3, fixed/adaptive KL controllers, per-token rewards
-- losses: PPO clipped policy / value losses, entropy, masked statistics
+- losses: PPO clipped policy / value losses, entropy, masked statistics; the reward model's
+  pairwise preference loss
 - estimators: advantage-estimator registry (gae, grpo, reinforce++)
 - balancing: token-balanced DP mini-batches (Karmarkar-Karp, LPT)
 """
@@ -32,6 +33,7 @@ from rlhf.algorithms.losses import (
     masked_var,
     masked_whiten,
     policy_loss,
+    preference_loss,
     value_loss,
 )
 
@@ -60,6 +62,7 @@ __all__ = [
     "masked_whiten",
     "partition_loads",
     "policy_loss",
+    "preference_loss",
     "register_advantage_estimator",
     "token_rewards",
     "value_loss",

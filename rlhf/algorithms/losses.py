@@ -1,5 +1,6 @@
 """PPO losses and their metrics (owns masked statistics, advantage whitening,
-loss aggregation, the clipped policy and value losses and entropy).
+loss aggregation, the clipped policy and value losses and entropy), and the
+reward model's pairwise preference loss.
 
 All inputs are [B, T] per-token tensors with a 0/1 ``mask`` of valid response
 tokens; every metric is returned as a 0-dim tensor (no host sync here).
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from rlhf.algorithms.kl import kl_estimate
 
@@ -173,3 +175,22 @@ def entropy_loss(logits: torch.Tensor, mask: torch.Tensor, agg: str = "token-mea
     """Aggregated entropy of [B, T, V] logits over valid tokens (subtract
     ``coef * entropy_loss`` from the policy loss to encourage exploration)."""
     return aggregate_loss(entropy_from_logits(logits), mask, agg)
+
+
+def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,
+                    center_coef: float = 0.0) -> torch.Tensor:
+    """Pairwise Bradley-Terry loss of a reward model, per pair.
+
+    loss_i = -log sigmoid(r_c - r_r - m) + center_coef * (r_c + r_r)^2: the
+    negative log-likelihood that the chosen answer wins by at least the margin
+    m (Llama 2's margin), plus reward centering (Eisenstein et al. 2023), which
+    pulls the scores' mean towards 0 without changing their order.
+
+    Args:
+        chosen, rejected: [P] scores of each pair's answers (with grad).
+        margin: [P] or a float; center_coef: >= 0 (0: off).
+    Returns:
+        [P] losses (mean them over the pairs for a batch loss).
+    """
+    loss = -F.logsigmoid(chosen - rejected - margin)
+    return loss + center_coef * (chosen + rejected).square() if center_coef else loss

@@ -393,3 +393,17 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
         json.dump(hf_config_dict(cfg, kind, family, dtype), f, indent=2, sort_keys=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     return out_dir
+
+
+def export_saved_model(root: str, out: str, model_name: str = "actor", iteration: int | None = None,
+                       family: str | None = None) -> str:
+    """Export model ``model_name`` of our checkpoint root ``root`` (``latest`` unless ``iteration``) as an
+    HF directory: value models as ``*ForSequenceClassification``, with the checkpoint's tokenizer files
+    (``<root>/tokenizer``); returns ``out``."""
+    from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state
+    from rlhf.data.tokenizer import copy_tokenizer_files
+
+    cfg, role, full = read_full_state(root, model_name, iteration)
+    export_hf(out, cfg, full, kind="sequence_classification" if role == "value" else "causal_lm", family=family)
+    copy_tokenizer_files(os.path.join(root, TOKENIZER_DIR), out)
+    return out

@@ -77,28 +77,34 @@ def _is_checkpoint_root(path: str) -> bool:
     return os.path.isfile(os.path.join(path, storage.LATEST)) or bool(storage.list_checkpoints(path))
 
 
-def open_source(path: str, part: str) -> ModelSource:
-    """What ``path`` holds for ``part``, checked (reads config files only; raises ModelSourceError)."""
+def open_source(path: str, part: str, trained: bool | None = None) -> ModelSource:
+    """What ``path`` holds for ``part``, checked (reads config files only; raises ModelSourceError).
+
+    ``trained``: whether the part is trained (None: as PPO trains it, rlhf.tasks.TRAIN_TASK); a
+    trained value part may start from a language model with a new value head (train_reward.py
+    trains the reward model).
+    """
     if not os.path.isdir(path):
         raise ModelSourceError(f"{path} is not a directory")
+    trained = part in TRAIN_TASK if trained is None else trained
     if is_hf_dir(path):
-        return _hf_source(path, part)
+        return _hf_source(path, part, trained)
     if _is_checkpoint_root(path):
-        return _checkpoint_source(path, part)
+        return _checkpoint_source(path, part, trained)
     raise ModelSourceError(f"{path} is neither a Hugging Face model directory (no config.json) nor our "
                            f"checkpoint root (no '{storage.LATEST}' file, no iter_* directory)")
 
 
-def _hf_source(path: str, part: str) -> ModelSource:
+def _hf_source(path: str, part: str, trained: bool) -> ModelSource:
     try:
         info = read_hf_config(path)
     except HFConversionError as exc:
         raise ModelSourceError(str(exc)) from None
     holds = "lm" if info.kind == "causal_lm" else "value"
-    return ModelSource(path, part, info.config, "hf", _new_head(f"{path} ({info.architecture})", part, holds))
+    return ModelSource(path, part, info.config, "hf", _new_head(f"{path} ({info.architecture})", part, holds, trained))
 
 
-def _new_head(what: str, part: str, holds: str) -> bool:
+def _new_head(what: str, part: str, holds: str, trained: bool) -> bool:
     """Whether ``part`` starts from ``what`` (a model with head ``holds``: "lm" or "value") with a new
     value head; raises ModelSourceError when it cannot start from it at all."""
     needs = MODEL_KIND[part]
@@ -107,7 +113,7 @@ def _new_head(what: str, part: str, holds: str) -> bool:
     if needs == "lm":
         raise ModelSourceError(f"{what} is a value model; the {part} is a language model: give a *ForCausalLM "
                                "directory (Llama or Qwen2) or our checkpoint with a model of role 'lm'")
-    if part not in TRAIN_TASK:
+    if not trained:
         raise ModelSourceError(f"{what} is a language model without a value head; the {part} model is frozen, so "
                                "it needs a trained one: give a *ForSequenceClassification directory (num_labels=1, "
                                "head in score.weight) or our checkpoint with a value model "
@@ -115,7 +121,7 @@ def _new_head(what: str, part: str, holds: str) -> bool:
     return True
 
 
-def _checkpoint_source(root: str, part: str) -> ModelSource:
+def _checkpoint_source(root: str, part: str, trained: bool) -> ModelSource:
     try:
         path = storage.checkpoint_path(root, storage.resolve_checkpoint(root))
         saved = _saved_models(storage.verify_checkpoint(path, []))
@@ -128,7 +134,7 @@ def _checkpoint_source(root: str, part: str) -> ModelSource:
     except storage.CheckpointError as exc:
         raise ModelSourceError(str(exc)) from None
     what = f"model {name!r} of checkpoint {path} (role {role!r})"
-    return ModelSource(root, part, config, "checkpoint", _new_head(what, part, role), name)
+    return ModelSource(root, part, config, "checkpoint", _new_head(what, part, role, trained), name)
 
 
 @torch.no_grad()

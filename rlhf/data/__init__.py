@@ -5,9 +5,12 @@
 directory), built by :func:`build_tokenizer`.
 ``prompts``: JSONL/Parquet prompt datasets with checked records, a prompt-length
 policy and a resumable mini-batch iterator.
+``preferences``: JSONL/Parquet preference pairs (prompt, chosen, rejected) for
+reward-model training, with the same record checks.
 ``synthetic``: the built-in task that needs no files: seeded prompts and the
 rule-based gold reward.
 """
+from .preferences import PreferenceDataset, PreferenceDatasetConfig, PreferencePair, PreferenceStats
 from .prompts import (
     Prompt,
     PromptBatch,
@@ -28,6 +31,7 @@ from .tokenizer import (
     Tokenizer,
     TokenizerError,
     build_tokenizer,
+    copy_tokenizer_files,
     validate_messages,
 )
 
@@ -36,6 +40,10 @@ __all__ = [
     "TOKENIZER_FILES",
     "ByteTokenizer",
     "HFTokenizer",
+    "PreferenceDataset",
+    "PreferenceDatasetConfig",
+    "PreferencePair",
+    "PreferenceStats",
     "Prompt",
     "PromptBatch",
     "PromptBatchIterator",
@@ -49,6 +57,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "build_tokenizer",
+    "copy_tokenizer_files",
     "encode_prompt",
     "gold_reward",
     "load_prompt_records",

@@ -29,6 +29,18 @@ Gold reward
     policy is rewarded for letters over the whole response; and stopping early
     does not pay (an empty or EOS-only response scores 0, the EOS itself is a
     non-letter, so L letters then EOS score L/(L+1)).
+
+Preference pairs (the reward model's training data)
+    Two responses to one prompt, ordered by the gold rule (ties dropped). A
+    response is ``R ~ U{1..max_length}`` tokens, each one from the rule's
+    target set with a per-response probability ``q ~ U(0, 1)``, else from the
+    other pool; each response draws from a random subset of each pool (1..all
+    of its ids), so a policy that later piles its mass onto a few ids is still
+    inside the training distribution, and the scores cover all of [0, 1], not
+    only the 0.05 of an untrained policy. :func:`preference_pairs` gives token
+    ids (the tiny default: the other pool is the model's whole vocabulary, and
+    the last token is EOS with ``eos_probability``); :func:`preference_records`
+    gives text records for files (the other pool is printable ASCII).
 """
 from __future__ import annotations
 
@@ -38,19 +50,26 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from .prompts import Prompt
 from .tokenizer import ByteTokenizer
 
 __all__ = [
     "GOLD_TARGET_IDS",
+    "TEXT_IDS",
     "SyntheticPromptConfig",
     "SyntheticPromptDataset",
     "gold_reward",
+    "preference_pairs",
+    "preference_records",
+    "sample_responses",
 ]
 
 GOLD_TARGET_IDS = tuple(range(ord("a"), ord("z") + 1))
 _TARGETS = frozenset(GOLD_TARGET_IDS)
+TEXT_IDS = tuple(range(32, 127))
+"""Printable ASCII: the other pool of :func:`preference_records` (text answers)."""
 _WORD_BYTES = np.arange(ord("A"), ord("Z") + 1)
 _SPACE = ord(" ")
 
@@ -152,3 +171,54 @@ class SyntheticPromptDataset(Sequence[Prompt]):
         c = self.config
         return (f"SyntheticPromptDataset({len(self)} prompts, seed={c.seed}, "
                 f"lengths {c.min_length}..{c.max_length})")
+
+
+def _from_subsets(pool: torch.Tensor, n: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """[n, width] ids of ``pool``, row i uniform over a random subset of 1..len(pool) of its ids."""
+    perm = torch.rand(n, len(pool), generator=gen).argsort(dim=1)
+    size = torch.randint(1, len(pool) + 1, (n, 1), generator=gen)
+    pick = (torch.rand(n, width, generator=gen) * size).long()
+    return pool[perm.gather(1, pick)]
+
+
+def sample_responses(n: int, other_ids: Sequence[int], max_length: int, gen: torch.Generator,
+                     eos_id: int | None = None, eos_probability: float = 0.0) -> list[list[int]]:
+    """``n`` responses as the module docstring describes (id lists of 1..``max_length`` tokens, the
+    last one ``eos_id`` with ``eos_probability``); deterministic in ``gen`` (a CPU generator)."""
+    q = torch.rand(n, 1, generator=gen)
+    target = torch.rand(n, max_length, generator=gen) < q
+    ids = torch.where(target, _from_subsets(torch.tensor(GOLD_TARGET_IDS), n, max_length, gen),
+                      _from_subsets(torch.tensor(list(other_ids)), n, max_length, gen))
+    lengths = torch.randint(1, max_length + 1, (n,), generator=gen)
+    if eos_id is not None:
+        rows, ends = torch.arange(n), torch.rand(n, generator=gen) < eos_probability
+        ids[rows, lengths - 1] = torch.where(ends, eos_id, ids[rows, lengths - 1])
+    return [row[:r] for row, r in zip(ids.tolist(), lengths.tolist())]
+
+
+def preference_pairs(prompts: Sequence[Sequence[int]], n: int, other_ids: Sequence[int], max_length: int,
+                     gen: torch.Generator, eos_id: int | None = None,
+                     eos_probability: float = 0.0) -> list[tuple[list[int], list[int], list[int]]]:
+    """Up to ``n`` (prompt, chosen, rejected) id lists: two :func:`sample_responses` per pair, the
+    one :func:`gold_reward` scores higher chosen; pairs it scores equal are dropped."""
+    which = torch.randint(len(prompts), (n,), generator=gen).tolist()
+    responses = sample_responses(2 * n, other_ids, max_length, gen, eos_id, eos_probability)
+    scores = gold_reward([[]] * len(responses), responses)  # the rule ignores the prompt
+    out = []
+    for i, p in enumerate(which):
+        a, b = scores[2 * i], scores[2 * i + 1]
+        if a != b:
+            chosen, rejected = (2 * i, 2 * i + 1) if a > b else (2 * i + 1, 2 * i)
+            out.append((list(prompts[p]), responses[chosen], responses[rejected]))
+    return out
+
+
+def preference_records(n: int, seed: int, max_length: int = 32) -> list[dict]:
+    """Up to ``n`` text records ``{"prompt", "chosen", "rejected"}`` for a preference file: the
+    synthetic task's prompts (seed ``seed``, without the BOS the tokenizer adds back) and printable
+    ASCII answers, ordered by the gold rule (which rlhf.data.PreferenceDataset does not see)."""
+    tokenizer = ByteTokenizer()
+    prompts = [p.token_ids for p in SyntheticPromptDataset(SyntheticPromptConfig(seed=seed))]
+    pairs = preference_pairs(prompts, n, TEXT_IDS, max_length, torch.Generator().manual_seed(seed))
+    return [{"prompt": tokenizer.decode(p), "chosen": tokenizer.decode(c), "rejected": tokenizer.decode(r)}
+            for p, c, r in pairs]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import json
 import os
+import shutil
 from typing import Any, Mapping, Optional, Sequence, Union
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "TOKENIZER_FILES",
     "TokenizerError",
     "build_tokenizer",
+    "copy_tokenizer_files",
     "is_tokenizer_dir",
     "validate_messages",
 ]
@@ -317,6 +319,17 @@ class HFTokenizer(Tokenizer):
 def is_tokenizer_dir(path: Union[str, os.PathLike]) -> bool:
     """True for a directory holding one of the files that define a tokenizer."""
     return any(os.path.isfile(os.path.join(path, f)) for f in _DEFINING_FILES)
+
+
+def copy_tokenizer_files(src: Union[str, os.PathLike], dst: Union[str, os.PathLike]) -> list[str]:
+    """Copy the files of :data:`TOKENIZER_FILES` present in ``src`` to ``dst`` (created when there
+    are any); returns their names."""
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(src, n))]
+    if names:
+        os.makedirs(dst, exist_ok=True)
+    for n in names:
+        shutil.copy2(os.path.join(src, n), os.path.join(dst, n))
+    return names
 
 
 def _check_tokenizer_dir(path: str) -> None:
