@@ -92,6 +92,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def peak_memory_bytes() -> int | None:
+    """The most bytes this process's accelerator allocator has held (None on the CPU, which has no such counter)."""
+    return torch.cuda.max_memory_allocated() if has_accelerator() else None
+
+
 def synchronize() -> None:
     """Wait for queued device work (no-op on CPU)."""
     if has_accelerator():

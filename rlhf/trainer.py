@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from rlhf import platform
 from rlhf.algorithms import (AdvantageInputs, balanced_minibatches, compute_advantages, make_kl_controller,
                              masked_mean, policy_loss, token_rewards, value_loss)
 from rlhf.batch import Batch
@@ -167,6 +168,7 @@ class Trainer:
 
         Returns the final batch and the iteration's metrics, reduced over all ranks (collective).
         """
+        batch = batch.to(platform.device())  # per-token tensors live where the models compute
         with self.timer.stage("inference"):
             batch = self.infer(batch)
         with self.timer.stage("advantage"):
@@ -230,7 +232,8 @@ class Trainer:
         for part in gather_to_all([outputs]):
             for name, rows in part.items():
                 merged.setdefault(name, {}).update(rows)
-        fields = {name: torch.stack([rows[i] for i in range(len(batch))]) for name, rows in merged.items()}
+        fields = {name: torch.stack([rows[i] for i in range(len(batch))]).to(batch.tokens.device)
+                  for name, rows in merged.items()}
         if not self.config.has_reward_model:
             fields["scores"] = self._function_scores(batch)
         return batch.with_fields(**fields)
@@ -256,7 +259,8 @@ class Trainer:
     def _infer_task(self, task: str, batch: Batch) -> dict:
         """This rank's replica share of ``task``, micro-batched through its pipeline.
 
-        Returns {sample index: output row} on the last stage's TP rank 0, else {}.
+        Returns {sample index: output row} on the last stage's TP rank 0, else {}; rows are
+        host tensors, since they travel to every rank as pickled objects.
         """
         g, model = self.groups[task], self.models[task]
         index = shares(len(batch), g.mesh.strategy.dp)[g.coord.dp]
@@ -265,7 +269,7 @@ class Trainer:
         for mb in part.split(_count(len(part), self.config.ppo.micro_batch_size)):
             out = pipeline_forward(model, g, mb.tokens)
             if out is not None:
-                values = _INFERENCE_OUTPUT[task](out, mb, g)
+                values = _INFERENCE_OUTPUT[task](out, mb, g).cpu()
                 if g.tp_rank == 0:
                     rows.update({index[done + k]: values[k] for k in range(len(mb))})
             done += len(mb)

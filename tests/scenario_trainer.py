@@ -13,6 +13,7 @@ weights; the scenario returns the largest parameter differences.
 import torch
 import torch.distributed as dist
 
+from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.config import CheckpointConfig, FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
@@ -62,7 +63,8 @@ def _samples(actor) -> list:
         prompt = torch.randint(0, ACTOR.vocab_size, (PROMPTS[s // 2],), generator=g).tolist()
         response = torch.randint(0, ACTOR.vocab_size, (r,), generator=g).tolist()
         with torch.no_grad():
-            lp = plain_logprobs(actor, torch.tensor([prompt + response]), len(prompt), r)[0]
+            tokens = torch.tensor([prompt + response], device=platform.device())
+            lp = plain_logprobs(actor, tokens, len(prompt), r)[0]
         out.append(SampleResult(str(s // 2), s % 2, tuple(prompt), tuple(response), tuple(lp.tolist()),
                                 "length", 0.0))
     return out
@@ -121,7 +123,7 @@ def _gathered(trainer, task: str) -> dict:
     mine = gather_tp_full_weights(trainer.models[task], g) if g is not None else {}
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    return {k: v for part in parts for k, v in part.items()}
+    return {k: v.cpu() for part in parts for k, v in part.items()}  # .cpu(): comparable with CPU references
 
 
 def run(root: str) -> dict:
@@ -134,7 +136,8 @@ def run(root: str) -> dict:
     return out
 
 
-def _against_textbook(placement) -> dict:
+def learn_fixed_samples(placement) -> tuple:
+    """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights)."""
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
                        ppo=PPO)
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
@@ -143,7 +146,11 @@ def _against_textbook(placement) -> dict:
     trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full)
     batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
     result = trainer.learn(batch)
-    after = _trained_weights(trainer)
+    return full, samples, result, trained_weights(trainer)
+
+
+def _against_textbook(placement) -> dict:
+    full, samples, result, after = learn_fixed_samples(placement)
     out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
     if dist.get_rank() == 0:
         ref = _textbook_iteration(full, samples)
@@ -156,7 +163,7 @@ def _against_textbook(placement) -> dict:
     return out
 
 
-def _trained_weights(trainer) -> dict:
+def trained_weights(trainer) -> dict:
     return {name: _gathered(trainer, task) for name, task in (("actor", "actor_train"), ("critic", "critic_train"))}
 
 
@@ -164,11 +171,18 @@ RESUME_MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num
                            vocab_size=320, max_seq_len=32)  # holds the byte tokenizer's 259 ids
 
 
-def _synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
-                       checkpoint: CheckpointConfig = CheckpointConfig(), **optimizer) -> Trainer:
+def synthetic_weights(seed: int) -> dict:
+    """Full actor, critic and reward weights of RESUME_MODEL drawn from seeds ``seed``, +1, +2."""
+    return {"actor": full_weights("lm", RESUME_MODEL, seed), "critic": full_weights("value", RESUME_MODEL, seed + 1),
+            "reward": full_weights("value", RESUME_MODEL, seed + 2)}
+
+
+def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
+                      checkpoint: CheckpointConfig = CheckpointConfig(), temperature: float = 1.0,
+                      **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
-                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
+                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
                        fusion=fusion, checkpoint=checkpoint)
@@ -182,19 +196,18 @@ RESUME_OPTIMIZER = dict(use_distributed_optimizer=True, lr_warmup_iters=2, lr_de
 
 def _resume(placement, root: str) -> dict:
     """4 iterations straight vs 2, save, and 2 more in a fresh trainer that loads: metrics and weights."""
-    full = {"actor": full_weights("lm", RESUME_MODEL, 11), "critic": full_weights("value", RESUME_MODEL, 12),
-            "reward": full_weights("value", RESUME_MODEL, 13)}
-    straight = _synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
+    full = synthetic_weights(11)
+    straight = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     metrics = [straight.step().metrics for _ in range(4)]
-    first = _synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
+    first = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     for _ in range(2):
         first.step()
     first.save(root)
-    resumed = _synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
+    resumed = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     resumed.load(root)
     loaded_at = resumed.iteration
     metrics_resumed = [resumed.step().metrics for _ in range(2)]
-    a, b = _trained_weights(straight), _trained_weights(resumed)
+    a, b = trained_weights(straight), trained_weights(resumed)
     return {"loaded_at": loaded_at, "straight_metrics": metrics[2:], "resumed_metrics": metrics_resumed,
             "resume_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
             "kl_coefs": [m["kl_coef"] for m in metrics]}
@@ -208,8 +221,7 @@ FUSED_PLAN = {"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
 def _fusion(root: str) -> dict:
     """2 iterations with a searched (annealed) fused actor/critic schedule vs 2 with serial 1F1B: parameters."""
     placement = Placement.from_plan(FUSED_PLAN, dist.get_world_size())
-    full = {"actor": full_weights("lm", RESUME_MODEL, 21), "critic": full_weights("value", RESUME_MODEL, 22),
-            "reward": full_weights("value", RESUME_MODEL, 23)}
+    full = synthetic_weights(21)
     path = f"{root}/fused.json"
     if dist.get_rank() == 0:  # 8 samples, one mini-batch: 2 micro-batches per replica and model
         specs = tuple(ModelSpec(name, 2, 1, 2, direction, [1.0, 1.0], [2.0, 2.0], [1.0, 1.0])
@@ -218,18 +230,18 @@ def _fusion(root: str) -> dict:
         assert result.orders != serial_1f1b(result.problem)  # a fused order, not the serial baseline
         save_schedule(path, result.schedule)
     dist.barrier()
-    serial = _synthetic_trainer(placement, full, mini_batch=8)
-    fused = _synthetic_trainer(placement, full, mini_batch=8, fusion=FusionConfig(intra_stage_fusion=True, schedule=path))
-    searched = _synthetic_trainer(placement, full, mini_batch=8,
+    serial = synthetic_trainer(placement, full, mini_batch=8)
+    fused = synthetic_trainer(placement, full, mini_batch=8, fusion=FusionConfig(intra_stage_fusion=True, schedule=path))
+    searched = synthetic_trainer(placement, full, mini_batch=8,
                                   fusion=FusionConfig(intra_stage_fusion=True, search_budget=0.05),
                                   checkpoint=CheckpointConfig(save=f"{root}/searched"))
     for _ in range(2):
         serial_metrics, fused_metrics = serial.step().metrics, fused.step().metrics
         searched_metrics = searched.step().metrics
     searched.save(f"{root}/searched")
-    resumed = _synthetic_trainer(placement, full, mini_batch=8, fusion=searched.config.fusion)
+    resumed = synthetic_trainer(placement, full, mini_batch=8, fusion=searched.config.fusion)
     resumed.load(f"{root}/searched")  # takes the cached schedule: no second measurement
-    a, b, c = _trained_weights(serial), _trained_weights(fused), _trained_weights(searched)
+    a, b, c = trained_weights(serial), trained_weights(fused), trained_weights(searched)
     return {"fused_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
             "searched_param_diff": max((a[m][k] - c[m][k]).abs().max().item() for m in a for k in a[m]),
             "searched_schedule": searched.fused is not None and searched.fused.model_names,

@@ -1,0 +1,34 @@
+"""One-rank scenario for tests/test_gpu.py, run once on the GPU and once on the CPU.
+
+Every task sits on the one rank. The CPU run is the reference: the same
+computations on 4 gloo ranks equal textbook PPO and unsharded models
+(tests/test_trainer.py). Tensors come back as numpy arrays (the queue would share torch tensors by file descriptor).
+"""
+
+from rlhf import platform
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups
+from rlhf.tasks import TASKS
+from scenario_trainer import learn_fixed_samples, synthetic_trainer, synthetic_weights, trained_weights
+
+FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logprobs")
+
+
+def run() -> dict:
+    """The fixed-sample PPO iteration, then two greedy-generation iterations (engine, reshard, inference, update)."""
+    placement = Placement.from_plan({task: {"ranks": [0]} for task in TASKS}, 1)
+    build_task_groups(placement)
+    _, _, result, learned = learn_fixed_samples(placement)
+    trainer = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0)
+    steps = [trainer.step() for _ in range(2)]
+    return {"device": platform.device().type,
+            "fields": {f: getattr(result.batch, f).cpu().numpy() for f in FIELDS},
+            "learned": _arrays(learned),
+            "tokens": [s.batch.tokens.tolist() for s in steps],
+            "metrics": [s.metrics for s in steps],
+            "stepped": _arrays(trained_weights(trainer)),
+            "peak_memory_bytes": platform.peak_memory_bytes()}
+
+
+def _arrays(weights: dict) -> dict:
+    return {model: {k: v.cpu().numpy() for k, v in params.items()} for model, params in weights.items()}

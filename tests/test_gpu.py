@@ -1,0 +1,57 @@
+"""The trainer on one GPU against the same run on the CPU (``gpu``: deselected where CUDA is absent).
+
+tests/scenario_gpu.py runs every task on one rank: a PPO iteration on fixed
+samples, then two full iterations with greedy generation, so the engine's
+CUDA path, resharding, inference and the megatron optimizer all run on the
+device. The CPU run of the same scenario is the reference (proven against
+textbook PPO in tests/test_trainer.py). Tolerances allow float32 kernels that
+sum in another order; greedy tokens must be identical.
+"""
+
+import pytest
+
+from rlhf import platform
+from rlhf.testing.distributed import launch
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(platform.DEVICE_ENV, "auto")
+        gpu = launch(1, "scenario_gpu:run")[0]
+    return gpu, launch(1, "scenario_gpu:run")[0]
+
+
+def test_runs_on_each_device(runs):
+    assert [r["device"] for r in runs] == ["cuda", "cpu"]
+    assert runs[0]["peak_memory_bytes"] > 0 and runs[1]["peak_memory_bytes"] is None
+
+
+@pytest.mark.parametrize("field", ["ref_logprobs", "scores", "values", "advantages", "returns", "old_logprobs"])
+def test_batch_fields_match_cpu(runs, field):
+    gpu, cpu = runs
+    assert abs(gpu["fields"][field] - cpu["fields"][field]).max() < TOL
+
+
+@pytest.mark.parametrize("key", ["learned", "stepped"])
+def test_trained_weights_match_cpu(runs, key):
+    gpu, cpu = runs
+    for model in ("actor", "critic"):
+        diff = max(abs(gpu[key][model][k] - cpu[key][model][k]).max() for k in cpu[key][model])
+        assert diff < TOL, (key, model, diff)
+
+
+def test_greedy_generation_matches_cpu(runs):
+    gpu, cpu = runs
+    assert gpu["tokens"] == cpu["tokens"]
+    for g, c in zip(gpu["metrics"], cpu["metrics"]):
+        measured = [k for k in c if not k.startswith("time_") and not k.endswith("_per_s") and "bubble" not in k]
+        assert len(measured) > 5
+        for key in measured:  # losses, KL, rewards, advantages, lengths
+            # a clip fraction counts tokens past a threshold: one token on the boundary (1/48 seen) may flip
+            # under float32 reordering; the weight comparison above is the exact check
+            tol = 0.05 if key.endswith("clip_fraction") else 1e-5
+            assert g[key] == pytest.approx(c[key], rel=1e-3, abs=tol), key
