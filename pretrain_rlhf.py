@@ -1,37 +1,35 @@
 """Entry point: ``torchrun --nproc-per-node=N pretrain_rlhf.py [flags]`` (see --help).
 
+``python pretrain_rlhf.py --dry-run --world-size N [flags]`` checks a launch on N ranks without
+starting processes or building models, and describes it (rlhf/launch.py).
+
 Bad input (a flag, the placement, a file the flags name, a checkpoint root)
 is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 """
 
-import contextlib
 import sys
 
-from rlhf import platform
-from rlhf.arguments import flag_of, parse_args
-from rlhf.cli import UsageError, quiet_unless_first_rank, report
-from rlhf.config import ConfigError
-from rlhf.parallel import PlacementError
+from rlhf.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
+from rlhf.cli import UsageError, run_program, usage_errors
+from rlhf.launch import describe_placement, dry_run
 
 PROGRAM = "pretrain_rlhf.py"
 
 
-def main(argv=None) -> int:
-    try:
-        with quiet_unless_first_rank():
-            config = parse_args(argv)
-    except UsageError as exc:
-        return report(PROGRAM, exc)
-    platform.init_distributed()
-    import torch.distributed as dist
+def parse(argv):
+    """The job's config from the flags, or None after a dry run (which prints its report)."""
+    args = build_parser().parse_args(argv)
+    dry_world = dry_run_world_size(args)
+    config = config_from_args(args)
+    if dry_world is None:
+        return config
+    with usage_errors(flag_of):
+        print(dry_run(config, dry_world))
+    return None
 
-    try:
-        run(config)
-    except UsageError as exc:
-        return report(PROGRAM, exc)
-    finally:
-        dist.destroy_process_group()
-    return 0
+
+def main(argv=None) -> int:
+    return run_program(PROGRAM, parse, run, argv)
 
 
 def run(config) -> None:
@@ -41,16 +39,14 @@ def run(config) -> None:
     from rlhf.checkpoint import CheckpointError, resolve_checkpoint
 
     world = dist.get_world_size()
-    with usage_errors():
+    with usage_errors(flag_of):
         placement = config.build_placement(world)
     if dist.get_rank() == 0:
         print(f"world size {world}; placement:")
-        for task, mesh in placement.meshes.items():
-            reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
-            print(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
+        print("\n".join(describe_placement(placement)))
     from rlhf.job import build_trainer
 
-    with usage_errors():
+    with usage_errors(flag_of):
         try:
             if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
                 resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
@@ -60,17 +56,6 @@ def run(config) -> None:
         except CheckpointError as exc:
             raise UsageError(f"--load {config.checkpoint.load}: {exc}") from None
         trainer.train()  # a reward function failing on a batch raises a ConfigError on every rank
-
-
-@contextlib.contextmanager
-def usage_errors():
-    """Turn the job's own input errors into UsageErrors naming the flag."""
-    try:
-        yield
-    except PlacementError as exc:
-        raise UsageError(f"invalid placement: {exc}") from None
-    except ConfigError as exc:  # flags, a model directory, tokenizer, prompt file or reward function
-        raise UsageError(f"{flag_of(exc.field_name)}: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -8,34 +8,16 @@ Bad input (a flag, the placement, a file the flags name, a checkpoint root)
 is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 """
 
-import contextlib
 import sys
 
-from rlhf import platform
-from rlhf.cli import UsageError, quiet_unless_first_rank, report
-from rlhf.config import ConfigError
-from rlhf.parallel import PlacementError
+from rlhf.cli import UsageError, run_program, usage_errors
 from rlhf.reward_arguments import parse_args, reward_flag_of
 
 PROGRAM = "train_reward.py"
 
 
 def main(argv=None) -> int:
-    try:
-        with quiet_unless_first_rank():
-            config = parse_args(argv)
-    except UsageError as exc:
-        return report(PROGRAM, exc)
-    platform.init_distributed()
-    import torch.distributed as dist
-
-    try:
-        run(config)
-    except UsageError as exc:
-        return report(PROGRAM, exc)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return run_program(PROGRAM, parse_args, run, argv)
 
 
 def run(config) -> None:
@@ -46,7 +28,7 @@ def run(config) -> None:
     from rlhf.reward_config import TASK
 
     world = dist.get_world_size()
-    with usage_errors():
+    with usage_errors(reward_flag_of):
         placement = config.build_placement(world)
     if dist.get_rank() == 0:
         mesh = placement[TASK]
@@ -54,7 +36,7 @@ def run(config) -> None:
         print(f"world size {world}; the reward model trains on ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
     from rlhf.reward_job import build_reward_trainer, export_reward_model, save_tokenizer
 
-    with usage_errors():
+    with usage_errors(reward_flag_of):
         try:
             if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
                 resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
@@ -69,17 +51,6 @@ def run(config) -> None:
         out = export_reward_model(config.checkpoint.save, tokenizer)
         if dist.get_rank() == 0:
             print(f"saved {config.checkpoint.save}; HF export {out}")
-
-
-@contextlib.contextmanager
-def usage_errors():
-    """Turn the job's own input errors into UsageErrors naming the flag."""
-    try:
-        yield
-    except PlacementError as exc:
-        raise UsageError(f"invalid placement: {exc}") from None
-    except ConfigError as exc:  # flags, the model directory, tokenizer or a preference file
-        raise UsageError(f"{reward_flag_of(exc.field_name)}: {exc}") from None
 
 
 if __name__ == "__main__":

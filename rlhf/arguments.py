@@ -14,9 +14,10 @@ import json
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import UsageError
-from rlhf.config import (CheckpointConfig, ConfigError, DataConfig, FusionConfig, GenerationConfig, JobConfig,
-                         LoggingConfig, ModelsConfig, PlacementConfig, PPOConfig, RewardConfig, RunConfig)
+from rlhf.cli import UsageError, usage_errors
+from rlhf.config import (CheckpointConfig, DataConfig, FusionConfig, GenerationConfig, JobConfig,
+                         LoggingConfig, MemoryConfig, ModelsConfig, PlacementConfig, PPOConfig, RewardConfig,
+                         RunConfig)
 from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
 from rlhf.tasks import MODELS, TASKS
 
@@ -26,11 +27,19 @@ def _optional_float(text: str):
     return None if text.lower() in ("none", "off") else float(text)
 
 
+def _auto_switch(text: str):
+    """'auto' -> None (the platform decides), 'on' -> True, 'off' -> False."""
+    choices = {"auto": None, "on": True, "off": False}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of auto, on, off")
+    return choices[text.lower()]
+
+
 SECTIONS = {
     "run": (RunConfig, "run", [
         ("iterations", int, "total PPO iterations; a resumed run continues to this number "
                             "(alias --train-iters, as Megatron-LM)"),
-        ("seed", int, "random seed of weights, data order and sampling"),
+        ("seed", int, "random seed of weights, data order and sampling, in [0, 2**28 - 1]"),
     ]),
     "generation": (GenerationConfig, "generation", [
         ("max_prompt_len", int, "longest prompt in tokens (BOS included)"),
@@ -57,6 +66,8 @@ SECTIONS = {
         ("min_lr", float, "the LR the decay ends at"),
         ("use_distributed_optimizer", bool, "shard the optimizer state and update over each model's DP group "
                                             "(megatron's distributed optimizer, ZeRO-1)"),
+        ("overlap_grad_reduce", _auto_switch, "start each gradient bucket's DP reduction during the last "
+                                              "micro-batch's backward: auto (on where a GPU computes; None), on, off"),
         ("clip_eps", float, "PPO ratio clip range"),
         ("value_clip", _optional_float, "value clip range around the old values ('none': off)"),
         ("kl_coef", float, "KL penalty coefficient (the initial one with --kl-target)"),
@@ -92,6 +103,8 @@ SECTIONS = {
                                "last)"),
         ("load", str, "checkpoint root to resume from: models, optimizers, LR schedules, KL controller, RNG "
                       "and data position; the run continues to --iterations"),
+        ("save_format", str, "ours, or torch_dist: also write each saved actor as a Megatron-LM torch_dist "
+                             "checkpoint in <save>/megatron"),
     ]),
     "data": (DataConfig, "tokenizer and prompts", [
         ("tokenizer", str, "'byte' or an HF tokenizer directory (None: the actor directory's tokenizer with "
@@ -110,6 +123,18 @@ SECTIONS = {
                            "a response may end with EOS). Alone: it is the reward and no reward model runs; with "
                            "--reward-model: logged as gold_reward_mean (None: the synthetic task's gold rule "
                            "without --prompt-data)"),
+    ]),
+    "memory": (MemoryConfig, "memory between stages", [
+        ("offload_ref_reward", bool, "keep the reference and reward weights in host memory (pinned on a GPU "
+                                     "host) between their inference passes: each pass copies them to the device "
+                                     "and frees the copy after, so generation and training have that memory; "
+                                     "costs one host-to-device copy of both models per iteration"),
+        ("release_generation_memory", bool, "free actor_gen's weights and the engine's KV cache after generation "
+                                            "and allocate them again, zero-filled, at the next reshard, so "
+                                            "inference and training have that memory; costs a free, an "
+                                            "allocation and a memset per iteration (and may fragment a GPU "
+                                            "allocator's cache), so it is off unless actor_gen shares devices "
+                                            "with tasks short of memory"),
     ]),
 }
 
@@ -138,25 +163,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = parser.add_argument_group("models (a DIR is an HF model directory or our checkpoint root: shape "
                                       "and weights from it)")
-    model.add_argument("--actor-model", default="tiny", metavar="PRESET|JSON|DIR",
+    pairs = {name: model.add_mutually_exclusive_group() for name in MODELS}  # --<model>-model or -load-megatron
+    pairs["actor"].add_argument("--actor-model", default="tiny", metavar="PRESET|JSON|DIR",
                        help=f"the actor: a preset ({', '.join(sorted(PRESETS))}) or a JSON file of ModelConfig "
                             "fields (a shape: seeded random weights), or a DIR with a *ForCausalLM or our "
                             "model 'actor' (default: tiny)")
-    model.add_argument("--critic-model", default="tiny-critic", metavar="PRESET|JSON|DIR",
+    pairs["critic"].add_argument("--critic-model", default="tiny-critic", metavar="PRESET|JSON|DIR",
                        help="the critic, same forms; a DIR with a *ForSequenceClassification (value head from "
                             "score.weight), a *ForCausalLM (a new value head) or our model 'critic' (else "
                             "'reward') (default: tiny-critic)")
-    model.add_argument("--reference-model", default=None, metavar="DIR",
+    pairs["reference"].add_argument("--reference-model", default=None, metavar="DIR",
                        help="the reference: a DIR with a *ForCausalLM or our model 'reference' (else 'actor') "
                             "(default: a copy of the actor's start)")
-    model.add_argument("--reward-model", default=None, metavar="DIR",
+    pairs["reward"].add_argument("--reward-model", default=None, metavar="DIR",
                        help="the reward model: a DIR with a *ForSequenceClassification or our value model "
                             "'reward' (default: none when --reward-fn is given, whose function is then the reward; "
                             "else, for the synthetic task, one trained at start-up on its gold rule's preference "
                             "pairs; train_reward.py trains one from your preference data)")
+    for name in MODELS:
+        pairs[name].add_argument(f"--{name}-load-megatron", default=None, metavar="DIR",
+                                 help=f"the {name}: a Megatron-LM checkpoint directory (torch_dist, any tp/pp; "
+                                      f"its --save: latest_checkpointed_iteration.txt, iter_NNNNNNN/), shape from "
+                                      f"its args; instead of --{name}-model (docs/megatron_checkpoints.md)")
+    model.add_argument(_flag("make_vocab_size_divisible_by"), type=int, default=1, metavar="N",
+                       help="pad each model's embedding and output layer to a multiple of N x the tp of its "
+                            "layouts (the lcm of the tps its weights move between), as Megatron-LM does, so any "
+                            "tp can split any vocabulary; the padded ids are never sampled and never saved. "
+                            "1 pads only what tp needs: none where tp divides the vocabulary (default: 1)")
 
     add_section_flags(parser, SECTIONS)
     parser.add_argument("--train-iters", dest="iterations", type=int, help=argparse.SUPPRESS)
+    check = parser.add_argument_group("checking a launch")
+    check.add_argument("--dry-run", action="store_true",
+                       help="check the flags, the placement on --world-size ranks, the model shapes and the fused "
+                            "schedule as a launch would, print each task's ranks and layout and each model's size, "
+                            "and exit: no process started, no model built, no torchrun needed (default: off)")
+    check.add_argument("--world-size", type=int, metavar="N",
+                       help="the ranks --dry-run plans for: nodes x GPUs per node (default: none; a real run "
+                            "takes the world size from torchrun)")
     return parser
 
 
@@ -222,18 +266,21 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
     shapes, weights = {}, {}
     for model in MODELS:
         value, flag = getattr(args, f"{model}_model"), f"--{model}-model"
+        megatron = getattr(args, f"{model}_load_megatron", None)
+        if megatron is not None:
+            value, flag = megatron, f"--{model}-load-megatron"
         if value is None:
             continue
-        if Path(value).is_dir() and value not in PRESETS:
+        if megatron is not None or (Path(value).is_dir() and value not in PRESETS):
             try:
-                shapes[model], weights[model] = open_source(value, model).config, value
+                shapes[model], weights[model] = open_source(value, model, megatron=megatron is not None).config, value
             except ModelSourceError as exc:
                 raise UsageError(f"{flag} {value}: {exc}") from None
         elif model in ("actor", "critic"):  # the two models with a shape of their own by default
             shapes[model] = load_model_config(value, flag)
         else:
             raise UsageError(f"{flag} {value}: not a directory; give an HF model directory or our checkpoint root")
-    return ModelsConfig(**shapes, weights=weights)
+    return ModelsConfig(**shapes, weights=weights, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
 def flag_of(field_name: str, sections: dict = SECTIONS) -> str:
@@ -242,19 +289,33 @@ def flag_of(field_name: str, sections: dict = SECTIONS) -> str:
     section, _, name = field_name.partition(".")
     if section == "models" and name in MODELS:
         return f"--{name}-model"
+    if field_name == "models.make_vocab_size_divisible_by":
+        return _flag(name)
     return _flag(name) if section in sections else field_name
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:
     """The JobConfig of parsed flags; a bad value exits naming its flag."""
     overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
-    try:
+    with usage_errors(flag_of):
         models = models_config(args)
         sections = section_configs(args, SECTIONS)
         return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, **sections)
-    except ConfigError as exc:
-        raise UsageError(f"{flag_of(exc.field_name)}: {exc}") from None
 
 
 def parse_args(argv=None) -> JobConfig:
     return config_from_args(build_parser().parse_args(argv))
+
+
+def dry_run_world_size(args: argparse.Namespace) -> int | None:
+    """The world size of a ``--dry-run`` (None: a real run); UsageError for ``--dry-run`` without a
+    ``--world-size`` of at least 1, or ``--world-size`` without ``--dry-run``."""
+    if not args.dry_run:
+        if args.world_size is not None:
+            raise UsageError("--world-size: only with --dry-run; a real run takes the world size from torchrun")
+        return None
+    if args.world_size is None or args.world_size < 1:
+        got = "none given" if args.world_size is None else f"got {args.world_size}"
+        raise UsageError(f"--world-size: --dry-run needs the number of ranks to plan for ({got}); give nodes x "
+                         "GPUs per node, e.g. --world-size 16")
+    return args.world_size

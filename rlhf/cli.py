@@ -2,8 +2,12 @@
 
 A ``UsageError`` message starts with the flag or the ``file[:line]`` at fault
 and says what would be valid; :func:`report` prints it as
-``<program>: <message>`` on the first rank only (under torchrun every rank
-checks the same input and would print the same line) and returns 2.
+``<program>: <message>`` on the first rank only (under torchrun or mpiexec
+every rank checks the same input and would print the same line) and returns 2.
+The checks every entry point needs live here too: numbers in range
+(:func:`check_range`), output paths writable before the work starts
+(:func:`check_out_path`), and the job's own config and placement errors
+turned into usage errors naming the flag (:func:`usage_errors`).
 """
 
 from __future__ import annotations
@@ -11,17 +15,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import math
 import os
 import sys
+
+from rlhf.checks import finite_float
 
 
 class UsageError(Exception):
     """Bad input from the command line or a file it names (the message names the flag or file)."""
 
 
+RANK_VARIABLES = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+"""Where a process learns its rank: torchrun, MPICH / Intel MPI, Open MPI (the first one set counts)."""
+
+
 def is_first_rank() -> bool:
-    """Rank 0 under torchrun, or a plain process."""
-    return os.environ.get("RANK", "0") == "0"
+    """Rank 0 under torchrun or mpiexec, or a plain process."""
+    rank = next((os.environ[v] for v in RANK_VARIABLES if v in os.environ), "0")
+    return rank == "0"
 
 
 def report(program: str, error: Exception) -> int:
@@ -49,3 +61,108 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         if "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+def check_range(flag: str, value, low: float, high: float = math.inf, *, low_open: bool = False,
+                unit: str = ""):
+    """``value`` if it is a finite number in [low, high] ((low, high] with ``low_open``), else a
+    UsageError ``<flag>: <value> <what is wrong>; give a number in <range> [unit]``."""
+    if high == math.inf:
+        valid = f"{'>' if low_open else '>='} {_show(low)}"
+    else:
+        valid = f"in {'(' if low_open else '['}{_show(low)}, {_show(high)}]"
+    valid = f"give a number {valid}{' ' + unit if unit else ''}"
+    if finite_float(value) is None:
+        raise UsageError(f"{flag}: {value!r} is not a finite number; {valid}")
+    if value < low or value > high or (low_open and value == low):
+        raise UsageError(f"{flag}: {_show(value)} is out of range; {valid}")
+    return value
+
+
+def _show(number) -> str:
+    return f"{number:g}" if isinstance(number, float) else str(number)
+
+
+def check_out_path(flag: str, path) -> None:
+    """An output file must be writable before any work is done: its folder exists and a file can be
+    created there (tried, and removed again if it was not there before); UsageError naming ``flag``."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    valid = f"the folder {folder} must exist and be writable, and {flag} must name a file"
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: cannot write there; {valid}")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there ({exc.strerror}); {valid}") from None
+    if not existed:
+        with contextlib.suppress(FileNotFoundError):  # another rank may have tried it at the same time
+            os.remove(path)
+
+
+def run_program(program: str, parse, run, argv=None) -> int:
+    """An entry point's life: ``parse(argv)`` into a config (its output and errors on the first rank
+    only; None means the work is done without a process group, as a dry run), then the process
+    group and ``run(config)``. A UsageError from either prints ``<program>: ...`` and gives exit status 2."""
+    try:
+        with quiet_unless_first_rank():
+            config = parse(argv)
+    except UsageError as exc:
+        return report(program, exc)
+    if config is None:
+        return 0
+    import torch.distributed as dist
+
+    from rlhf import platform
+
+    platform.init_distributed()
+    try:
+        run(config)
+    except UsageError as exc:
+        return report(program, exc)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+@contextlib.contextmanager
+def usage_errors(flag_of):
+    """Turn a job's own input errors into UsageErrors: a PlacementError as ``invalid placement: ...``, a
+    ConfigError as ``<flag>: ...`` with ``flag_of(error.field_name)`` the flag that set the field."""
+    from rlhf.config import ConfigError
+    from rlhf.parallel import PlacementError
+
+    try:
+        yield
+    except PlacementError as exc:
+        raise UsageError(f"invalid placement: {exc}") from None
+    except ConfigError as exc:  # flags, a model directory, tokenizer, a data file or a reward function
+        raise UsageError(f"{flag_of(exc.field_name)}: {exc}") from None
+
+
+def markdown_reference(parser: argparse.ArgumentParser) -> str:
+    """``parser``'s flags as Markdown (docs/flags.md, tools/flag_reference.py): its description, then one
+    table per argument group with each flag, its value and the help text ``--help`` prints for it."""
+    formatter = parser._get_formatter()
+    lines = [f"## {parser.prog}", "", _markdown_text(parser.description or ""), ""]
+    for group in parser._action_groups:
+        actions = [a for a in group._group_actions if a.help != argparse.SUPPRESS and a.dest != "help"]
+        if not actions:
+            continue
+        lines += [f"### {group.title}", "", "| flag | what it does |", "|---|---|"]
+        for action in actions:
+            value = "" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}"
+            flags = ", ".join(f"`{option}{value}`" for option in action.option_strings).replace("|", "\\|")
+            lines.append(f"| {flags} | {_markdown_text(formatter._expand_help(action))} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _markdown_text(text: str) -> str:
+    """Help text on one Markdown table line: whitespace joined, ``| * < >`` escaped."""
+    text = " ".join(text.split())
+    for char, escaped in (("|", "\\|"), ("*", "\\*"), ("<", "&lt;"), (">", "&gt;")):
+        text = text.replace(char, escaped)
+    return text

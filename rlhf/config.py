@@ -9,16 +9,20 @@ argument parser can report the flag that set it.
 from __future__ import annotations
 
 import copy
-import math
+import functools
 import os
 import re
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Mapping
 
 from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators
+from rlhf.checks import finite_float, is_int
 from rlhf.models.config import ModelConfig, preset
-from rlhf.tasks import MODELS, TASKS, TRAIN_TASK
+from rlhf.models.vocab import padded_vocab_size
+from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
 
 
 class ConfigError(ValueError):
@@ -29,16 +33,62 @@ class ConfigError(ValueError):
         self.field_name = field_name
 
 
-def _check_positive_ints(section: str, config, names) -> None:
+def check_positive_ints(section: str, config, names) -> None:
+    """Raise a ConfigError naming ``<section>.<name>`` unless each named field is an integer >= 1."""
     for name in names:
         value = getattr(config, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", f"{section}.{name}")
+
+
+def check_field_types(section: str, config) -> None:
+    """Raise a ConfigError naming ``<section>.<field>`` for a field whose value does not have its annotated
+    type: types are checked, never coerced. An int is not a bool, a float is finite (NaN and Infinity are
+    refused), a str is not empty; None only where the annotation allows it. Fields annotated otherwise
+    (``Mapping[str, str]``) are left to the config's own checks."""
+    for name, (classes, optional) in _field_types(type(config)).items():
+        value = getattr(config, name)
+        if (value is None and optional) or any(_has_type(value, cls) for cls in classes):
+            continue
+        wanted = " or ".join([_TYPE_WORDS.get(cls, f"a {cls.__name__}") for cls in classes] + ["None"] * optional)
+        raise ConfigError(f"{name} must be {wanted}, got {value!r}", f"{section}.{name}")
+
+
+_TYPE_WORDS = {bool: "True or False", int: "an integer", float: "a finite number", str: "a non-empty string"}
+
+
+@functools.cache
+def _field_types(cls) -> dict:
+    """{field: (classes, None allowed)} of the dataclass fields of ``cls`` annotated with classes."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        args = typing.get_args(hint) if union else (hint,)
+        classes = tuple(a for a in args if a is not type(None))
+        if all(isinstance(a, type) for a in classes):
+            out[f.name] = (classes, len(classes) < len(args))
+    return out
+
+
+def _has_type(value, cls) -> bool:
+    if cls is int:
+        return is_int(value)
+    if cls is float:
+        return finite_float(value) is not None
+    if cls is str:
+        return isinstance(value, str) and value != ""
+    return isinstance(value, cls)
 
 
 def _check_range(section: str, name: str, value, low: float, high: float, what: str) -> None:
     if not low <= value <= high:
         raise ConfigError(f"{name}={value!r} must be {what}", f"{section}.{name}")
+
+
+MAX_SEED = 2**28 - 1
+"""Largest run seed: the per-sample seeds derived from it (rlhf/trainer.py) must fit torch's 64-bit generator."""
 
 
 @dataclass(frozen=True)
@@ -49,7 +99,9 @@ class RunConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        _check_positive_ints("run", self, ("iterations",))
+        check_field_types("run", self)
+        check_positive_ints("run", self, ("iterations",))
+        _check_range("run", "seed", self.seed, 0, MAX_SEED, f"in [0, {MAX_SEED}]")
 
 
 @dataclass(frozen=True)
@@ -63,7 +115,8 @@ class GenerationConfig:
     top_k: int = 0
 
     def __post_init__(self):
-        _check_positive_ints("generation", self, ("max_prompt_len", "max_response_len"))
+        check_field_types("generation", self)
+        check_positive_ints("generation", self, ("max_prompt_len", "max_response_len"))
         _check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
         _check_range("generation", "top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
         _check_range("generation", "top_k", self.top_k, 0, float("inf"), ">= 0 (0 disables)")
@@ -100,6 +153,7 @@ class PPOConfig:
     lr_decay_iters: int | None = None
     min_lr: float = 0.0
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool | None = None
     clip_eps: float = 0.2
     value_clip: float | None = 0.2
     kl_coef: float = 0.01
@@ -111,7 +165,8 @@ class PPOConfig:
     recompute_logprobs: bool = False
 
     def __post_init__(self):
-        _check_positive_ints("ppo", self, ("rollout_batch_size", "n_samples_per_prompt", "ppo_mini_batch_size",
+        check_field_types("ppo", self)
+        check_positive_ints("ppo", self, ("rollout_batch_size", "n_samples_per_prompt", "ppo_mini_batch_size",
                                            "ppo_epochs", "micro_batch_size"))
         for name in ("lr", "critic_lr"):
             _check_range("ppo", name, getattr(self, name), 1e-12, float("inf"), "> 0")
@@ -150,7 +205,8 @@ class PPOConfig:
         return OptimizerConfig(lr=lr, min_lr=self.min_lr, lr_warmup_iters=self.lr_warmup_iters,
                                lr_decay_iters=self.lr_decay_iters, lr_decay_style=self.lr_decay_style,
                                clip_grad=self.clip_grad, weight_decay=self.weight_decay,
-                               use_distributed_optimizer=self.use_distributed_optimizer)
+                               use_distributed_optimizer=self.use_distributed_optimizer,
+                               overlap_grad_reduce=self.overlap_grad_reduce)
 
     @property
     def kl_config(self) -> KLConfig:
@@ -185,8 +241,9 @@ class ModelsConfig:
     flags ``--<model>-model DIR``); a model without an entry starts from seeded
     random weights, except the reference (a copy of the actor's start) and the
     reward model (trained at start-up, or none: ``JobConfig.has_reward_model``).
-    Every model reads the ids the actor generates, so none has a smaller
-    vocabulary than the actor.
+    Every model reads the ids the actor generates, so none the job builds has a
+    smaller vocabulary than the actor (``JobConfig`` checks the models it uses). ``make_vocab_size_divisible_by``: Megatron-LM's
+    vocabulary padding (``JobConfig.padded_vocab_size``; 1 pads only what tp needs).
     """
 
     actor: ModelConfig = field(default_factory=lambda: preset("tiny"))
@@ -194,15 +251,23 @@ class ModelsConfig:
     reference: ModelConfig | None = None
     reward: ModelConfig | None = None
     weights: Mapping[str, str] = field(default_factory=dict)
+    make_vocab_size_divisible_by: int = 1
 
     def __post_init__(self):
-        unknown = sorted(set(self.weights) - set(MODELS))
+        check_field_types("models", self)
+        check_positive_ints("models", self, ("make_vocab_size_divisible_by",))
+        if not isinstance(self.weights, Mapping) or not all(isinstance(w, str) and w for w in self.weights.values()):
+            raise ConfigError(f"weights={self.weights!r} must map models to directory paths", "models.weights")
+        unknown = sorted(set(self.weights) - set(MODELS), key=str)
         if unknown:
             raise ConfigError(f"weights given for unknown model(s) {unknown}; models: {', '.join(MODELS)}",
                               "models.weights")
         object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+
+    def check_reads_actor_ids(self, models) -> None:
+        """Refuse a model of ``models`` (those the job builds) with fewer ids than the actor generates."""
         vocab = self.actor.vocab_size
-        for model in ("reference", "critic", "reward"):
+        for model in models:
             if self[model].vocab_size < vocab:
                 raise ConfigError(f"the {model} model's vocab_size={self[model].vocab_size} is smaller than the "
                                   f"actor's {vocab}, and it reads every id the actor generates; give a {model} "
@@ -244,6 +309,7 @@ class DataConfig:
     prompt_overlong: str = "reject"
 
     def __post_init__(self):
+        check_field_types("data", self)
         if self.tokenizer not in (None, "byte") and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer={self.tokenizer!r} is neither 'byte' nor a directory; give 'byte' or an "
                               "HF tokenizer directory", "data.tokenizer")
@@ -280,6 +346,7 @@ class RewardConfig:
     reward_fn: str | None = None
 
     def __post_init__(self):
+        check_field_types("reward", self)
         if self.reward_fn is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.reward_fn):
             raise ConfigError(f"reward_fn={self.reward_fn!r} is not MODULE:FUNCTION; give e.g. "
                               "'rlhf.data.synthetic:gold_reward'", "reward.reward_fn")
@@ -305,7 +372,12 @@ class PlacementConfig:
     overrides: Mapping[str, Mapping] = field(default_factory=dict)
 
     def __post_init__(self):
-        unknown = sorted(set(self.overrides) - set(TASKS))
+        check_field_types("placement", self)
+        if not isinstance(self.overrides, Mapping) or not all(
+                e is None or isinstance(e, Mapping) for e in self.overrides.values()):
+            raise ConfigError(f"overrides={self.overrides!r} must map tasks to plan entries (mappings) or None",
+                              "placement.overrides")
+        unknown = sorted(set(self.overrides) - set(TASKS), key=str)
         if unknown:
             raise ConfigError(f"unknown task(s) {unknown}; valid tasks: {', '.join(TASKS)}", "placement.overrides")
         object.__setattr__(self, "overrides", MappingProxyType(
@@ -338,24 +410,21 @@ class LoggingConfig:
     trace_file: str = "trace.json"
 
     def __post_init__(self):
+        check_field_types("logging", self)
         if self.metrics_file is not None:
             _check_path(self.metrics_file, "metrics_file", "file")
         if self.tensorboard_dir is not None:
             _check_path(self.tensorboard_dir, "tensorboard_dir", "directory")
         _check_path(self.trace_file, "trace_file", "file")
         it = self.trace_iteration
-        if it is not None and (isinstance(it, bool) or not isinstance(it, int) or it < 1):
+        if it is not None and it < 1:
             raise ConfigError(f"trace_iteration must be None or an integer >= 1 (iterations count from 1), "
                               f"got {it!r}", "logging.trace_iteration")
-        if not isinstance(self.progress, bool):
-            raise ConfigError(f"progress must be True or False, got {self.progress!r}", "logging.progress")
 
 
-def _check_path(value, name: str, kind: str) -> None:
-    """Raise a ConfigError naming ``logging.<name>`` unless ``value`` is a non-empty path string
-    that is not an existing entry of the other kind (``kind``: "file" or "directory")."""
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{name} must be a non-empty path string, got {value!r}", f"logging.{name}")
+def _check_path(value: str, name: str, kind: str) -> None:
+    """Raise a ConfigError naming ``logging.<name>`` if the path ``value`` is an existing entry of the
+    other kind (``kind``: "file" or "directory")."""
     other, clashes = ("directory", os.path.isdir) if kind == "file" else ("file", os.path.isfile)
     if clashes(value):
         raise ConfigError(f"{name}={value!r} is an existing {other}; give a {kind} path", f"logging.{name}")
@@ -373,7 +442,8 @@ class FusionConfig:
     search_budget: float = 10.0
 
     def __post_init__(self):
-        if not (math.isfinite(self.search_budget) and self.search_budget > 0):
+        check_field_types("fusion", self)
+        if self.search_budget <= 0:
             raise ConfigError(f"search_budget={self.search_budget!r} must be a finite number of seconds > 0",
                               "fusion.search_budget")
         if self.schedule is not None and not self.intra_stage_fusion:
@@ -381,25 +451,50 @@ class FusionConfig:
                               "fusion.schedule")
 
 
+SAVE_FORMATS = ("ours", "torch_dist")
+"""Checkpoint formats the trainer writes: ours always; torch_dist adds the actor as Megatron-LM's."""
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """``save``: checkpoint root written every ``save_interval`` iterations and after the last one;
-    ``load``: checkpoint root to resume from (its latest complete checkpoint)."""
+    ``load``: checkpoint root to resume from (its latest complete checkpoint); ``save_format``:
+    "torch_dist" also writes the actor of each checkpoint as a Megatron-LM checkpoint in
+    ``<save>/megatron`` (docs/megatron_checkpoints.md)."""
 
     save: str | None = None
     save_interval: int | None = None
     load: str | None = None
+    save_format: str = "ours"
 
     def __post_init__(self):
+        check_field_types("checkpoint", self)
+        if self.save_format not in SAVE_FORMATS:
+            raise ConfigError(f"save_format {self.save_format!r} is not one of {SAVE_FORMATS}",
+                              "checkpoint.save_format")
         if self.save_interval is not None:
             if self.save is None:
                 raise ConfigError("save_interval needs a checkpoint root to save to (save)", "checkpoint.save_interval")
-            _check_positive_ints("checkpoint", self, ("save_interval",))
+            check_positive_ints("checkpoint", self, ("save_interval",))
         if self.load is not None and not os.path.isdir(self.load):
             raise ConfigError(f"load={self.load!r} is not a directory; give the root a run saved into "
                               "(it holds iter_* directories and 'latest')", "checkpoint.load")
         if self.save is not None and os.path.isfile(self.save):
             raise ConfigError(f"save={self.save!r} is a file; give a directory (created if missing)", "checkpoint.save")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What is freed between the stages of an iteration (rlhf/memory.py; docs/training.md, "Memory
+    between stages"). ``offload_ref_reward``: the reference and reward weights stay in host memory
+    except during their inference. ``release_generation_memory``: actor_gen's weights and the KV cache
+    are freed after generation and allocated again at the next reshard. Neither changes results."""
+
+    offload_ref_reward: bool = False
+    release_generation_memory: bool = False
+
+    def __post_init__(self):
+        check_field_types("memory", self)
 
 
 @dataclass(frozen=True)
@@ -416,14 +511,18 @@ class JobConfig:
     fusion: FusionConfig = field(default_factory=FusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self):
+        check_field_types("job", self)
         trace = self.logging.trace_iteration
         if trace is not None and trace > self.run.iterations:
             raise ConfigError(f"trace_iteration {trace} is past the last iteration {self.run.iterations}",
                               "logging.trace_iteration")
+        used = [m for m in MODELS if any(TASK_MODEL[t] == m for t in self.needed_tasks())]  # the models built
+        self.models.check_reads_actor_ids([m for m in ("reference", "critic", "reward") if m in used])
         total = self.generation.max_prompt_len + self.generation.max_response_len
-        for model in MODELS:
+        for model in used:
             context = self.models[model].max_seq_len
             if total > context:
                 raise ConfigError(f"max_prompt_len + max_response_len = {total} exceeds the {model} model's "
@@ -472,6 +571,15 @@ class JobConfig:
     def trained_tasks(self) -> dict:
         """{model: its training task} of the models this job trains (no critic without a critic estimator)."""
         return {m: t for m, t in TRAIN_TASK.items() if self.ppo.uses_critic or m != "critic"}
+
+    def padded_vocab_size(self, model: str, placement) -> int:
+        """Embedding / output rows of ``model`` in every layout: its vocab_size rounded up to a multiple of
+        make_vocab_size_divisible_by x the lcm of the tps its weights are resharded between (its tasks';
+        the actor's and the reference's together, since the reference starts as a reshard of
+        actor_train), as Megatron-LM pads (rlhf.models.vocab)."""
+        family = ("actor", "reference") if model in ("actor", "reference") else (model,)
+        tps = [mesh.strategy.tp for task, mesh in placement.meshes.items() if TASK_MODEL[task] in family]
+        return padded_vocab_size(self.models[model].vocab_size, self.models.make_vocab_size_divisible_by, tps)
 
     def microbatches(self, placement, task: str) -> int:
         """Micro-batches one DP replica of ``task`` runs per mini-batch."""

@@ -37,6 +37,7 @@ construction and step run under ``rlhf.platform.megatron_scope()``.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,10 @@ class OptimizerConfig:
     momentum); ``clip_grad``: max global gradient norm, 0 turns clipping off;
     ``lr_decay_iters``: None keeps ``lr`` after the warm-up (``lr_decay_style``
     "constant"); ``use_distributed_optimizer``: shard optimizer state and the
-    update over the DP group (ZeRO-1).
+    update over the DP group (ZeRO-1); ``overlap_grad_reduce``: start each
+    gradient bucket's DP reduction during the last micro-batch's backward
+    (None: where an accelerator computes, see rlhf/platform.py; on the CPU the
+    reduction waits for the step).
     """
 
     optimizer: str = "adam"
@@ -76,6 +80,7 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool | None = None
 
     def __post_init__(self):
         _require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"choose one of {OPTIMIZERS}")
@@ -93,6 +98,8 @@ class OptimizerConfig:
         _require(self.clip_grad >= 0, "clip_grad", self.clip_grad, "must be >= 0 (0 turns clipping off)")
         _require(isinstance(self.use_distributed_optimizer, bool), "use_distributed_optimizer",
                  self.use_distributed_optimizer, "must be True or False")
+        _require(self.overlap_grad_reduce in (None, True, False), "overlap_grad_reduce", self.overlap_grad_reduce,
+                 "must be True, False or None (None: on where an accelerator computes)")
 
     def _check_decay(self) -> None:
         style, iters = self.lr_decay_style, self.lr_decay_iters
@@ -139,7 +146,10 @@ class ModelOptimizer:
                              "(megatron's mixed-precision optimizer path is not wired up); build it with "
                              "dtype=torch.float32")
         self.module, self.groups, self.config = module, groups, config
-        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=config.use_distributed_optimizer)
+        overlap = config.overlap_grad_reduce
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            overlap_grad_reduce=platform.has_accelerator() if overlap is None else overlap)
         self.ddp = DistributedDataParallel(module.config, ddp_config, module, pg_collection=groups.pg_collection)
         with platform.megatron_scope():
             self.optimizer = self._build_optimizer()
@@ -187,8 +197,14 @@ class ModelOptimizer:
         """The torch optimizer's parameter groups (hyper-parameters; the scheduler sets ``lr``)."""
         return self.optimizer.param_groups
 
+    def backward_scope(self, last_microbatch: bool):
+        """The context of one micro-batch's backward: megatron's ``no_sync`` unless it is the step's
+        last, so an overlapped reduction starts only once every micro-batch's gradient has accumulated."""
+        return contextlib.nullcontext() if last_microbatch else self.ddp.no_sync()
+
     def reduce_grads(self) -> None:
-        """Average the accumulated gradients over the DP group (all-reduce or reduce-scatter)."""
+        """Average the accumulated gradients over the DP group (all-reduce or reduce-scatter), or
+        wait for the reductions that overlapped the last backward."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)

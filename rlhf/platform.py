@@ -29,6 +29,7 @@ on any host; ``auto`` (the default) uses the GPU when there is one.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import warnings
 from datetime import timedelta
@@ -44,6 +45,8 @@ warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
 _MEGATRON_READY = False
 DEVICE_ENV = "RLHF_DEVICE"
 DEVICE_CHOICES = ("auto", "cpu")
+TRANSFORMER_IMPL_ENV = "RLHF_TRANSFORMER_IMPL"
+TRANSFORMER_IMPL_CHOICES = ("auto", "local", "transformer_engine")
 
 
 def has_accelerator() -> bool:
@@ -92,9 +95,33 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def transformer_impl() -> str:
+    """megatron's layer implementation for new models: "transformer_engine" where a GPU computes and
+    TransformerEngine imports (fused kernels), else "local" (plain torch). ``RLHF_TRANSFORMER_IMPL``
+    (auto, local, transformer_engine) overrides the choice."""
+    choice = os.environ.get(TRANSFORMER_IMPL_ENV, "auto")
+    if choice not in TRANSFORMER_IMPL_CHOICES:
+        raise ValueError(f"{TRANSFORMER_IMPL_ENV}={choice!r} is not one of {TRANSFORMER_IMPL_CHOICES}")
+    if choice != "auto":
+        return choice
+    return "transformer_engine" if has_accelerator() and importlib.util.find_spec("transformer_engine") else "local"
+
+
 def peak_memory_bytes() -> int | None:
     """The most bytes this process's accelerator allocator has held (None on the CPU, which has no such counter)."""
     return torch.cuda.max_memory_allocated() if has_accelerator() else None
+
+
+def reset_peak_memory() -> None:
+    """Start :func:`peak_memory_bytes` again from what is allocated now (no-op on CPU)."""
+    if has_accelerator():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def pin(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory where an accelerator exists (its copies to the device can then
+    run asynchronously), else the tensor itself."""
+    return tensor.pin_memory() if has_accelerator() else tensor
 
 
 def synchronize() -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from rlhf.arguments import SECTIONS, add_section_flags, flag_of, load_model_config, parse_task_spec, section_configs
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import UsageError
-from rlhf.config import CheckpointConfig, ConfigError, PlacementConfig, RunConfig
+from rlhf.cli import UsageError, usage_errors
+from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import PRESETS, ModelConfig
 from rlhf.reward_config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 
@@ -26,7 +26,7 @@ TINY = "tiny-critic"
 REWARD_SECTIONS = {
     "run": (RunConfig, "run", [
         ("iterations", int, "total optimizer steps; a resumed run continues to this number (alias --train-iters)"),
-        ("seed", int, "random seed of the starting weights (a new value head) and the data order"),
+        ("seed", int, "random seed of the starting weights (a new value head) and the data order, in [0, 2**28 - 1]"),
     ]),
     "training": (RewardTrainingConfig, "reward training (pairwise Bradley-Terry loss)", [
         ("global_batch_size", int, "preference pairs per optimizer step (a multiple of dp x micro-batch size)"),
@@ -120,11 +120,9 @@ def config_from_args(args: argparse.Namespace) -> RewardJobConfig:
     spec = getattr(args, TASK)
     overrides = {TASK: parse_task_spec(TASK, spec)} if spec else {}
     model, model_dir = model_source(args.model)
-    try:
+    with usage_errors(reward_flag_of):
         return RewardJobConfig(placement=PlacementConfig(args.placement, overrides), model=model, model_dir=model_dir,
                                **section_configs(args, REWARD_SECTIONS))
-    except ConfigError as exc:
-        raise UsageError(f"{reward_flag_of(exc.field_name)}: {exc}") from None
 
 
 def parse_args(argv=None) -> RewardJobConfig:

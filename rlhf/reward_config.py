@@ -18,7 +18,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from rlhf.config import CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, _check_positive_ints
+from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
+                         check_positive_ints)
 from rlhf.models.config import ModelConfig, preset
 from rlhf.optim import OptimizerConfig
 from rlhf.tasks import TASKS
@@ -41,7 +42,8 @@ class RewardTrainingConfig:
     eval_interval: int = 50
 
     def __post_init__(self):
-        _check_positive_ints("training", self, ("global_batch_size", "micro_batch_size", "eval_interval"))
+        check_field_types("training", self)
+        check_positive_ints("training", self, ("global_batch_size", "micro_batch_size", "eval_interval"))
         if not self.center_rewards_coef >= 0:
             raise ConfigError(f"center_rewards_coef={self.center_rewards_coef!r} must be >= 0 (0 turns it off)",
                               "training.center_rewards_coef")
@@ -55,6 +57,7 @@ class RewardOptimizerConfig(OptimizerConfig):
     lr: float = 1e-5
 
     def __post_init__(self):
+        check_field_types("optimizer", self)
         try:
             super().__post_init__()
         except ValueError as exc:  # "OptimizerConfig.<field>=...": the field of the same name
@@ -84,6 +87,7 @@ class RewardDataConfig:
     on_error: str = "raise"
 
     def __post_init__(self):
+        check_field_types("data", self)
         if self.tokenizer not in (None, "byte") and not os.path.isdir(self.tokenizer):
             raise ConfigError(f"tokenizer={self.tokenizer!r} is neither 'byte' nor a directory; give 'byte' or an "
                               "HF tokenizer directory", "data.tokenizer")
@@ -93,7 +97,7 @@ class RewardDataConfig:
                 raise ConfigError(f"{name}={path!r} is not a file; give a JSONL or Parquet file of preference "
                                   "records (prompt, chosen, rejected)", f"data.{name}")
         if self.max_len is not None:
-            _check_positive_ints("data", self, ("max_len",))
+            check_positive_ints("data", self, ("max_len",))
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,8 @@ class RewardJobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self):
-        unknown = sorted(set(self.placement.overrides) - {TASK})
+        check_field_types("job", self)
+        unknown = sorted(set(self.placement.overrides) - {TASK}, key=str)
         if unknown:
             raise ConfigError(f"train_reward.py places only {TASK} (the reward model's mesh), not {unknown}",
                               "placement.overrides")

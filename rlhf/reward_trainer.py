@@ -35,16 +35,15 @@ from rlhf.data.preferences import PreferenceDataset, PreferencePair
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
 from rlhf.models.naming import named_global_parameters
+from rlhf.models.vocab import drop_vocab_padding
 from rlhf.optim import ModelOptimizer
 from rlhf.parallel.exchange import gather_to_all, shares
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
+from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
 from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.reward_config import TASK, RewardJobConfig
-from rlhf.schedule.generators import serial_1f1b
-from rlhf.schedule.problem import ModelSpec, Problem
-from rlhf.schedule.schedule import Schedule
 
 MODEL = "reward"
 """The model's name in the executor's runtimes and in checkpoints (``pretrain_rlhf.py --reward-model`` reads it)."""
@@ -88,20 +87,14 @@ def pair_statistics(loss: torch.Tensor, chosen: torch.Tensor, rejected: torch.Te
             "pairs_count": torch.tensor(float(len(chosen)))}
 
 
-def serial_schedule(name: str, mesh, microbatches: int) -> Schedule:
-    """Serial 1F1B over ``mesh``'s pipeline for ``microbatches`` per replica (costs only order it)."""
-    pp = mesh.strategy.pp
-    spec = ModelSpec(name, pp, 1, microbatches, "up" if mesh.reverse_pp else "down", [1.0] * pp, [2.0] * pp,
-                     [1.0] * pp)
-    problem = Problem(pp, (spec,))
-    return Schedule.from_orders(problem, serial_1f1b(problem))
-
-
 class _RecordingOptimizer:
     """The executor's optimizer interface over a ModelOptimizer, keeping its last step's grad norm and LR."""
 
     def __init__(self, optimizer: ModelOptimizer):
         self.optimizer, self.last = optimizer, {}
+
+    def backward_scope(self, last_microbatch: bool):
+        return self.optimizer.backward_scope(last_microbatch)
 
     def reduce_grads(self) -> None:
         self.optimizer.reduce_grads()
@@ -229,12 +222,13 @@ class RewardTrainer:
     # ---- weights and checkpoints -----------------------------------------------------
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The model's full weights (global names) on every rank (collective; an object all-gather:
-        for small models, such as the tiny default's)."""
+        """The model's full weights (global names, no padded vocabulary rows) on every rank (collective; an
+        object all-gather: for small models, such as the tiny default's)."""
         g, mine = self.groups, {}
         if g is not None and g.coord.dp == 0:  # replica 0 holds every stage; its TP ranks gather together
             full = gather_tp_full_weights(self.model, g)
-            mine = full if g.tp_rank == 0 else {}
+            vocab = self.config.model.vocab_size
+            mine = {n: drop_vocab_padding(n, t, vocab) for n, t in full.items()} if g.tp_rank == 0 else {}
         merged = {}
         for part in gather_to_all([mine]):
             merged.update(part)

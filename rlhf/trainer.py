@@ -16,6 +16,7 @@ mini-batch sees samples of the current policy (docs/training.md).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -30,9 +31,11 @@ from rlhf import platform
 from rlhf.algorithms import (AdvantageInputs, balanced_minibatches, compute_advantages, make_kl_controller,
                              masked_mean, policy_loss, token_rewards, value_loss)
 from rlhf.batch import Batch
+from rlhf.checkpoint.megatron import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.config import ConfigError, JobConfig
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+from rlhf.memory import ModuleOffloader, StorageRelease, module_tensors, storage_bytes
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
@@ -41,12 +44,11 @@ from rlhf.optim import ModelOptimizer
 from rlhf.parallel.exchange import gather_to_all, shares
 from rlhf.parallel.groups import TaskGroups, build_task_groups
 from rlhf.parallel.reshard import load_full_weights, reshard
+from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
 from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.pipeline.timeline import StageTimes, idle_fraction
-from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
-from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.schedule import Schedule
 from rlhf.schedule.search import SearchConfig, search
 from rlhf.tasks import TASK_MODEL, WEIGHTS_TASK, task_kind
@@ -60,9 +62,15 @@ MODEL_SEEDS = {"actor": 11, "critic": 23, "reward": 37, "reference": 11}
 FUSED_SCHEDULE_FILE = "fused_schedule.json"
 """Beside the checkpoints (``<save>/``): the fused schedule searched at start-up, reused on resume."""
 
+MEGATRON_EXPORT_DIR = "megatron"
+"""Beside the checkpoints (``<save>/``): the actor as Megatron-LM checkpoints with ``--save-format torch_dist``."""
+
 INFERENCE_FIELDS = {"ref_inf": "ref_logprobs", "reward_inf": "scores", "critic_inf": "values",
                     "actor_train": "old_logprobs"}
 """What each inference pass adds to the batch (actor_train only with recompute_logprobs)."""
+
+OFFLOADED_TASKS = ("ref_inf", "reward_inf")
+"""The frozen models' tasks, whose weights ``memory.offload_ref_reward`` keeps on the host between uses."""
 
 
 @dataclass
@@ -98,7 +106,9 @@ class Trainer:
         initial_weights = initial_weights or {}
         self._load_initial(initial_weights)
         self.optimizers = self._build_optimizers()
-        self.schedules = {name: self._serial_schedule(task) for name, task in self._trained().items()}
+        self.schedules = {name: serial_schedule(TASK_MODEL[task], placement[task],
+                                                 config.microbatches(placement, task))
+                          for name, task in self._trained().items()}
         self.fused = config.fused_schedule(placement) if config.fusion.intra_stage_fusion else None
         self.stage_times = StageTimes() if config.fusion.intra_stage_fusion and self.fused is None else None
         self._training_steps = []  # this iteration's executor timelines
@@ -109,6 +119,10 @@ class Trainer:
         if "reference" not in initial_weights:
             self._reshard("actor_train", "ref_inf")
         self._reshard("critic_train", "critic_inf")
+        self.offloaders = self._build_offloaders()
+        self.generation_memory = self._build_generation_memory()
+        self._memory_bytes = {}  # stage -> the most resident_bytes() noted in it this iteration (_note_memory)
+        self.memory_bytes = {}  # the same of the last finished iteration on this rank (metrics: the heaviest rank)
 
     # ---- the iteration ---------------------------------------------------------------
 
@@ -127,12 +141,24 @@ class Trainer:
     def save(self, root: str) -> str:
         """Save every model (with optimizer and LR schedule), the KL controller, the data position
         and each rank's RNG as checkpoint ``iteration`` under ``root`` (collective, atomic)."""
-        return save_rlhf_state(root, self.iteration, self._slots(), data_position=self.prompts.state_dict(),
-                               extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD)
+        with self._on_device(*self.offloaders):  # collectives gather the weights where they compute
+            path = save_rlhf_state(root, self.iteration, self._slots(), data_position=self.prompts.state_dict(),
+                                   extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD)
+        if self.config.checkpoint.save_format == "torch_dist":
+            self._export_megatron_actor(root)
+        return path
+
+    def _export_megatron_actor(self, root: str) -> None:
+        """The actor of the checkpoint just saved, again as a Megatron-LM torch_dist checkpoint in
+        ``<root>/megatron`` (rank 0 reads it back from disk and writes it; collective)."""
+        if dist.get_rank() == 0:
+            ours_to_megatron(root, os.path.join(root, MEGATRON_EXPORT_DIR), "actor", self.iteration)
+        dist.barrier()
 
     def load(self, root: str) -> None:
         """Resume from the latest complete checkpoint under ``root`` (any layout; collective)."""
-        state = load_rlhf_state(root, self._slots(), group=dist.group.WORLD)
+        with self._on_device(*self.offloaders, write_back=True):
+            state = load_rlhf_state(root, self._slots(), group=dist.group.WORLD)
         self.iteration = state.iteration
         self.prompts.load_state_dict(state.data_position)
         self.kl.value = torch.tensor(state.extra["kl_coef"])
@@ -156,6 +182,7 @@ class Trainer:
     def step(self) -> IterationResult:
         """One PPO iteration on the next prompts."""
         self.timer.start_iteration(self.iteration + 1)
+        platform.reset_peak_memory()
         prompts = next(self.prompts)
         with self.timer.stage("reshard"):
             self.sync_generation_weights()
@@ -175,11 +202,14 @@ class Trainer:
             batch, local = self.advantages(batch)
         with self.timer.stage("training"):
             local.update(self.update(batch))
+            self._note_memory("training")
         with self.timer.stage("reshard"):
             self._reshard("critic_train", "critic_inf")
+            self._note_memory("reshard")
         self.iteration += 1
         local.update(self._batch_metrics(batch))
         local.update(self.timer.metrics())
+        local.update(self._memory_metrics())
         metrics = with_rates(reduce_metrics(local))
         if self.timer.timeline is not None:
             write_trace(self.config.logging.trace_file, self.timer.timeline)
@@ -188,8 +218,12 @@ class Trainer:
     # ---- 1. generation ---------------------------------------------------------------
 
     def sync_generation_weights(self) -> None:
-        """Reshard the trained actor into the generation layout (before every generation)."""
+        """Reshard the trained actor into the generation layout (before every generation), into
+        storage allocated again if the last generation released it."""
+        if self.generation_memory is not None:
+            self.generation_memory.restore()
         self._reshard("actor_train", "actor_gen")
+        self._note_memory("reshard")
 
     def generate(self, prompt_batch) -> Batch:
         """Samples of ``prompt_batch`` from the actor_gen replicas, as one Batch on every rank.
@@ -201,6 +235,9 @@ class Trainer:
         n = self.config.ppo.n_samples_per_prompt
         g = self.groups["actor_gen"]
         mine = []
+        if self.generation_memory is not None and self.generation_memory.released:  # the same on every rank
+            raise RuntimeError("actor_gen's weights and KV cache were released after the last generation "
+                               "(memory.release_generation_memory); call sync_generation_weights() first")
         if g is not None:
             dp = g.mesh.strategy.dp
             requests = [Request(str(i), tuple(p.token_ids), SamplingParams(
@@ -209,6 +246,9 @@ class Trainer:
                 for i, p in enumerate(prompt_batch.prompts) if i % dp == g.coord.dp]
             results = self.engine.generate(requests)
             mine = results if g.tp_rank == 0 else []
+        self._note_memory("generation")
+        if self.generation_memory is not None:
+            self.generation_memory.release()
         samples = sorted(gather_to_all(mine), key=lambda s: (int(s.request_id), s.sample_index))
         ids = {str(i): i for i in range(len(prompt_batch.prompts))}
         return Batch.from_samples(samples, self.tokenizer.pad_id, ids)
@@ -227,7 +267,10 @@ class Trainer:
             if task == "actor_train" and not self.config.ppo.recompute_logprobs:
                 continue
             if task in self.models:
-                outputs[name] = self._infer_task(task, batch)
+                with self._on_device(task):
+                    outputs[name] = self._infer_task(task, batch)
+                    self._note_memory("inference")
+        self._note_memory("inference")
         merged = {}
         for part in gather_to_all([outputs]):
             for name, rows in part.items():
@@ -391,7 +434,8 @@ class Trainer:
     def _build(self, task: str) -> torch.nn.Module:
         g, model = self.groups[task], TASK_MODEL[task]
         return build_model(self.config.models[model], task_kind(task), g.pg_collection, g.stage,
-                           seed=self.config.run.seed + MODEL_SEEDS[model])
+                           seed=self.config.run.seed + MODEL_SEEDS[model],
+                           padded_vocab=self.config.padded_vocab_size(model, self.placement))
 
     def _load_initial(self, weights: dict) -> None:
         """Starting weights into the task that owns each model's weights (the others are resharded).
@@ -417,15 +461,6 @@ class Trainer:
         return {m: ModelOptimizer(self.models[t], self.groups[t], ppo.optimizer_config(lrs[m]))
                 for m, t in self._trained().items() if t in self.models}
 
-    def _serial_schedule(self, task: str) -> Schedule:
-        """Serial 1F1B over this task's pipeline, as the executor runs it (costs only order it)."""
-        mesh = self.placement[task]
-        pp = mesh.strategy.pp
-        spec = ModelSpec(TASK_MODEL[task], pp, 1, self.config.microbatches(self.placement, task),
-                         "up" if mesh.reverse_pp else "down", [1.0] * pp, [2.0] * pp, [1.0] * pp)
-        problem = Problem(pp, (spec,))
-        return Schedule.from_orders(problem, serial_1f1b(problem))
-
     def _build_engine(self) -> Optional[Engine]:
         if "actor_gen" not in self.models:
             return None
@@ -435,6 +470,33 @@ class Trainer:
         blocks = prompts * self.config.ppo.n_samples_per_prompt * (longest // 16 + 2)
         return Engine(self.models["actor_gen"], self.groups["actor_gen"], self.config.models.actor,
                       EngineConfig(num_blocks=blocks, max_model_len=longest))
+
+    def _build_offloaders(self) -> dict:
+        """{task: its offloader} of this rank's reference and reward models (``memory.offload_ref_reward``;
+        they move to the host now)."""
+        if not self.config.memory.offload_ref_reward:
+            return {}
+        return {t: ModuleOffloader(self.models[t]) for t in OFFLOADED_TASKS if t in self.models}
+
+    def _build_generation_memory(self) -> Optional[StorageRelease]:
+        """What ``memory.release_generation_memory`` frees outside generation on this rank: actor_gen's
+        parameters and the KV cache (nothing where actor_gen is not placed), released now (the first
+        reshard allocates them again)."""
+        if not self.config.memory.release_generation_memory:
+            return None
+        held = [] if self.engine is None else [*self.models["actor_gen"].parameters(), self.engine.decoder.kv_cache]
+        release = StorageRelease(held)
+        release.release()
+        return release
+
+    def _on_device(self, *tasks: str, write_back: bool = False) -> contextlib.ExitStack:
+        """A context with the offloaded models of ``tasks`` on the compute device (others: as they are);
+        ``write_back`` keeps what the body wrote into them (a checkpoint load)."""
+        stack = contextlib.ExitStack()
+        for task in tasks:
+            if task in self.offloaders:
+                stack.enter_context(self.offloaders[task].on_device(write_back))
+        return stack
 
     def _reshard(self, src: str, dst: str) -> None:
         """Copy the weights of ``src``'s model into ``dst``'s layout (the ranks of either mesh)."""
@@ -447,6 +509,33 @@ class Trainer:
                 self.config.models[TASK_MODEL[src]].num_layers)
 
     # ---- metrics ---------------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        """Bytes of model weights (parameters and buffers) and KV cache this rank holds where it computes
+        now: an offloaded model counts while loaded, released storage as 0 (optimizer state not included)."""
+        total = 0
+        for task, model in self.models.items():
+            offloader = self.offloaders.get(task)
+            total += offloader.resident_bytes() if offloader else sum(storage_bytes(module_tensors(model)).values())
+        if self.engine is not None:
+            total += sum(storage_bytes([self.engine.decoder.kv_cache]).values())
+        return total
+
+    def _note_memory(self, stage: str) -> None:
+        """Keep the most :meth:`resident_bytes` seen in ``stage`` this iteration (noted after its loads,
+        before its releases)."""
+        self._memory_bytes[stage] = max(self._memory_bytes.get(stage, 0), self.resident_bytes())
+
+    def _memory_metrics(self) -> dict:
+        """``memory_<stage>_bytes_max`` of the stages noted since the last call (their heaviest rank, by
+        the metric's name) and, on an accelerator, ``memory_peak_bytes_max``: its allocator's peak since
+        the iteration began (rlhf.platform.peak_memory_bytes)."""
+        self.memory_bytes, self._memory_bytes = self._memory_bytes, {}
+        out = {f"memory_{stage}_bytes_max": float(n) for stage, n in self.memory_bytes.items()}
+        peak = platform.peak_memory_bytes()
+        if peak is not None:
+            out["memory_peak_bytes_max"] = float(peak)
+        return out
 
     def _batch_metrics(self, batch: Batch) -> dict:
         """Per-iteration statistics of the samples (every rank holds the batch; counts from rank 0 only)."""
@@ -484,8 +573,7 @@ def checked_scores(fn: RewardFn, prompts: list, responses: list) -> list[float]:
 
 def _reward_scores(values: torch.Tensor, mb: Batch, g) -> torch.Tensor:
     """The reward model's score: its value at each sample's last token (prompt + response)."""
-    last = (mb.prompt_lengths + mb.response_lengths - 1).to(values.device)
-    return values.gather(1, last.unsqueeze(1)).squeeze(1).float()
+    return mb.last_token_values(values).float()
 
 
 def _response_logprobs(logits: torch.Tensor, mb: Batch, g) -> torch.Tensor:

@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from rlhf.engine import (Engine, EngineConfig, NeverFitsError, OutOfBlocksError, Request, SamplingParams,
-                         recv_sequence, send_sequence)
+from rlhf.engine import Engine, EngineConfig, NeverFitsError, OutOfBlocksError, Request, SamplingParams
+from rlhf.fusion.transport import recv_sequence, send_sequence
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model, stage_forward
 from rlhf.models.logprobs import vocab_parallel_log_probs

@@ -6,9 +6,12 @@ computations on 4 gloo ranks equal textbook PPO and unsharded models
 """
 
 from rlhf import platform
+from rlhf.config import MemoryConfig
+from rlhf.memory import module_tensors, storage_bytes
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.tasks import TASKS
+from rlhf.trainer import OFFLOADED_TASKS
 from scenario_trainer import learn_fixed_samples, synthetic_trainer, synthetic_weights, trained_weights
 
 FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logprobs")
@@ -21,12 +24,20 @@ def run() -> dict:
     _, _, result, learned = learn_fixed_samples(placement)
     trainer = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0)
     steps = [trainer.step() for _ in range(2)]
+    lean = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0,
+                             memory=MemoryConfig(offload_ref_reward=True, release_generation_memory=True))
+    lean_steps = [lean.step() for _ in range(2)]
+    offloaded = [t for task in OFFLOADED_TASKS for t in module_tensors(lean.models[task])]
     return {"device": platform.device().type,
             "fields": {f: getattr(result.batch, f).cpu().numpy() for f in FIELDS},
             "learned": _arrays(learned),
             "tokens": [s.batch.tokens.tolist() for s in steps],
             "metrics": [s.metrics for s in steps],
             "stepped": _arrays(trained_weights(trainer)),
+            "lean_tokens": [s.batch.tokens.tolist() for s in lean_steps],
+            "lean_metrics": [s.metrics for s in lean_steps],
+            "offloaded_bytes": {d.type: n for d, n in storage_bytes(offloaded).items()},  # between their uses
+            "offloaded_pinned": all(t.is_pinned() for t in offloaded),
             "peak_memory_bytes": platform.peak_memory_bytes()}
 
 

@@ -5,6 +5,11 @@ For every HF model the parent test saved, each layout loads it with
 pass and compares logits (or per-token values) with transformers' (computed
 by the parent); then saves the sharded model with ``save_rlhf_state`` so the
 parent can export it back to HF. Returns max abs errors and checkpoint roots.
+
+A case with ``prompts`` has a vocabulary that tp=2 does not divide: both
+layouts hold it padded (``padded``), and ``_padded_vocab`` also generates with
+the engine at TP2, computes the training path's log-probs and entropy, and
+reshards TP2 -> PP2 (see its docstring).
 """
 
 import os
@@ -13,10 +18,13 @@ import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
-from rlhf.checkpoint.rlhf_state import ModelSlot, save_rlhf_state
+from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
+from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
+from rlhf.parallel.reshard import reshard
 from rlhf.pipeline.p2p import recv_forward, send_forward
 
 PLAN = {"actor_train": {"ranks": "0-1", "tp": 2}, "critic_train": {"ranks": "0-1", "pp": 2}}
@@ -41,15 +49,18 @@ def _forward(model, groups, ids, hidden_size):
 
 
 @torch.no_grad()
-def _check(case: dict, groups, layout: str, ids, out_root: str, seed: int) -> dict:
+def _check(case: dict, groups, layout: str, out_root: str, seed: int) -> dict:
     cfg = read_hf_config(case["dir"]).config
-    model = build_model(cfg, case["role"], groups.pg_collection, groups.stage, seed=seed)
+    model = build_model(cfg, case["role"], groups.pg_collection, groups.stage, seed=seed,
+                        padded_vocab=case.get("padded"))
     head_before = model.output_layer.weight.clone() if groups.is_last_stage else None
     load_hf_weights(model, groups, case["dir"], case["role"])
     result = {}
-    out = _forward(model, groups, ids, cfg.hidden_size)
+    out = _forward(model, groups, case["ids"], cfg.hidden_size)
     if out is not None and case.get("expected") is not None:
-        result["err"] = (out - case["expected"]).abs().max().item()
+        result["err"] = (out[..., :case["expected"].shape[-1]] - case["expected"]).abs().max().item()
+        if case["role"] == "lm":
+            result["padding_inf"] = bool((out[..., cfg.vocab_size:] == float("-inf")).all())
     if out is not None and case.get("expected") is None:  # new value head: kept as initialised
         result["head_kept"] = bool(torch.equal(model.output_layer.weight, head_before))
     root = os.path.join(out_root, f"{case['name']}_{layout}")
@@ -58,10 +69,61 @@ def _check(case: dict, groups, layout: str, ids, out_root: str, seed: int) -> di
     return result
 
 
-def run(cases: list, ids: torch.Tensor, out_root: str):
+def _generate_and_score(model, groups, cfg, prompts: list, new_tokens: int) -> dict:
+    """The engine's greedy tokens and log-probs, and the training path's log-probs and entropy on them."""
+    params = SamplingParams(max_new_tokens=new_tokens)
+    results = Engine(model, groups, cfg, EngineConfig(num_blocks=64, block_size=8)).generate(
+        [Request(f"p{i}", p, params) for i, p in enumerate(prompts)])
+    out = {"tokens": [list(r.tokens) for r in results], "engine_lp": [list(r.logprobs) for r in results],
+           "train_lp": [], "entropy": []}
+    for r in results:
+        ids = torch.tensor([list(r.prompt) + list(r.tokens)])
+        logits = stage_forward(model, ids)[:, :-1]
+        start = len(r.prompt) - 1
+        out["train_lp"].append(vocab_parallel_log_probs(logits, ids[:, 1:], groups.tp)[0, start:].tolist())
+        out["entropy"].append(vocab_parallel_entropy(logits, groups.tp)[0, start:].tolist())
+    return out
+
+
+@torch.no_grad()
+def _padded_vocab(case: dict, groups: dict, out_root: str) -> dict:
+    """A vocabulary tp=2 does not divide, at TP2, padded two ways.
+
+    ``case["padded"]`` rows, loaded from HF: engine generation and the training
+    path's log-probs / entropy, then a reshard into the PP2 layout (same padded
+    size) whose logits must still be transformers'. 256 rows (rank 1's whole
+    slice is padding), loaded from our checkpoint that the 68-row TP2 model
+    saved, with the padded output rows set to 10 so that only the -inf mask
+    keeps them out: the same generation and log-prob checks.
+    """
+    tp2, pp2 = groups["actor_train"], groups["critic_train"]
+    cfg = read_hf_config(case["dir"]).config
+    out = {}
+    model = build_model(cfg, "lm", tp2.pg_collection, tp2.stage, seed=3, padded_vocab=case["padded"])
+    load_hf_weights(model, tp2, case["dir"])
+    out["hf"] = _generate_and_score(model, tp2, cfg, case["prompts"], case["new_tokens"])
+    target = build_model(cfg, "lm", pp2.pg_collection, pp2.stage, seed=4, padded_vocab=case["padded"])
+    reshard(tp2.mesh, (tp2, model), pp2.mesh, (pp2, target), cfg.num_layers)
+    logits = _forward(target, pp2, case["ids"], cfg.hidden_size)
+    if logits is not None:
+        out["reshard_err"] = (logits[..., :cfg.vocab_size] - case["expected"]).abs().max().item()
+
+    wide = build_model(cfg, "lm", tp2.pg_collection, tp2.stage, seed=5, padded_vocab=256)
+    load_rlhf_state(os.path.join(out_root, f"{case['name']}_tp2"),
+                    {"actor": ModelSlot(cfg, "lm", wide, tp2)}, restore_rng=False)
+    head = wide.output_layer.weight
+    head[max(0, cfg.vocab_size - tp2.tp_rank * head.shape[0]):] = 10.0
+    out["wide"] = _generate_and_score(wide, tp2, cfg, case["prompts"], case["new_tokens"])
+    return out
+
+
+def run(cases: list, out_root: str):
     groups = build_task_groups(Placement.from_plan(PLAN, dist.get_world_size()))
     results = {}
     for layout, task in LAYOUTS.items():
         for i, case in enumerate(cases):
-            results[f"{case['name']}/{layout}"] = _check(case, groups[task], layout, ids, out_root, seed=11 + i)
+            results[f"{case['name']}/{layout}"] = _check(case, groups[task], layout, out_root, seed=11 + i)
+    for case in cases:
+        if "prompts" in case:
+            results[f"{case['name']}/padded"] = _padded_vocab(case, groups, out_root)
     return results

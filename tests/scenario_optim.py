@@ -3,7 +3,8 @@
 Each named layout (all on ranks 0-3) trains a model from the reference's
 weights for STEPS AdamW steps, with clipping active (CLIP is below every
 gradient norm) and a warm-up + cosine LR schedule; its DP replicas split each
-step's MICROBATCHES micro-batches. The reference is the unsharded model in one
+step's micro-batches (MICROBATCHES[step]: the count varies, as token-balanced
+mini-batches make it vary, which overlapped gradient reduction must survive). The reference is the unsharded model in one
 process: ``torch.optim.AdamW`` (no weight decay on 1-D parameters),
 ``torch.nn.utils.clip_grad_norm_`` and :func:`lr_at` over all micro-batches.
 """
@@ -27,15 +28,19 @@ from rlhf.pipeline.microbatch import pipeline_forward_backward
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=64, max_seq_len=16, qkv_bias=True)
 SEEDS = {"lm": 21, "value": 22}
-STEPS, MICROBATCHES, MB_SIZE, SEQ, CLIP = 4, 4, 2, 8, 0.05
+STEPS, MICROBATCHES, MB_SIZE, SEQ, CLIP = 4, (4, 2, 6, 4), 2, 8, 0.05
 OPT = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_init=2e-4, lr_warmup_iters=1, lr_decay_iters=3,
                       lr_decay_style="cosine", weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
                       adam_eps=1e-8, clip_grad=CLIP)
-LAYOUTS = {  # name: (task, strategy on ranks 0-3, model kind, distributed optimizer)
-    "tp2_pp2": ("actor_train", {"tp": 2, "pp": 2}, "lm", False),
-    "pp2_dp2": ("critic_train", {"pp": 2, "dp": 2, "reverse_pp": True}, "value", False),
-    "pp2_dp2_distopt": ("actor_train", {"pp": 2, "dp": 2}, "lm", True),
-    "tp2_dp2_distopt": ("critic_train", {"tp": 2, "dp": 2}, "value", True),
+DISTOPT = {"use_distributed_optimizer": True}
+OVERLAP = {"overlap_grad_reduce": True}
+LAYOUTS = {  # name: (task, strategy on ranks 0-3, model kind, OptimizerConfig options)
+    "tp2_pp2": ("actor_train", {"tp": 2, "pp": 2}, "lm", {}),
+    "pp2_dp2": ("critic_train", {"pp": 2, "dp": 2, "reverse_pp": True}, "value", {}),
+    "pp2_dp2_distopt": ("actor_train", {"pp": 2, "dp": 2}, "lm", DISTOPT),
+    "tp2_dp2_distopt": ("critic_train", {"tp": 2, "dp": 2}, "value", DISTOPT),
+    "pp2_dp2_overlap": ("critic_train", {"pp": 2, "dp": 2, "reverse_pp": True}, "value", OVERLAP),
+    "tp2_dp2_distopt_overlap": ("actor_train", {"tp": 2, "dp": 2}, "lm", {**DISTOPT, **OVERLAP}),
 }
 
 
@@ -51,10 +56,10 @@ def lr_at(n: int) -> float:
 
 
 def make_data(seed: int) -> list:
-    """STEPS lists of MICROBATCHES (tokens [b, s], value targets [b, s])."""
+    """STEPS lists of MICROBATCHES[step] (tokens [b, s], value targets [b, s])."""
     g = torch.Generator().manual_seed(seed)
     return [[(torch.randint(0, CFG.vocab_size, (MB_SIZE, SEQ), generator=g), torch.randn(MB_SIZE, SEQ, generator=g))
-             for _ in range(MICROBATCHES)] for _ in range(STEPS)]
+             for _ in range(count)] for count in MICROBATCHES]
 
 
 def sharded_loss(kind: str, out, tokens, target, tp_group):
@@ -105,17 +110,18 @@ def sharded_step(module, groups, opt: ModelOptimizer, kind: str, microbatches: l
     strategy = groups.mesh.strategy
     share = len(microbatches) // strategy.dp
     mine = microbatches[groups.coord.dp * share:(groups.coord.dp + 1) * share]
-    for tokens, target in mine:
-        pipeline_forward_backward(module, groups, tokens,
-                                  lambda out: sharded_loss(kind, out, tokens, target, groups.tp) / share)
+    for i, (tokens, target) in enumerate(mine):
+        with opt.backward_scope(last_microbatch=i == share - 1):
+            pipeline_forward_backward(module, groups, tokens,
+                                      lambda out: sharded_loss(kind, out, tokens, target, groups.tp) / share)
     opt.reduce_grads()
     return opt.step()
 
 
-def train(groups, kind: str, distributed: bool, data: list, ref: dict) -> dict:
+def train(groups, kind: str, options: dict, data: list, ref: dict) -> dict:
     module = build_model(CFG, kind, groups.pg_collection, groups.stage, seed=SEEDS[kind] + 100)
     load_full_weights(module, groups, ref["before"])
-    opt = ModelOptimizer(module, groups, replace(OPT, use_distributed_optimizer=distributed))
+    opt = ModelOptimizer(module, groups, replace(OPT, **options))
     stats = [sharded_step(module, groups, opt, kind, mbs) for mbs in data]
     after = gather_tp_full_weights(module, groups)
     return {"err": max((after[k] - ref["after"][k]).abs().max().item() for k in after),
@@ -131,5 +137,5 @@ def run() -> dict:
               for name, (task, plan, _, _) in LAYOUTS.items()}
     data = {kind: make_data(seed) for kind, seed in SEEDS.items()}
     refs = {kind: reference(kind, data[kind]) for kind in SEEDS}
-    return {name: train(groups[name], kind, distributed, data[kind], refs[kind])
-            for name, (_, _, kind, distributed) in LAYOUTS.items()}
+    return {name: train(groups[name], kind, options, data[kind], refs[kind])
+            for name, (_, _, kind, options) in LAYOUTS.items()}

@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.batch import Batch
-from rlhf.config import CheckpointConfig, FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.config import (CheckpointConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
+                         PPOConfig, RunConfig)
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
+from rlhf.memory import module_tensors, storage_bytes
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import stage_forward
 from rlhf.parallel import Placement
@@ -30,7 +32,8 @@ from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.search import SearchConfig, search
 from rlhf.testing.models import full_weights, plain_logprobs, unsharded
 from rlhf.testing.reference import gae_loop
-from rlhf.trainer import Trainer
+from rlhf.checkpoint.megatron import open_megatron, read_megatron_state
+from rlhf.trainer import MEGATRON_EXPORT_DIR, OFFLOADED_TASKS, Trainer
 
 ACTOR = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     vocab_size=64, max_seq_len=32)
@@ -132,6 +135,7 @@ def run(root: str) -> dict:
     build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
     out = _against_textbook(placement)
     out.update(_resume(placement, root))
+    out.update(_optimizer_paths(placement))
     out.update(_fusion(root))
     return out
 
@@ -179,13 +183,13 @@ def synthetic_weights(seed: int) -> dict:
 
 def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
                       checkpoint: CheckpointConfig = CheckpointConfig(), temperature: float = 1.0,
-                      **optimizer) -> Trainer:
+                      memory: MemoryConfig = MemoryConfig(), **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
-                       fusion=fusion, checkpoint=checkpoint)
+                       fusion=fusion, checkpoint=checkpoint, memory=memory)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, reward_fn=gold_reward)
 
@@ -194,15 +198,41 @@ RESUME_OPTIMIZER = dict(use_distributed_optimizer=True, lr_warmup_iters=2, lr_de
 """The resume check also covers the sharded optimizer state and a schedule in the middle of its decay."""
 
 
+def _optimizer_paths(placement) -> dict:
+    """2 iterations with megatron's distributed optimizer, and with it and overlapped gradient reduction,
+    against the plain optimizer: the largest parameter differences (critic_train is DP2)."""
+    full = synthetic_weights(41)
+    runs = {}
+    for name, options in (("plain", {}), ("distributed", {"use_distributed_optimizer": True}),
+                          ("overlapped", {"use_distributed_optimizer": True, "overlap_grad_reduce": True})):
+        trainer = synthetic_trainer(placement, full, mini_batch=8, **options)  # 2 micro-batches per critic replica
+        for _ in range(2):
+            trainer.step()
+        runs[name] = trained_weights(trainer)
+    plain = runs.pop("plain")
+    out = {"optimizer_moved": max((plain[m][k] - full[m][k]).abs().max().item() for m in plain for k in plain[m])}
+    for name, weights in runs.items():
+        out[f"{name}_param_diff"] = max((weights[m][k] - plain[m][k]).abs().max().item() for m in plain for k in plain[m])
+    return out
+
+
 def _resume(placement, root: str) -> dict:
     """4 iterations straight vs 2, save, and 2 more in a fresh trainer that loads: metrics and weights."""
     full = synthetic_weights(11)
     straight = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     metrics = [straight.step().metrics for _ in range(4)]
-    first = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
+    first = synthetic_trainer(placement, full, mini_batch=4, checkpoint=CheckpointConfig(save_format="torch_dist"),
+                              **RESUME_OPTIMIZER)
     for _ in range(2):
         first.step()
+    released = _memory_release(placement, full, first, metrics[:2])
     first.save(root)
+    saved_actor = trained_weights(first)["actor"]
+    megatron_diff = None
+    if dist.get_rank() == 0:  # the Megatron-LM copy holds the same actor
+        exported = read_megatron_state(open_megatron(f"{root}/{MEGATRON_EXPORT_DIR}"))
+        assert sorted(exported) == sorted(saved_actor)
+        megatron_diff = max((exported[k] - saved_actor[k]).abs().max().item() for k in saved_actor)
     resumed = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
     resumed.load(root)
     loaded_at = resumed.iteration
@@ -210,7 +240,27 @@ def _resume(placement, root: str) -> dict:
     a, b = trained_weights(straight), trained_weights(resumed)
     return {"loaded_at": loaded_at, "straight_metrics": metrics[2:], "resumed_metrics": metrics_resumed,
             "resume_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
-            "kl_coefs": [m["kl_coef"] for m in metrics]}
+            "kl_coefs": [m["kl_coef"] for m in metrics], "megatron_export_diff": megatron_diff, **released}
+
+
+def _memory_release(placement, full: dict, kept, kept_metrics: list) -> dict:
+    """2 iterations with the reference and reward offloaded and actor_gen's memory released, against
+    ``kept`` (the same run with both off, 2 iterations done): metrics, weights and this rank's bytes."""
+    lean = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER,
+                             memory=MemoryConfig(offload_ref_reward=True, release_generation_memory=True))
+    lean_metrics = [lean.step().metrics for _ in range(2)]
+    a, b = trained_weights(kept), trained_weights(lean)
+    offloaded = [kept.models[t] for t in OFFLOADED_TASKS if t in kept.models]
+    try:  # released after the last generation: generating again needs the reshard first
+        lean.generate(next(lean.prompts))
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return {"lean_metrics": lean_metrics, "kept_metrics": kept_metrics, "generate_refused": refused,
+            "lean_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
+            "lean_bytes": lean.memory_bytes, "kept_bytes": kept.memory_bytes,
+            "generation_bytes": lean.generation_memory.nbytes,
+            "offloaded_bytes": sum(n for m in offloaded for n in storage_bytes(module_tensors(m)).values())}
 
 
 FUSED_PLAN = {"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},

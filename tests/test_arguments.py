@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.arguments import build_parser, parse_args
-from rlhf.cli import UsageError
+from rlhf.arguments import build_parser, flag_of, parse_args
+from rlhf.cli import UsageError, usage_errors
 from rlhf.config import ConfigError, JobConfig, PlacementConfig, PPOConfig, RunConfig
 from rlhf.models.config import preset
 from rlhf.parallel import Placement, PlacementError
+from rlhf.reward_arguments import reward_flag_of
+from rlhf.reward_config import RewardTrainingConfig
 
 
 def test_defaults_are_the_tiny_job():
@@ -63,7 +65,14 @@ def test_flags_fill_the_configs(tmp_path):
     (["--kl-estimator", "k9"], "--kl-estimator: KLConfig.estimator='k9' must be one of"),
     (["--top-p", "0"], "--top-p: top_p=0.0 must be in (0, 1]"),
     (["--trace-iteration", "31"], "--trace-iteration: trace_iteration 31 is past the last iteration 30"),
-    (["--search-budget", "nan"], "--search-budget: search_budget=nan must be a finite number of seconds > 0"),
+    (["--search-budget", "nan"], "--search-budget: search_budget must be a finite number, got nan"),
+    (["--kl-coef", "nan"], "--kl-coef: kl_coef must be a finite number, got nan"),
+    (["--kl-target", "inf"], "--kl-target: kl_target must be a finite number or None, got inf"),
+    (["--temperature", "inf"], "--temperature: temperature must be a finite number, got inf"),
+    (["--min-lr=-inf"], "--min-lr: min_lr must be a finite number, got -inf"),
+    (["--seed", "-1"], "--seed: seed=-1 must be in [0, 268435455]"),
+    (["--seed", str(2**28)], "--seed: seed=268435456 must be in [0, 268435455]"),
+    (["--search-budget", "0"], "--search-budget: search_budget=0.0 must be a finite number of seconds > 0"),
     (["--schedule", "s.json"], "--schedule: a schedule is run only with intra_stage_fusion"),
     (["--save-interval", "5"], "--save-interval: save_interval needs a checkpoint root to save to (save)"),
     (["--load", "/nonexistent/ckpt"], "--load: load='/nonexistent/ckpt' is not a directory"),
@@ -74,6 +83,23 @@ def test_bad_values_name_their_flag(argv, message):
     with pytest.raises(UsageError) as exc:
         parse_args(argv)
     assert str(exc.value).startswith(message)
+
+
+def test_usage_errors_turn_job_errors_into_flag_errors(tmp_path):
+    """The one mapping both entry points use (pretrain_rlhf.py with flag_of, train_reward.py with reward_flag_of)."""
+    job = JobConfig(placement=PlacementConfig(overrides={"actor_train": {"tp": "two"}}))
+    with pytest.raises(UsageError) as exc, usage_errors(flag_of):
+        job.build_placement(4)
+    assert str(exc.value) == "invalid placement: actor_train: tp='two' must be a positive integer (e.g. tp=2)"
+    with pytest.raises(UsageError) as exc, usage_errors(flag_of):
+        JobConfig().build_placement(3)  # every task dp 3: the mini-batch of 32 does not split
+    assert str(exc.value).startswith("--ppo-mini-batch-size: ppo_mini_batch_size 32 must be a multiple of")
+    with pytest.raises(UsageError) as exc, usage_errors(reward_flag_of):
+        RewardTrainingConfig(micro_batch_size=0)
+    assert str(exc.value) == "--micro-batch-size: micro_batch_size must be an integer >= 1, got 0"
+    with usage_errors(flag_of):  # anything else passes through unchanged
+        with pytest.raises(KeyError):
+            raise KeyError("not an input error")
 
 
 def test_batch_sizes_checked_against_the_placement():

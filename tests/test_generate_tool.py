@@ -132,5 +132,15 @@ def test_bos_flags_and_record_errors(tmp_path, capsys):
     with pytest.raises(UsageError, match=rf"^{path}:2: token id 195 of the tokenizer is outside the model's "
                                          r"vocabulary \(vocab_size=128\)"):
         generate.read_prompts(str(path), ByteTokenizer(), False, vocab_size=128)
+    # flags and the output path are refused before the model (--load m does not exist) is read
+    missing_out = base[:-1] + [str(tmp_path / "missing" / "o.jsonl")]
     with pytest.raises(UsageError, match=rf"^--out {tmp_path}/missing/o.jsonl: cannot write there"):
-        generate.check_out_path(str(tmp_path / "missing" / "o.jsonl"))
+        generate.generate(generate.build_parser().parse_args(missing_out))
+    for flags, message in ((["--temperature", "inf"], "--temperature: temperature=inf is invalid: must be a finite"),
+                           (["--top-p", "nan"], "--top-p: top_p=nan is invalid: must be in (0, 1]"),
+                           (["--kv-blocks", "0"], "--kv-blocks: num_blocks=0 is invalid: must be >= 1"),
+                           (["--seed", str(2**64)], "--seed: 18446744073709551616 is out of range; give a number in "
+                                                    "[0, 4294967295]")):
+        with pytest.raises(UsageError) as exc:
+            generate.generate(generate.build_parser().parse_args(missing_out + flags))
+        assert str(exc.value).startswith(message)

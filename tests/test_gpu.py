@@ -48,10 +48,25 @@ def test_greedy_generation_matches_cpu(runs):
     gpu, cpu = runs
     assert gpu["tokens"] == cpu["tokens"]
     for g, c in zip(gpu["metrics"], cpu["metrics"]):
-        measured = [k for k in c if not k.startswith("time_") and not k.endswith("_per_s") and "bubble" not in k]
+        measured = [k for k in c if not k.startswith(("time_", "memory_")) and not k.endswith("_per_s")
+                    and "bubble" not in k]
         assert len(measured) > 5
         for key in measured:  # losses, KL, rewards, advantages, lengths
             # a clip fraction counts tokens past a threshold: one token on the boundary (1/48 seen) may flip
             # under float32 reordering; the weight comparison above is the exact check
             tol = 0.05 if key.endswith("clip_fraction") else 1e-5
             assert g[key] == pytest.approx(c[key], rel=1e-3, abs=tol), key
+
+
+def test_offloaded_and_released_weights_leave_the_gpu_between_uses(runs):
+    """--offload-ref-reward and --release-generation-memory: the reference and reward weights sit in pinned
+    host memory after the iterations, the tracked device bytes drop, and the samples and metrics stay."""
+    gpu, _ = runs
+    assert set(gpu["offloaded_bytes"]) == {"cpu"} and gpu["offloaded_bytes"]["cpu"] > 0
+    assert gpu["offloaded_pinned"]
+    assert gpu["lean_tokens"] == gpu["tokens"]
+    kept, lean = gpu["metrics"][-1], gpu["lean_metrics"][-1]
+    assert lean["memory_training_bytes_max"] < kept["memory_training_bytes_max"]
+    assert lean["memory_peak_bytes_max"] > 0
+    for key in ("policy_loss", "value_loss", "kl_mean", "reward_mean"):
+        assert lean[key] == pytest.approx(kept[key], rel=1e-5, abs=1e-6), key

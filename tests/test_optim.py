@@ -1,8 +1,10 @@
 """rlhf.optim: the config's validation, and megatron DDP + optimizer + LR schedule on 4 gloo ranks.
 
 Named layouts (tests/scenario_optim.py): ``tp2_pp2`` (LM), ``pp2_dp2`` (value
-model, reversed pipeline), and with megatron's distributed optimizer
-``pp2_dp2_distopt`` (LM) and ``tp2_dp2_distopt`` (value model). Each takes 4
+model, reversed pipeline), with megatron's distributed optimizer
+``pp2_dp2_distopt`` (LM) and ``tp2_dp2_distopt`` (value model), and with
+overlapped gradient reduction ``pp2_dp2_overlap`` and ``tp2_dp2_distopt_overlap``
+(steps of 4, 2, 6 and 4 micro-batches). Each takes 4
 AdamW steps with clipping active and a warm-up + cosine LR; parameters, the
 reported gradient norms and LRs must match unsharded torch training.
 """
@@ -34,6 +36,7 @@ TOL = 1e-5
     ({"adam_eps": 0.0}, "OptimizerConfig.adam_eps=0.0: must be > 0"),
     ({"clip_grad": -1.0}, "OptimizerConfig.clip_grad=-1.0: must be >= 0 (0 turns clipping off)"),
     ({"use_distributed_optimizer": 1}, "OptimizerConfig.use_distributed_optimizer=1: must be True or False"),
+    ({"overlap_grad_reduce": "yes"}, "OptimizerConfig.overlap_grad_reduce='yes': must be True, False or None"),
 ])
 def test_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError) as err:

@@ -21,7 +21,11 @@ def _place(plan, world=4):
     ({"actor_train": {"ranks": "0-3", "dp": 1, "pp": 2, "tp": 1}}, r"actor_train: dp\*pp\*tp = 1\*2\*1 = 2 but the mesh has 4"),
     ({"critic_train": {"ranks": "0-2", "tp": 2}}, r"critic_train: pp\*tp = 1\*2 does not divide the mesh size 3"),
     ({"actor_gen": {"tp": 4, "ranks": "0-3"}}, r"actor_gen: tp=4 does not divide the KV heads \(num_kv_heads=2\)"),
-    ({"ref_inf": {"pp": 8, "ranks": "0-7"}}, r"ref_inf: rank\(s\) \[4, 5, 6, 7\] are outside the world of 4 ranks"),
+    ({"ref_inf": {"pp": 8, "ranks": "0-7"}}, r"ref_inf: ranks '0-7' reach rank 7, outside the world of 4 ranks"),
+    ({"ref_inf": {"ranks": [0, 4]}}, r"ref_inf: rank\(s\) \[4\] are outside the world of 4 ranks"),
+    ({"ref_inf": {"ranks": "0-99999999999999"}}, r"ref_inf: ranks '0-99999999999999' reach rank 99999999999999, "
+                                                 r"outside the world of 4 ranks \(valid: 0..3\)"),  # never expanded
+    ({"ref_inf": {"ranks": []}}, r"ref_inf: ranks \[\] names no rank"),
     ({"reward_inf": {"ranks": [0, 1, 1]}}, r"reward_inf: rank\(s\) \[1\] appear twice"),
     ({"critic_inf": {"ranks": "0-1", "dp": 3}}, r"critic_inf: dp\*pp\*tp = 3\*1\*1 = 3 but the mesh has 2"),
     ({"actor_training": {}}, r"unknown task\(s\) \['actor_training'\]"),

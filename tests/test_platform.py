@@ -33,6 +33,15 @@ def test_device_env_is_checked(monkeypatch):
         platform.backend()
 
 
+def test_transformer_impl_is_local_on_the_cpu_and_can_be_forced(monkeypatch):
+    assert platform.transformer_impl() == "local"  # no accelerator in the suite's processes
+    monkeypatch.setenv(platform.TRANSFORMER_IMPL_ENV, "transformer_engine")
+    assert platform.transformer_impl() == "transformer_engine"
+    monkeypatch.setenv(platform.TRANSFORMER_IMPL_ENV, "fast")
+    with pytest.raises(ValueError, match="RLHF_TRANSFORMER_IMPL='fast' is not one of"):
+        platform.transformer_impl()
+
+
 @pytest.mark.gpu
 def test_gpu_backend_and_device(monkeypatch):
     monkeypatch.setenv(platform.DEVICE_ENV, "auto")

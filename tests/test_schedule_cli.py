@@ -12,6 +12,7 @@ from rlhf.schedule.lower_bound import serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem
 from rlhf.schedule.search import SearchConfig, search
 from rlhf.schedule.validate import validate
+from rlhf.testing.tools import load_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "search_schedule.py"
@@ -49,15 +50,6 @@ def test_cli_problem_file_out_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
-def test_cli_reports_bad_problem(tmp_path):
-    path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"stages": 3, "models": [
-        {"name": "a", "pp": 2, "pipelines": 1, "microbatches": 2, "direction": "down",
-         "fwd": [1, 1], "bwd": [1, 1]}]}))
-    r = run(["--problem", str(path)])
-    assert r.returncode == 2 and "pp*pipelines" in r.stderr
-
-
 @pytest.mark.skipif(not (Path(sys.executable).parent / "mpiexec").exists(),
                     reason="mpiexec not installed next to this python")
 def test_mpi_two_ranks_keep_the_best_seed(tmp_path):
@@ -68,26 +60,142 @@ def test_mpi_two_ranks_keep_the_best_seed(tmp_path):
     assert r.returncode == 0, r.stderr
     metrics = load_schedule(out).metrics
     singles = [search(pb, SearchConfig(budget_s=0.2, memory_budget_s=0.1, seed=s)) for s in (3, 4)]
-    best = min(singles, key=lambda x: (x.makespan, max(x.peak_mem)))
+    # the least memory among the ranks' results within the slack (0.5%, at most 1% over the bound)
+    # of the best makespan any rank found, then the smallest makespan
+    fastest = min(x.best_makespan for x in singles)
+    limit = max(fastest, min(fastest * 1.005, singles[0].lower_bound * 1.01))
+    within = [x for x in singles if x.makespan <= limit + 1e-9] or singles
+    best = min(within, key=lambda x: (max(x.peak_mem), x.makespan, x.seed))
     assert metrics["makespan"] == pytest.approx(best.makespan)
     assert metrics["seed"] == best.seed
 
 
-def test_cli_cap_below_any_schedule(tmp_path):
-    _, path = problem_file(tmp_path)
-    r = run(["--problem", str(path), "--mem-cap", "0.5", "--budget", "0.1"])
-    assert r.returncode == 2 and "memory cap" in r.stderr
+# --- bad input: refused before the search starts, one line naming the flag or file, exit status 2 -------------
+
+search_schedule = load_tool("search_schedule")
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
-def test_cli_bad_flag_values_name_the_flag(tmp_path):
+@pytest.fixture
+def refusal(tmp_path, capsys, monkeypatch):
+    """refusal(argv) -> the one stderr line of search_schedule.main(argv), which must exit 2 without searching."""
+    def start_search(*_):
+        raise AssertionError("the search started")
+
+    monkeypatch.setattr(search_schedule, "search_mpi", start_search)
+
+    def run_main(argv):
+        assert search_schedule.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("search_schedule.py: "), err
+        return err[len("search_schedule.py: "):-1]
+    return run_main
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "nan"], "--budget: nan is not a finite number; give a number in [0, 1e+06] nominal seconds"),
+    (["--budget", "1e300"], "--budget: 1e+300 is out of range; give a number in [0, 1e+06] nominal seconds"),
+    (["--memory-budget", "-1"], "--memory-budget: -1 is out of range; give a number in [0, 1e+06] nominal seconds"),
+    (["--t0-scale", "0"], "--t0-scale: 0 is out of range; give a number > 0"),
+    (["--t0-scale", "inf"], "--t0-scale: inf is not a finite number; give a number > 0"),
+    (["--mem-cap", "nan"], "--mem-cap: nan is not a finite number; give a number > 0 GiB"),
+    (["--mem-cap", "-5"], "--mem-cap: -5 is out of range; give a number > 0 GiB"),
+    (["--mem-cap=-1.5x"], "--mem-cap: -1.5 is out of range; give a number > 0 (times the serial 1F1B peak, "
+                          "e.g. 1.25x)"),
+    (["--mem-cap", "lots"], "--mem-cap: 'lots' is not a number; give a number (GiB) or a multiple of the serial "
+                            "1F1B peak such as 1.25x"),
+    # the largest activation on a stage is the critic's 1.5 GiB: no schedule fits in less
+    (["--mem-cap", "0.5"], "--mem-cap: 0.5 GiB is below the feasible minimum 1.5 GiB (the largest activation of "
+                           "one micro-batch on one stage); give at least 1.5 (serial 1F1B needs 4, 1x)"),
+    (["--mem-cap", "2"], "--mem-cap: the search finds no start schedule within 2 GiB (the feasible minimum is "
+                         "1.5); give a larger cap, at most the serial 1F1B peak 4 (1x), which always works"),
+])
+def test_bad_numbers_name_the_flag_and_the_valid_range(tmp_path, refusal, flags, message):
     _, path = problem_file(tmp_path)
-    r = run(["--problem", str(path), "--mem-cap", "lots"])
-    assert r.returncode == 2 and "--mem-cap 'lots'" in r.stderr and "1.25x" in r.stderr
-    r = run(["--problem", str(path), "--t0-scale", "0"])
-    assert r.returncode == 2 and "--t0-scale" in r.stderr
-    r = run(["--problem", str(tmp_path / "missing.json")])
-    assert r.returncode == 2 and "--problem" in r.stderr and "missing.json" in r.stderr
-    r = run(["--model", "name=a,size=7B,tp=x,pp=2,mb=2,direction=down"])
-    assert r.returncode == 2 and "tp='x' must be an integer" in r.stderr
-    r = run(["--model", "name=a,size=7B,tp=1,pp=2,mb=2,direction=down", "--mfu", "0"])
-    assert r.returncode == 2 and "--mfu: CostConfig.mfu=0.0 must lie in (0, 1]" in r.stderr
+    assert refusal(["--problem", str(path), *flags]) == message
+
+
+def test_unwritable_outputs_are_refused_before_the_search(tmp_path, refusal):
+    _, path = problem_file(tmp_path)
+    missing = tmp_path / "missing" / "s.json"
+    assert refusal(["--problem", str(path), "--out", str(missing)]) == (
+        f"--out {missing}: cannot write there; the folder {missing.parent} must exist and be writable, and --out "
+        "must name a file")
+    assert refusal(["--problem", str(path), "--plot", str(tmp_path)]).startswith(f"--plot {tmp_path}: cannot write")
+    assert refusal(["--problem", str(path), "--out", "/proc/s.json"]).startswith("--out /proc/s.json: cannot write "
+                                                                                "there (No such file or directory)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["problem.json"]  # nothing left behind
+
+
+def test_bad_problem_files_name_the_file_and_the_field(tmp_path, refusal):
+    pb, path = problem_file(tmp_path)
+    for change, message in [
+            (("fwd", 1, float("nan")), "model 'actor': fwd[1]=nan must be a finite number > 0"),
+            (("bwd", 0, float("inf")), "model 'actor': bwd[0]=inf must be a finite number > 0"),
+            (("act_mem", 2, -1.0), "model 'actor': act_mem[2]=-1.0 must be a finite number >= 0"),
+            (("fwd", 3, "2.0"), "model 'actor': fwd[3]='2.0' must be a finite number > 0"),
+            (("pp", None, 4.0), "model 'actor': pp=4.0 must be a positive integer")]:
+        d = pb.to_dict()
+        field, index, value = change
+        if index is None:
+            d["models"][0][field] = value
+        else:
+            d["models"][0][field][index] = value
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(d))  # NaN and Infinity as Python's json writes them
+        assert refusal(["--problem", str(bad)]) == f"--problem: problem file {bad}: {message}"
+    bad.write_text('{"stages": 4, "models": [')
+    assert refusal(["--problem", str(bad)]).startswith(f"--problem: problem file {bad}: Expecting value")
+    assert refusal(["--problem", str(tmp_path / "missing.json")]) == (
+        f"--problem: problem file {tmp_path / 'missing.json'}: [Errno 2] No such file or directory: "
+        f"'{tmp_path / 'missing.json'}'")
+    d = pb.to_dict()
+    d["mem_cap"] = 1.0
+    bad.write_text(json.dumps(d))
+    assert refusal(["--problem", str(bad)]).startswith(f"--problem {bad}: mem_cap: 1 GiB is below the feasible "
+                                                       "minimum 1.5 GiB")
+    d = pb.to_dict()
+    d["stages"] = 3
+    bad.write_text(json.dumps(d))
+    assert "pp*pipelines = 4*1 = 4 must equal stages=3" in refusal(["--problem", str(bad)])
+
+
+def test_cost_model_flags_name_the_flag(refusal):
+    shape = "name=a,size=7B,tp=1,pp=2,mb=2,direction=down"
+    assert refusal(["--model", shape, "--mfu", "0"]) == (
+        "--mfu: CostConfig.mfu=0.0 must lie in (0, 1] (model FLOPs utilisation)")
+    assert refusal(["--model", shape, "--gpu-tflops", "nan"]) == (
+        "--gpu-tflops: CostConfig.gpu_flops=nan must be a finite number > 0")
+    assert refusal(["--model", shape, "--gpus", "3"]).startswith("--gpus: gpus=3 must be a multiple of fused stages")
+    assert refusal(["--model", shape.replace("down", "left")]) == (
+        "--model: model 'a': direction='left' must be one of ('down', 'up')")
+    assert refusal(["--model", shape.replace("tp=1", "tp=x")]) == "--model: tp='x' must be an integer"
+    assert refusal(["--model", shape + ",hidden=99999999999"]) == (
+        f"--model: '{shape},hidden=99999999999': model 'a': hidden=99999999999 must be an integer in "
+        "[1, 2147483647]; keys: name, size or layers/hidden/ffn/heads[/kv_heads], tp, pp, mb, direction")
+    assert refusal(["--model", "name=a,size=7B,tp=1,pp=2,mb=2,direction=down,colour=red"]).startswith(
+        "--model: 'name=a,size=7B,tp=1,pp=2,mb=2,direction=down,colour=red': ModelShape.__init__() got an "
+        "unexpected keyword argument 'colour'")
+
+
+def test_nan_latency_exits_2_at_once_without_traceback(tmp_path):
+    pb, _ = problem_file(tmp_path)
+    d = pb.to_dict()
+    d["models"][1]["fwd"][0] = float("nan")  # used to hang list scheduling
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(d))
+    r = run(["--problem", str(bad)])
+    assert (r.returncode, r.stdout) == (2, "")
+    assert r.stderr == f"search_schedule.py: --problem: problem file {bad}: model 'critic': fwd[0]=nan must be a " \
+                       "finite number > 0\n"
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec not installed next to this python")
+def test_mpi_bad_input_prints_once_and_every_rank_exits_2(tmp_path):
+    _, path = problem_file(tmp_path)
+    r = run(["--problem", str(path), "--budget", "nan", "--out", str(tmp_path / "s.json")], mpi=2)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr == ("search_schedule.py: --budget: nan is not a finite number; give a number in [0, 1e+06] "
+                        "nominal seconds\n")
+    r = run(["--problem", str(path), "--budget", "abc"], mpi=2)  # argparse's own error, also on rank 0 only
+    assert r.returncode == 2 and r.stderr.count("invalid float value: 'abc'") == 1

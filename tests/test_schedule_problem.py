@@ -1,8 +1,16 @@
-"""Problem model, subtask numbering and the FLOP cost model (rlhf.schedule)."""
+"""Problem model, subtask numbering and the FLOP cost model (rlhf.schedule); bad values refused by name."""
+import json
+
 import pytest
 
 from rlhf.schedule.cost_model import CostConfig, ModelShape, build_problem, llama
-from rlhf.schedule.problem import Action, ModelSpec, Problem, ProblemError, stage_nodes
+from rlhf.schedule.generators import greedy_fused, serial_1f1b
+from rlhf.schedule.io import load_schedule, schedule_to_dict
+from rlhf.schedule.lower_bound import min_peak_memory
+from rlhf.schedule.problem import Action, ModelSpec, Problem, ProblemError, stage_nodes, to_actions
+from rlhf.schedule.schedule import Schedule, ScheduleError
+from rlhf.schedule.simulate import stage_peak_memory
+from rlhf.schedule.validate import validate
 
 
 def two_models(mb_a=4, mb_c=2):
@@ -80,3 +88,138 @@ def test_cost_model_coprime_fusion_and_tp_merge():
                        ModelShape("c", 8, 64, 256, 4, tp=1, pp=2, microbatches=3)])
     with pytest.raises(ProblemError, match="gpus"):
         build_problem([a, c], CostConfig(gpus=30))
+
+
+# --- bad values: refused by name, never coerced -------------------------------------------------
+
+def spec(**change):
+    """ModelSpec fields of a valid 2-stage model, with ``change`` applied."""
+    fields = dict(name="a", pp=2, pipelines=1, microbatches=2, direction="down", fwd=[1.0, 1.0], bwd=[2.0, 2.0],
+                  act_mem=[1.0, 0.0])
+    return {**fields, **change}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"fwd": [1.0, float("nan")]}, "model 'a': fwd[1]=nan must be a finite number > 0"),
+    ({"bwd": [float("inf"), 1.0]}, "model 'a': bwd[0]=inf must be a finite number > 0"),
+    ({"act_mem": [float("-inf"), 0.0]}, "model 'a': act_mem[0]=-inf must be a finite number >= 0"),
+    ({"fwd": [1.0, 0.0]}, "model 'a': fwd[1]=0.0 must be a finite number > 0"),
+    ({"fwd": ["1", 1.0]}, "model 'a': fwd[0]='1' must be a finite number > 0"),
+    ({"bwd": [True, 1.0]}, "model 'a': bwd[0]=True must be a finite number > 0"),
+    ({"act_mem": [10**400, 0]}, "model 'a': act_mem[0]=" + str(10**400) + " must be a finite number >= 0"),
+    ({"fwd": "11"}, "model 'a': fwd='11' must be a list of numbers, one per model stage (pp=2)"),
+    ({"fwd": None}, "model 'a': fwd=None must be a list of numbers"),
+    ({"pp": 2.0}, "model 'a': pp=2.0 must be a positive integer"),
+    ({"microbatches": True}, "model 'a': microbatches=True must be a positive integer"),
+    ({"pipelines": 0}, "model 'a': pipelines=0 must be a positive integer"),
+    ({"name": ""}, "model name='' must be a non-empty string"),
+    ({"name": 3}, "model name=3 must be a non-empty string"),
+    ({"direction": ["down"]}, "model 'a': direction=['down'] must be one of ('down', 'up')"),
+])
+def test_model_spec_refuses_bad_values_by_name(change, message):
+    with pytest.raises(ProblemError) as exc:
+        ModelSpec(**spec(**change))
+    assert str(exc.value).startswith(message)
+
+
+def test_problem_refuses_bad_values_by_name():
+    model = ModelSpec(**spec())
+    for kwargs, message in [({"comm": float("nan")}, "comm=nan must be a finite number >= 0"),
+                            ({"comm": -1}, "comm=-1 must be a finite number >= 0"),
+                            ({"mem_cap": float("inf")}, "mem_cap=inf must be a finite number > 0, or absent"),
+                            ({"mem_cap": 0}, "mem_cap=0 must be a finite number > 0"),
+                            ({"mem_cap": "2"}, "mem_cap='2' must be a finite number > 0"),
+                            ({"stages": 2.0}, "stages=2.0 must be a positive integer"),
+                            ({"models": [model.to_dict()]}, "models=[{'name': 'a'"),
+                            ({"time_unit": None}, "time_unit=None must be a string")]:
+        with pytest.raises(ProblemError) as exc:
+            Problem(**{"stages": 2, "models": (model,), **kwargs})
+        assert str(exc.value).startswith(message)
+    huge = ModelSpec(**spec(microbatches=10**12))  # valid alone; a problem this big would never finish
+    with pytest.raises(ProblemError, match=r"4000000000000 subtasks .* more than the 1000000 supported"):
+        Problem(stages=2, models=(huge,))
+    pb = Problem(stages=2, models=(model,), comm=1, mem_cap=3)
+    assert (pb.comm, pb.mem_cap) == (1.0, 3.0) and isinstance(pb.comm, float)
+
+
+def test_problem_json_is_checked_not_coerced():
+    good = two_models().to_dict()
+
+    def refused(change, message):
+        d = json.loads(json.dumps(good))
+        change(d)
+        with pytest.raises(ProblemError) as exc:
+            Problem.from_dict(d)
+        assert str(exc.value).startswith(message), str(exc.value)
+
+    refused(lambda d: d["models"][0].update(pp="4"), "model 'actor': pp='4' must be a positive integer")
+    refused(lambda d: d["models"][1]["fwd"].__setitem__(1, float("nan")), "model 'critic': fwd[1]=nan must be")
+    refused(lambda d: d.update(stages=4.0), "stages=4.0 must be a positive integer")
+    refused(lambda d: d.update(models={}), "models={} must be a list of model entries")
+    refused(lambda d: d["models"].__setitem__(0, ["actor"]), "model entry ['actor'] must be an object")
+    refused(lambda d: d.update(comm="0"), "comm='0' must be a finite number >= 0")
+    with pytest.raises(ProblemError, match="a problem is a JSON object with 'stages' and 'models', not a list"):
+        Problem.from_dict([good])
+    d = json.loads(json.dumps(good))
+    del d["models"][0]["act_mem"]  # optional: zeros
+    assert Problem.from_dict(d).models[0].act_mem == (0.0,) * 4
+
+
+def test_schedule_file_is_checked_not_coerced(tmp_path):
+    pb = two_models()
+    good = schedule_to_dict(Schedule.from_orders(pb, serial_1f1b(pb)))
+    path = tmp_path / "s.json"
+    for change, message in [
+            (lambda d: d["schedule"][0][0].update(mb=0.0), "mb=0.0 must be an integer"),
+            (lambda d: d["schedule"][0][0].update(pipeline="0"), "pipeline='0' must be an integer"),
+            (lambda d: d["schedule"][0][0].update(model_stage=True), "model_stage=True must be an integer"),
+            (lambda d: d["schedule"][0][0].update(op="f"), "op='f' must be one of ('F', 'B')"),
+            (lambda d: d["schedule"][0][0].update(model=["actor"]), "names an unknown model; known: ['actor', "),
+            (lambda d: d["schedule"][0].__setitem__(0, "F0"), "stage 0: action 'F0' must be an object"),
+            (lambda d: d.update(schedule={"0": []}), "schedule file lacks 'schedule', one list of actions per"),
+            (lambda d: d.update(version="1"), "schedule file version '1' is not supported"),
+            (lambda d: d.update(metrics=[1]), "metrics=[1] must be an object"),
+            (lambda d: d["models"][0]["bwd"].__setitem__(0, float("inf")), "model 'actor': bwd[0]=inf must be")]:
+        d = json.loads(json.dumps(good))
+        change(d)
+        path.write_text(json.dumps(d))
+        with pytest.raises(ScheduleError) as exc:
+            load_schedule(path)
+        assert str(exc.value).startswith(f"schedule file {path}: malformed schedule: "), str(exc.value)
+        assert message in str(exc.value)
+    path.write_text(json.dumps(good))
+    assert load_schedule(path).stages == Schedule.from_orders(pb, serial_1f1b(pb)).stages
+
+
+def test_cost_model_refuses_non_finite_and_huge_values():
+    for kwargs, message in [({"gpu_flops": float("nan")}, "CostConfig.gpu_flops=nan must be a finite number > 0"),
+                            ({"mfu": float("nan")}, "CostConfig.mfu=nan must lie in (0, 1]"),
+                            ({"comm": float("inf")}, "CostConfig.comm=inf must be a finite number >= 0"),
+                            ({"seq_len": 2.5}, "CostConfig.seq_len=2.5 must be an integer in [1, 2147483647]"),
+                            ({"gpus": True}, "CostConfig.gpus=True must be a positive GPU count")]:
+        with pytest.raises(ProblemError) as exc:
+            CostConfig(**kwargs)
+        assert str(exc.value).startswith(message)
+    with pytest.raises(ProblemError, match=r"hidden=\d+ must be an integer in \[1, 2147483647\]"):
+        ModelShape("m", layers=2, hidden=10**400, ffn=256, heads=4, tp=1, pp=1, microbatches=1)
+    with pytest.raises(ProblemError, match="kv_heads=3 must be a positive integer dividing heads=4"):
+        ModelShape("m", layers=2, hidden=64, ffn=256, heads=4, tp=1, pp=1, microbatches=1, kv_heads=3)
+
+
+def test_min_peak_memory_is_met_by_one_micro_batch_at_a_time():
+    """The feasible minimum of a memory cap: no schedule goes below it (1F1B, greedy), and running the
+    chains one after another, each to its end, is a valid schedule that meets it exactly."""
+    pb = Problem(stages=4, models=(
+        ModelSpec("actor", 4, 1, 3, "down", [1.0] * 4, [2.0] * 4, [1.0, 3.0, 0.5, 2.0]),
+        ModelSpec("critic", 2, 2, 2, "up", [0.5] * 2, [1.0] * 2, [2.5, 1.5])))
+    floor = min_peak_memory(pb)
+    # the critic runs up: pipeline 1 on fused stages 1, 0 and pipeline 0 on 3, 2 (model stage 0 first), so
+    # fused stages hold actor (1.0, 3.0, 0.5, 2.0) and critic (1.5, 2.5, 1.5, 2.5) activations
+    assert floor == [1.5, 3.0, 1.5, 2.5]
+    sequential = [[] for _ in range(pb.stages)]
+    for v in range(pb.num_nodes):  # ids run chain by chain, each chain in dependency order
+        sequential[pb.arrays.stage[v]].append(v)
+    assert validate(pb, to_actions(pb, sequential), mem_cap=max(floor)) == []
+    assert stage_peak_memory(pb, sequential) == floor
+    for orders in (serial_1f1b(pb), greedy_fused(pb)):
+        assert all(p >= f for p, f in zip(stage_peak_memory(pb, orders), floor))

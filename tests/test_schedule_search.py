@@ -1,16 +1,17 @@
 """Schedules, simulator, lower bound and annealing (rlhf.schedule)."""
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
-from rlhf.schedule.anneal import AnnealConfig, anneal_makespan
-from rlhf.schedule.generators import (backfill_schedule, greedy_fused, serial_1f1b,
-                                      serial_1f1b_makespan)
+from rlhf.schedule.anneal import AnnealConfig, _Mover, anneal_makespan, anneal_memory
+from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, model_alone, rule_schedule,
+                                      serial_1f1b, serial_1f1b_makespan)
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
-from rlhf.schedule.search import SearchConfig, search
-from rlhf.schedule.simulate import simulate, simulate_from, stage_peak_memory
+from rlhf.schedule.search import SearchConfig, makespan_limit, search, search_mpi
+from rlhf.schedule.simulate import latest_ends, simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate
 
 
@@ -177,3 +178,172 @@ def test_search_is_deterministic_per_seed():
 def test_anneal_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         AnnealConfig(**kwargs)
+
+
+# --- memory phase: cap ladder and memory pass (issue 12) ------------------------------------------------------
+
+def makespan_and_peak(pb, schedule, cap=None):
+    """Makespan and peak of a schedule recomputed from its actions, after validation (the reference)."""
+    assert validate(pb, schedule, cap) == []
+    ids = [[pb.node_id(a) for a in stage] for stage in schedule]
+    return simulate(pb, ids).makespan, max(stage_peak_memory(pb, ids))
+
+
+@pytest.mark.parametrize("shape, seed", [((4, 4, 8), 0), ((4, 2, 8), 1), ((8, 8, 8), 2), ((4, 2, 16), 3)])
+def test_memory_phase_keeps_the_makespan_and_never_raises_the_peak(shape, seed):
+    pb = fused(pp_a=shape[0], pp_c=shape[1], mb=shape[2])
+    cfg = SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=seed)
+    res = search(pb, cfg)
+    ms, peak = makespan_and_peak(pb, res.schedule.stages)
+    assert ms == pytest.approx(res.makespan) and peak == pytest.approx(max(res.peak_mem))
+    # within the slack of the makespan phase's best, and never more memory than it held
+    assert ms <= res.best_makespan * (1 + cfg.makespan_slack) + 1e-9
+    assert ms <= max(res.best_makespan, res.lower_bound * 1.01) + 1e-9
+    assert peak <= res.best_peak + 1e-9
+
+
+def test_cap_ladder_lowers_the_peak_at_the_same_makespan():
+    # the fastest schedule of this problem holds 2.25x the serial peak; the ladder finds
+    # one within 1.5x at the lower bound
+    pb = fused(pp_a=4, pp_c=4, mb=8)
+    res = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0))
+    serial = max(serial_peak_memory(pb))
+    assert res.best_makespan == pytest.approx(makespan_lower_bound(pb))
+    assert res.best_peak == pytest.approx(2.25 * serial)
+    ms, peak = makespan_and_peak(pb, res.schedule.stages, cap=1.5 * serial)
+    assert ms == pytest.approx(makespan_lower_bound(pb))
+    assert "within cap 1.5x" in res.start_name
+
+
+@pytest.mark.parametrize("cap_x", [1.0, 1.25])
+def test_mem_cap_is_honoured_by_every_phase(cap_x):
+    pb = fused(pp_a=4, pp_c=4, mb=8)
+    cap = cap_x * max(serial_peak_memory(pb))
+    res = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=1, mem_cap=cap))
+    ms, peak = makespan_and_peak(pb, res.schedule.stages, cap=cap)
+    assert peak <= cap + 1e-9 and res.best_peak <= cap + 1e-9
+    assert ms <= serial_1f1b_makespan(pb) + 1e-9
+
+
+def test_anneal_memory_keeps_the_limit_and_stops_at_the_floor():
+    pb = fused(pp_a=4, pp_c=4, mb=8)
+    start = rule_schedule(pb, Rule((None, None), (0, 1)))  # deep warm-up: much memory
+    limit = simulate(pb, start).makespan * 1.02
+    peak0 = max(stage_peak_memory(pb, start))
+    best, stats = anneal_memory(pb, start, AnnealConfig(iters=4000, t0_scale=1e-3), seed=0, makespan_limit=limit)
+    ms, peak = makespan_and_peak(pb, to_actions(pb, best))
+    assert ms <= limit + 1e-9 and peak < peak0 and stats.proposals == 4000
+    _, stats = anneal_memory(pb, start, AnnealConfig(iters=4000), seed=0, makespan_limit=limit, floor=peak0)
+    assert stats.proposals == 0  # already at the floor
+
+
+def test_makespan_limit_never_leaves_one_percent_of_the_bound_unless_the_best_does():
+    assert makespan_limit(100.0, 100.0, 0.005) == pytest.approx(100.5)
+    assert makespan_limit(100.8, 100.0, 0.005) == pytest.approx(101.0)  # 1% of the bound caps the slack
+    assert makespan_limit(103.0, 100.0, 0.005) == pytest.approx(103.0)  # the best is beyond: no slack
+    assert makespan_limit(100.0, 100.0, 0.0) == pytest.approx(100.0)
+
+
+def test_safe_earlier_jumps_never_deadlock():
+    """Every jump that reach_earlier allows is deadlock-free (checked by simulation on random states)."""
+    rng = random.Random(7)
+    checked = 0
+    for trial in range(6):
+        pb = random_problem(rng, stages=rng.choice([2, 4]), max_mb=4)
+        orders, _ = anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=200, t0_scale=0.5), trial)
+        end = simulate(pb, orders).end
+        mover = _Mover(pb, AnnealConfig(window=96), rng)
+        for s, order in enumerate(orders):
+            for i in range(len(order)):
+                for k in range(1, mover.reach_earlier(order, i, end) + 1):
+                    new = [list(o) for o in orders]
+                    new[s] = order[:i - k] + [order[i]] + order[i - k:i] + order[i + 1:]
+                    assert simulate(pb, new).ok
+                    checked += 1
+    assert checked > 100
+
+
+def test_balanced_rule_interleaves_the_models_by_progress():
+    # one stage: actor 4 micro-batches, critic 2; keys are the place in each model's own
+    # F,B,F,B,... sequence as a fraction of it, the critic 0.02 behind
+    pb = Problem(stages=1, models=(uniform(1, 4, 1.0, 2.0, name="actor"),
+                                    uniform(1, 2, 1.0, 2.0, direction="up", name="critic")))
+    orders = rule_schedule(pb, Rule((None, None), (0, 1), balance=0.02))
+    got = [f"{a.model[0]}{a.op}{a.mb}" for a in to_actions(pb, orders)[0]]
+    assert got == ["aF0", "cF0", "aB0", "aF1", "cB0", "aB1", "aF2", "cF1", "aB2", "aF3", "cB1", "aB3"]
+
+
+class _TwoRanks:
+    """A stand-in for an MPI communicator: this process is rank 0, ``other`` rank 1's result."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def Get_rank(self):
+        return 0
+
+    def allgather(self, value):
+        if isinstance(value, tuple):  # the selection keys
+            o = self.other
+            return [value, (o.makespan, max(o.peak_mem), 1, o.best_makespan)]
+        return [value, value]
+
+    def bcast(self, value, root):
+        return value if root == 0 else self.other
+
+
+def test_search_mpi_keeps_the_leanest_result_within_the_limit():
+    pb = fused(pp_a=4, pp_c=4, mb=8)
+    cfg = SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0)
+    mine, other = search(pb, cfg), search(pb, replace(cfg, seed=1))
+    got = search_mpi(pb, cfg, comm=_TwoRanks(other))
+    limit = min(mine.best_makespan, other.best_makespan)
+    limit = max(limit, min(limit * 1.005, mine.lower_bound * 1.01))
+    within = [r for r in (mine, other) if r.makespan <= limit + 1e-9]
+    want = min(within or (mine, other), key=lambda r: (max(r.peak_mem), r.makespan, r.seed))
+    assert (got.makespan, max(got.peak_mem), got.seed) == (want.makespan, max(want.peak_mem), want.seed)
+
+
+def longest_tail(pb, orders):
+    """Reference for latest_ends: per subtask, its duration plus the longest path after it
+    (stage and chain successors), by plain memoised recursion."""
+    nxt = {}
+    for order in orders:
+        for a, b in zip(order, order[1:]):
+            nxt[a] = b
+    arr = pb.arrays
+    memo = {}
+
+    def tail(v):
+        if v not in memo:
+            after = [0.0]
+            if v in nxt:
+                after.append(tail(nxt[v]))
+            if v + 1 < pb.num_nodes and arr.pred[v + 1] == v:
+                after.append(arr.lag[v + 1] + tail(v + 1))
+            memo[v] = arr.dur[v] + max(after)
+        return memo[v]
+    return tail
+
+
+def test_latest_ends_match_longest_paths_to_the_end():
+    rng = random.Random(11)
+    for _ in range(5):
+        pb = random_problem(rng, stages=rng.choice([2, 4]), max_mb=4)
+        orders = greedy_fused(pb)
+        res = simulate(pb, orders)
+        tail = longest_tail(pb, orders)
+        late = latest_ends(pb, orders, res)
+        assert late == pytest.approx([res.makespan - tail(v) + pb.arrays.dur[v] for v in range(pb.num_nodes)])
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_lazy_backfill_is_valid_and_never_delays_the_first_model(first):
+    pb = fused(pp_a=4, pp_c=2, mb=8)
+    orders = backfill_schedule(pb, first, 0, 2, lazy=True)
+    assert validate(pb, to_actions(pb, orders)) == []
+    sub = model_alone(pb, first)
+    alone = simulate(sub, serial_1f1b(sub)).makespan
+    end = simulate(pb, orders).end
+    base = pb.node_id_fast(first, 0, 0, 0, True)
+    assert max(end[base:base + sub.num_nodes]) <= alone + 1e-9

@@ -2,8 +2,11 @@
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
 subsets; two PPO epochs of one mini-batch each. Resume: 2 iterations, save, load
-into a fresh trainer, 2 more, against 4 straight. Fusion: 2 iterations with a searched fused
-actor/critic schedule against serial 1F1B. See tests/scenario_trainer.py.
+into a fresh trainer, 2 more, against 4 straight. Optimizer paths: 2 iterations with the
+distributed optimizer (and with overlapped gradient reduction) against the plain one. Fusion: 2 iterations with a searched fused
+actor/critic schedule against serial 1F1B. Memory: 2 iterations with the reference and reward offloaded
+and actor_gen's weights and KV cache released against 2 without (results, and bytes per rank and stage).
+See tests/scenario_trainer.py.
 """
 
 import pytest
@@ -39,6 +42,14 @@ def test_resume_continues_exactly(results):
             if not key.startswith("time_") and not key.endswith("_per_s") and key != "training_bubble_fraction":
                 assert resumed[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert r["resume_param_diff"] < 1e-6
+    assert r["megatron_export_diff"] == 0.0  # --save-format torch_dist: the same actor, as Megatron-LM's
+
+
+@pytest.mark.parametrize("path", ["distributed", "overlapped"])
+def test_distributed_optimizer_and_overlapped_reduce_train_like_the_plain_optimizer(results, path):
+    r = results[0]
+    assert r["optimizer_moved"] > 1e-4
+    assert r[f"{path}_param_diff"] < TOL
 
 
 def test_fused_schedule_trains_like_serial_1f1b(results):
@@ -55,3 +66,41 @@ def test_searched_schedule_after_the_first_iteration_trains_like_serial(results)
     assert r["cached_schedule_reused"]  # saved beside the checkpoint, taken on resume
     assert all(0.0 <= b < 1.0 for b in r["bubble"])
 
+
+def test_offload_and_generation_release_change_no_result(results):
+    r = results[0]
+    assert len(r["lean_metrics"]) == len(r["kept_metrics"]) == 2
+    for kept, lean in zip(r["kept_metrics"], r["lean_metrics"]):
+        compared = [k for k in kept if not k.startswith(("time_", "memory_")) and not k.endswith("_per_s")
+                    and k != "training_bubble_fraction"]
+        assert len(compared) > 10 and set(compared) <= set(lean)
+        for key in compared:  # the same computation on the same values: bit for bit
+            assert lean[key] == kept[key], key
+    assert r["lean_param_diff"] == 0.0
+    assert "call sync_generation_weights() first" in r["generate_refused"]  # not on released weights
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_stage_bytes_drop_by_what_is_offloaded_and_released(results, rank):
+    """Per rank and stage: the reference/reward weights leave the device outside their inference, and
+    actor_gen's weights and KV cache outside reshard + generation (every rank holds actor_gen here)."""
+    r = results[rank]
+    kept, lean = r["kept_bytes"], r["lean_bytes"]
+    gen, off = r["generation_bytes"], r["offloaded_bytes"]
+    assert gen > 0 and off > 0  # each rank holds actor_gen and one of ref_inf / reward_inf
+    assert set(kept) == set(lean) == {"reshard", "generation", "inference", "training"}
+    assert len(set(kept.values())) == 1  # without either flag nothing moves: the same bytes at every stage
+    assert lean["reshard"] == kept["reshard"] - off  # actor_gen allocated again, ref/reward on the host
+    assert lean["generation"] == kept["generation"] - off
+    assert lean["inference"] == kept["inference"] - gen  # ref/reward loaded, actor_gen released
+    assert lean["training"] == kept["training"] - gen - off
+
+
+def test_stage_bytes_are_reported_as_metrics(results):
+    r = results[0]
+    kept, lean = r["kept_metrics"][-1], r["lean_metrics"][-1]
+    for stage in ("reshard", "generation", "inference", "training"):
+        key = f"memory_{stage}_bytes_max"
+        assert kept[key] == max(results[rank]["kept_bytes"][stage] for rank in range(4))
+        assert lean[key] == max(results[rank]["lean_bytes"][stage] for rank in range(4))
+    assert lean["memory_training_bytes_max"] < kept["memory_training_bytes_max"]

@@ -6,6 +6,16 @@
               tokenizer files, if any, are copied to <out>/tokenizer/
   ours-to-hf  one model of our checkpoint -> <out>/config.json + model.safetensors
               (+ tokenizer files from <root>/tokenizer/), loadable by transformers
+  megatron-to-ours, megatron-to-hf
+              a Megatron-LM torch_dist checkpoint directory (latest_checkpointed_iteration.txt,
+              iter_NNNNNNN/; any tp/pp) -> our checkpoint root / an HF directory
+  ours-to-megatron
+              one model of our checkpoint -> a Megatron-LM torch_dist checkpoint directory that
+              megatron-core's dist_checkpointing.load reads (docs/megatron_checkpoints.md)
+  gguf-to-hf, gguf-to-ours
+              a llama.cpp GGUF file (Llama; any tensor type the gguf package dequantizes; needs
+              pip install -e ".[gguf]") -> a float32 HF directory with its tokenizer / our
+              checkpoint root (docs/real_model.md)
 
 Runs in one process on CPU; needs no megatron and no process group.
 """
@@ -15,13 +25,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import torch
 
-from rlhf.checkpoint import storage
+from rlhf.checkpoint import gguf, megatron, storage
 from rlhf.checkpoint.hf import HFConversionError, read_hf_config, read_hf_state
 from rlhf.checkpoint.hf import export_saved_model as ours_to_hf  # ours-to-hf: tests call it under this name too
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, ModelSlot, stage_files
+from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, save_model
 from rlhf.cli import HelpFormatter, report
 from rlhf.data import copy_tokenizer_files
 from rlhf.tasks import KINDS
@@ -37,13 +48,13 @@ def hf_to_ours(hf_dir: str, out: str, model_name: str = "actor", role: str = "lm
     """
     info = read_hf_config(hf_dir)
     full = read_hf_state(hf_dir, info, role)
+    if info.config.tie_embeddings and role == "lm":  # one HF tensor, two of our (untied) weights: own storage
+        full["output_layer.weight"] = full["output_layer.weight"].clone()
     if role == "value" and "output_layer.weight" not in full:
         gen = torch.Generator().manual_seed(seed)
         full["output_layer.weight"] = torch.randn(1, info.config.hidden_size, generator=gen) * info.config.init_std
-    shards, json_files = stage_files(model_name, ModelSlot(info.config, role), full)
-    path = storage.save_checkpoint(out, iteration, shards=shards, json_files=json_files,
-                                   state={"data_position": {}, "extra": {"converted_from": os.path.abspath(hf_dir),
-                                                                         "architecture": info.architecture}})
+    path = save_model(out, iteration, model_name, info.config, role, full,
+                      {"converted_from": os.path.abspath(hf_dir), "architecture": info.architecture})
     copy_tokenizer_files(hf_dir, os.path.join(out, TOKENIZER_DIR))
     return path
 
@@ -69,7 +80,78 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the one 'latest' names)")
     b.add_argument("--family", choices=("llama", "qwen2"), default=None,
                    help="HF architecture family (default: qwen2 when the model has QKV bias, else llama)")
+    add_megatron_parsers(sub)
+    add_gguf_parsers(sub)
     return p
+
+
+MEGATRON_DIR_HELP = ("the directory Megatron-LM saved into with --ckpt-format torch_dist (its --save: "
+                     "latest_checkpointed_iteration.txt and iter_NNNNNNN/), saved at any tp/pp")
+MEGATRON_COMMANDS = {
+    "megatron-to-ours": lambda a: megatron.megatron_to_ours(a.megatron, a.out, a.model_name, a.iteration),
+    "megatron-to-hf": lambda a: megatron.megatron_to_hf(a.megatron, a.out, a.family),
+    "ours-to-megatron": lambda a: megatron.ours_to_megatron(a.load, a.out, a.model_name, a.iteration),
+}
+
+
+def add_megatron_parsers(sub) -> None:
+    """The subcommands of MEGATRON_COMMANDS (rlhf/checkpoint/megatron.py)."""
+    c = sub.add_parser("megatron-to-ours", help="Megatron-LM checkpoint directory -> our checkpoint root",
+                       formatter_class=HelpFormatter)
+    c.add_argument("--megatron", required=True, help=MEGATRON_DIR_HELP)
+    c.add_argument("--out", required=True, help="our checkpoint root; written as <out>/iter_<N>, <out>/latest")
+    c.add_argument("--model-name", default="actor", help="name of the model inside our checkpoint")
+    c.add_argument("--iteration", type=int, default=None,
+                   help="iteration of the new checkpoint (default: the Megatron-LM checkpoint's)")
+    d = sub.add_parser("megatron-to-hf", help="Megatron-LM checkpoint directory -> HF directory",
+                       formatter_class=HelpFormatter)
+    d.add_argument("--megatron", required=True, help=MEGATRON_DIR_HELP)
+    d.add_argument("--out", required=True, help="output HF directory (created; files overwritten)")
+    d.add_argument("--family", choices=("llama", "qwen2"), default=None,
+                   help="HF architecture family (default: qwen2 when the model has QKV bias, else llama)")
+    e = sub.add_parser("ours-to-megatron", help="our checkpoint root -> Megatron-LM checkpoint directory",
+                       formatter_class=HelpFormatter)
+    e.add_argument("--load", required=True, help="our checkpoint root (the directory holding 'latest')")
+    e.add_argument("--out", required=True, help="the Megatron-LM checkpoint directory to write (iter_NNNNNNN/ "
+                   "and latest_checkpointed_iteration.txt; an existing iteration is refused)")
+    e.add_argument("--model-name", default="actor", help="which model of the checkpoint to export")
+    e.add_argument("--iteration", type=int, default=None,
+                   help="iteration to export (default: the one 'latest' names); also the Megatron-LM iteration")
+
+
+def gguf_to_ours(gguf_path: str, out: str, model_name: str = "actor", role: str = "lm", iteration: int = 0,
+                 seed: int = 0) -> str:
+    """Dequantize a GGUF file into a temporary HF directory and import that as hf-to-ours does."""
+    with tempfile.TemporaryDirectory(prefix="gguf-") as tmp:
+        return hf_to_ours(gguf.gguf_to_hf(gguf_path, tmp), out, model_name, role, iteration, seed)
+
+
+GGUF_COMMANDS = {
+    "gguf-to-hf": lambda a: gguf.gguf_to_hf(a.gguf, a.out),
+    "gguf-to-ours": lambda a: gguf_to_ours(a.gguf, a.out, a.model_name, a.role, a.iteration, a.seed),
+}
+
+
+def add_gguf_parsers(sub) -> None:
+    """The subcommands of GGUF_COMMANDS (rlhf/checkpoint/gguf.py)."""
+    help_gguf = f"the .gguf file (architecture {', '.join(gguf.SUPPORTED_ARCHITECTURES)})"
+    f = sub.add_parser("gguf-to-hf", help="GGUF file -> HF directory (float32)", formatter_class=HelpFormatter)
+    f.add_argument("--gguf", required=True, help=help_gguf)
+    f.add_argument("--out", required=True, help="output HF directory (created; files overwritten)")
+    g = sub.add_parser("gguf-to-ours", help="GGUF file -> our checkpoint root", formatter_class=HelpFormatter)
+    g.add_argument("--gguf", required=True, help=help_gguf)
+    g.add_argument("--out", required=True, help="our checkpoint root; written as <out>/iter_<N>, <out>/latest")
+    g.add_argument("--model-name", default="actor", help="name of the model inside our checkpoint")
+    g.add_argument("--role", choices=KINDS, default="lm", help="lm: causal LM; value: a new value head")
+    g.add_argument("--iteration", type=int, default=0, help="iteration number of the new checkpoint")
+    g.add_argument("--seed", type=int, default=0, help="seed of a new value head (--role value)")
+
+
+def check_new_iteration(out: str, iteration: int) -> None:
+    """Refuse to import into an iteration that already exists under ``out``."""
+    if os.path.exists(storage.checkpoint_path(out, iteration)):
+        raise HFConversionError(f"--out {out}: iteration {iteration} already exists there; "
+                                "give another --out or --iteration")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,13 +160,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.direction == "hf-to-ours":
             if not os.path.isdir(args.hf):
                 raise HFConversionError(f"--hf {args.hf}: not a directory")
-            if os.path.exists(storage.checkpoint_path(args.out, args.iteration)):
-                raise HFConversionError(f"--out {args.out}: iteration {args.iteration} already exists there; "
-                                        "give another --out or --iteration")
+            check_new_iteration(args.out, args.iteration)
             print(hf_to_ours(args.hf, args.out, args.model_name, args.role, args.iteration, args.seed))
+        elif args.direction in MEGATRON_COMMANDS:
+            print(MEGATRON_COMMANDS[args.direction](args))
+        elif args.direction in GGUF_COMMANDS:
+            if args.direction == "gguf-to-ours":
+                check_new_iteration(args.out, args.iteration)
+            print(GGUF_COMMANDS[args.direction](args))
         else:
             print(ours_to_hf(args.load, args.out, args.model_name, args.iteration, args.family))
-    except (HFConversionError, storage.CheckpointError) as e:
+    except (HFConversionError, storage.CheckpointError, megatron.MegatronCheckpointError) as e:
         return report("convert_checkpoint.py", e)
     return 0
 

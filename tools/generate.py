@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import NamedTuple
 
-from rlhf.cli import HelpFormatter, UsageError, report
+from rlhf.cli import HelpFormatter, UsageError, check_out_path, check_range, report
 
 # engine config / sampling field -> the flag that sets it (for error messages)
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
           "top_p": "--top-p", "num_blocks": "--kv-blocks"}
+MAX_SEED = 2**32 - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy, like --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**32-1] (prompt i uses seed + i)")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks of 16 tokens; "
                    "fewer blocks only means more preemption, never lost samples")
     return p
@@ -106,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         return report("generate.py", e)
 
 
-def check_out_path(path: str) -> None:
-    """The output's folder must exist and be writable before any work is done."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise UsageError(f"--out {path}: cannot write there (the folder {folder} must exist and be writable, "
-                         "and --out must name a file)")
+def engine_config(args):
+    """The engine config of the flags, with the sampling flags checked too, before any work (UsageError naming
+    the flag); the seed must fit torch's generator with one seed per prompt."""
+    from rlhf.engine import EngineConfig, EngineConfigError
+
+    check_range("--seed", args.seed, 0, MAX_SEED)
+    try:
+        sampling_params(args, 0, eos_id=0)
+        return EngineConfig(num_blocks=args.kv_blocks)
+    except EngineConfigError as e:
+        flag = _FLAGS.get(e.field_name)
+        raise UsageError(f"{flag + ': ' if flag else ''}{e}") from None
 
 
 def generate(args) -> int:
@@ -120,9 +126,10 @@ def generate(args) -> int:
     from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.checkpoint.storage import CheckpointError
     from rlhf.data import TokenizerError, build_tokenizer
-    from rlhf.engine import Engine, EngineConfig, EngineConfigError, NeverFitsError, Request
+    from rlhf.engine import Engine, NeverFitsError, Request
 
-    check_out_path(args.out)
+    engine_cfg = engine_config(args)
+    check_out_path("--out", args.out)
     try:
         loaded = load_unsharded_lm(args.load, args.model_name, args.iteration)
     except (CheckpointError, HFConversionError) as e:
@@ -136,13 +143,9 @@ def generate(args) -> int:
     except TokenizerError as e:
         raise UsageError(f"{'--tokenizer: ' if args.tokenizer else ''}{e}") from None
     prompts = read_prompts(args.prompts, tokenizer, args.add_bos, cfg.vocab_size)
-    try:
-        engine = Engine(model, None, cfg, EngineConfig(num_blocks=args.kv_blocks))
-        requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.eos_id))
-                    for i, p in enumerate(prompts)]
-    except EngineConfigError as e:
-        flag = _FLAGS.get(e.field_name)
-        raise UsageError(f"{flag + ': ' if flag else ''}{e}") from None
+    engine = Engine(model, None, cfg, engine_cfg)
+    requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.eos_id))
+                for i, p in enumerate(prompts)]
     for prompt, request in zip(prompts, requests):
         try:
             engine.check_fits(request)

@@ -40,6 +40,7 @@ from typing import Iterable
 import torch
 
 from rlhf.models.config import ModelConfig
+from rlhf.models.vocab import drop_vocab_padding
 
 logger = logging.getLogger(__name__)
 
@@ -334,16 +335,13 @@ def read_hf_state(hf_dir: str, info: HFModelInfo, role: str = "lm",
 def load_hf_weights(model: torch.nn.Module, groups, hf_dir: str, role: str = "lm") -> HFModelInfo:
     """Fill this rank's stage (any tp/pp) from an HF directory, reading only its own tensors.
 
-    A value model built from a causal LM keeps its freshly initialised head.
+    A value model built from a causal LM keeps its freshly initialised head. A
+    model built with a padded vocabulary (rlhf.models.vocab) gets zero rows there.
     """
     from rlhf.models.naming import named_global_parameters
     from rlhf.parallel.reshard import load_full_weights
 
     info = read_hf_config(hf_dir)
-    tp = groups.mesh.strategy.tp
-    if info.config.vocab_size % tp:
-        raise HFConversionError(f"{hf_dir}: vocab_size={info.config.vocab_size} is not divisible by tp={tp}; "
-                                f"use a tp that divides it (each TP rank holds an equal vocabulary slice)")
     params = named_global_parameters(model)
     full = read_hf_state(hf_dir, info, role, params)
     unmapped = sorted(set(params) - set(full))
@@ -359,7 +357,8 @@ def load_hf_weights(model: torch.nn.Module, groups, hf_dir: str, role: str = "lm
 
 # --------------------------------------------------------------------------- writing
 def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig, kind: str = "causal_lm") -> dict[str, torch.Tensor]:
-    """Our full state dict (global names) -> HF tensors (tied output layer omitted)."""
+    """Our full state dict (global names) -> HF tensors (tied output layer omitted; padded vocabulary
+    rows dropped, so the shapes are ``cfg``'s)."""
     head = "score" if kind == "sequence_classification" else ("tied" if cfg.tie_embeddings else "lm_head")
     out = {}
     for name, srcs in hf_sources(cfg, head).items():
@@ -367,7 +366,7 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig, kind: str = "ca
             raise HFConversionError(f"our state dict lacks {name!r}")
         if name == "output_layer.weight" and head == "tied":
             continue
-        out.update(zip(srcs, _split(name, full[name], cfg)))
+        out.update(zip(srcs, _split(name, drop_vocab_padding(name, full[name], cfg.vocab_size), cfg)))
     return {k: v.contiguous() for k, v in out.items()}
 
 

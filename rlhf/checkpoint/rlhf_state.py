@@ -22,7 +22,9 @@ Saving: with a distributed optimizer the DP ranks first all-reduce each
 parameter's moments (zeros outside a rank's range) into whole TP shards; then
 the TP ranks of data-parallel replica 0 all-gather each stage's parameters and
 moments (sharded exactly like the parameter); the replica's TP rank 0 writes
-them. Loading into any (tp, pp, dp) and either optimizer: a rank finds each of
+them, without padded vocabulary rows (rlhf.models.vocab: the saved shapes
+are the model's own, whatever tp and padding saved them; loading pads with
+zeros again). Loading into any (tp, pp, dp) and either optimizer: a rank finds each of
 its parameters' files with ``owning_stage(name, num_layers, saved pp)``, reads
 just those tensors (``safe_open``), slices them with ``full_to_shard`` and
 keeps its ``StateSlice`` range. ``groups=None`` means an unsharded model in a
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from rlhf.checkpoint import storage
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows
 from rlhf.optim import StateSlice
 from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full
 
@@ -132,16 +135,19 @@ def _local_state(slot: ModelSlot, slices: dict, group) -> dict[str, torch.Tensor
 
 
 def _stage_tensors(slot: ModelSlot, state: dict) -> dict[str, torch.Tensor]:
-    """Full params and optimizer ``state`` of this rank's stage (TP ranks of one replica call together)."""
+    """Full params and optimizer ``state`` of this rank's stage (TP ranks of one replica call together),
+    without padded vocabulary rows."""
     tp = _layout(slot)[0]
     tp_group = slot.groups.tp if slot.groups is not None else None
+    vocab = slot.config.vocab_size
     out = {}
     for name, param in named_global_parameters(slot.model).items():
         spec = ShardSpec.of(param, tp)
-        out[name] = gather_tp_full(param.data, spec, tp_group)
+        out[name] = drop_vocab_padding(name, gather_tp_full(param.data, spec, tp_group), vocab)
         for key in MOMENTS:
             if f"{key}/{name}" in state:
-                out[f"{key}/{name}"] = gather_tp_full(state[f"{key}/{name}"], spec, tp_group)
+                out[f"{key}/{name}"] = drop_vocab_padding(name, gather_tp_full(state[f"{key}/{name}"], spec, tp_group),
+                                                          vocab)
         if f"step/{name}" in state:
             out[f"step/{name}"] = state[f"step/{name}"]
     return out
@@ -159,6 +165,15 @@ def stage_files(model_name: str, slot: ModelSlot, tensors: dict, stage: int = 0,
     """(shards, json_files) entries of one stage, as :func:`storage.save_checkpoint` takes them."""
     name = shard_name(model_name, stage, pp)
     return {name: tensors}, {name + "_meta": _meta(slot, pp)}
+
+
+def save_model(root: str, iteration: int, model_name: str, config: ModelConfig, role: str,
+               full: dict[str, torch.Tensor], extra: Optional[dict] = None) -> str:
+    """Write one model's full weights (global names) as checkpoint ``iteration`` of a root, in this
+    process alone (a converted model: no optimizer, no data position); returns its directory."""
+    shards, json_files = stage_files(model_name, ModelSlot(config, role), full)
+    return storage.save_checkpoint(root, iteration, shards=shards, json_files=json_files,
+                                   state={"data_position": {}, "extra": dict(extra or {})})
 
 
 def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *,
@@ -288,11 +303,18 @@ def _load_slot(path: str, model_name: str, slot: ModelSlot) -> None:
         keys += [(n, f"{k}/{n}") for n in params for k in (*MOMENTS, "step")]
     full = _read_stage_tensors(path, model_name, meta["pp"], saved_cfg.num_layers, keys)
     for name, param in params.items():
-        param.data.copy_(full_to_shard(full[name], ShardSpec.of(param, tp), tp_rank))
+        param.data.copy_(_shard(full[name], name, param, tp, tp_rank))
     if slot.optimizer is not None:
         _load_optimizer(slot, params, full, meta["param_groups"], tp, tp_rank)
     if slot.scheduler is not None and meta["scheduler"] is not None:
         slot.scheduler.load_state_dict(meta["scheduler"])
+
+
+def _shard(full: torch.Tensor, name: str, param: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of saved tensor ``full`` of parameter ``name`` (weight or moment),
+    the model's padded vocabulary rows (zeros) added first."""
+    spec = ShardSpec.of(param, tp)
+    return full_to_shard(fit_vocab_rows(name, full, spec.full_size(param)), spec, tp_rank)
 
 
 def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: list, tp: int, tp_rank: int) -> None:
@@ -307,11 +329,10 @@ def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: lis
         s = slices.get(param)
         if s is None or f"step/{name}" not in full:
             continue
-        spec = ShardSpec.of(param, tp)
         state = {"step": full[f"step/{name}"].clone()}
         for key in MOMENTS:
             if f"{key}/{name}" in full:
-                flat = full_to_shard(full[f"{key}/{name}"], spec, tp_rank).reshape(-1)
+                flat = _shard(full[f"{key}/{name}"], name, param, tp, tp_rank).reshape(-1)
                 state[key] = flat[s.start:s.end].view_as(s.inner).to(s.inner, copy=True)
         s.owner.state[s.inner] = state
 

@@ -1,6 +1,7 @@
-"""Where a model of the job starts: a directory holding a Hugging Face model or our checkpoint.
+"""Where a model of the job starts: a directory holding a Hugging Face model, a Megatron-LM checkpoint
+or our checkpoint.
 
-This module owns telling the two apart, reading a model's shape from either
+This module owns telling them apart, reading a model's shape from either
 without reading tensors (flags are parsed before any process group exists),
 checking that what a directory holds can play its part, and reading its
 full starting tensors by global name, only those asked for (a rank asks for
@@ -12,6 +13,10 @@ its own pipeline stage's, one model at a time: ``Trainer._load_initial``).
     critic     *ForSequenceClassification (score),     model "critic", else "reward" (role value,
                or *ForCausalLM: a new value head       or role lm: a new value head)
     reward     *ForSequenceClassification              model "reward" (role value)
+
+A Megatron-LM directory (rlhf/checkpoint/megatron.py) holds one model: a language
+model starts the actor and reference, and the critic with a new value head; a
+value model (one output row, written by ours-to-megatron) the critic and reward.
 
 The reward model is frozen, so it needs a trained value head; the critic is
 trained, so it may start from a language model with a new head, drawn as
@@ -29,6 +34,7 @@ import torch
 from rlhf.checkpoint import storage
 from rlhf.checkpoint.hf import HFConversionError, read_hf_config, read_hf_state
 from rlhf.checkpoint.loading import is_hf_dir
+from rlhf.checkpoint.megatron import MegatronCheckpointError, is_megatron_dir, open_megatron, read_megatron_state
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, _saved_models, read_full_state, saved_model_config
 from rlhf.data.tokenizer import is_tokenizer_dir
 from rlhf.models.config import ModelConfig
@@ -49,7 +55,7 @@ class ModelSourceError(ValueError):
 class ModelSource:
     """What a directory holds for one part (actor, reference, critic or reward).
 
-    ``format``: "hf" or "checkpoint"; ``checkpoint_model``: the model's name in
+    ``format``: "hf", "megatron" or "checkpoint"; ``checkpoint_model``: the model's name in
     our checkpoint; ``new_head``: a value model whose head is drawn, not read.
     """
 
@@ -67,8 +73,13 @@ class ModelSource:
 
     def tokenizer_dir(self) -> str | None:
         """The tokenizer that comes with the model: the HF directory itself, ``<root>/tokenizer`` of a
-        converted checkpoint; None when there is none."""
-        path = self.path if self.format == "hf" else os.path.join(self.path, TOKENIZER_DIR)
+        converted checkpoint, ``iter_N/tokenizer`` of Megatron-LM's; None when there is none."""
+        if self.format == "hf":
+            path = self.path
+        elif self.format == "megatron":
+            path = _open_megatron(self.path).tokenizer_dir()
+        else:
+            path = os.path.join(self.path, TOKENIZER_DIR)
         return path if is_tokenizer_dir(path) else None
 
 
@@ -77,22 +88,38 @@ def _is_checkpoint_root(path: str) -> bool:
     return os.path.isfile(os.path.join(path, storage.LATEST)) or bool(storage.list_checkpoints(path))
 
 
-def open_source(path: str, part: str, trained: bool | None = None) -> ModelSource:
+def open_source(path: str, part: str, trained: bool | None = None, megatron: bool = False) -> ModelSource:
     """What ``path`` holds for ``part``, checked (reads config files only; raises ModelSourceError).
 
     ``trained``: whether the part is trained (None: as PPO trains it, rlhf.tasks.TRAIN_TASK); a
     trained value part may start from a language model with a new value head (train_reward.py
-    trains the reward model).
+    trains the reward model). ``megatron``: ``path`` must be a Megatron-LM checkpoint directory.
     """
     if not os.path.isdir(path):
         raise ModelSourceError(f"{path} is not a directory")
     trained = part in TRAIN_TASK if trained is None else trained
+    if megatron or is_megatron_dir(path):
+        return _megatron_source(path, part, trained)
     if is_hf_dir(path):
         return _hf_source(path, part, trained)
     if _is_checkpoint_root(path):
         return _checkpoint_source(path, part, trained)
-    raise ModelSourceError(f"{path} is neither a Hugging Face model directory (no config.json) nor our "
-                           f"checkpoint root (no '{storage.LATEST}' file, no iter_* directory)")
+    raise ModelSourceError(f"{path} is neither a Hugging Face model directory (no config.json), a Megatron-LM "
+                           "checkpoint (no latest_checkpointed_iteration.txt) nor our checkpoint root (no "
+                           f"'{storage.LATEST}' file, no iter_* directory)")
+
+
+def _open_megatron(path: str):
+    try:
+        return open_megatron(path)
+    except MegatronCheckpointError as exc:
+        raise ModelSourceError(str(exc)) from None
+
+
+def _megatron_source(path: str, part: str, trained: bool) -> ModelSource:
+    ckpt = _open_megatron(path)
+    what = f"Megatron-LM checkpoint {ckpt.path} ({'language' if ckpt.role == 'lm' else 'value'} model)"
+    return ModelSource(path, part, ckpt.config, "megatron", _new_head(what, part, ckpt.role, trained))
 
 
 def _hf_source(path: str, part: str, trained: bool) -> ModelSource:
@@ -148,6 +175,9 @@ def read_weights(source: ModelSource, names: list[str], head_seed: int) -> dict[
     stored = [n for n in names if not (source.new_head and n == HEAD)]
     if source.format == "hf":
         full = read_hf_state(source.path, read_hf_config(source.path), source.role, stored)
+    elif source.format == "megatron":
+        ckpt = _open_megatron(source.path)
+        full = read_megatron_state(ckpt, [n for n in stored if n in ckpt.locations])
     else:
         full = read_full_state(source.path, source.checkpoint_model, names=stored)[2]
     missing = sorted(set(stored) - set(full))

@@ -8,7 +8,7 @@ Layers (each only calls the one below): `Scheduler` -> `KVManager` ->
 from rlhf.engine.block_pool import BlockPool
 from rlhf.engine.engine import Engine, EngineStats
 from rlhf.engine.kv_manager import KVManager
-from rlhf.engine.migration import MigratedSequence, recv_sequence, send_sequence
+from rlhf.engine.migration import MigratedSequence
 from rlhf.engine.scheduler import Scheduler, SchedulerOutput
 from rlhf.engine.types import (CapacityError, EngineConfig, EngineConfigError, NeverFitsError, OutOfBlocksError,
                                Request, SampleResult, SamplingParams)
@@ -16,5 +16,5 @@ from rlhf.engine.types import (CapacityError, EngineConfig, EngineConfigError, N
 __all__ = [
     "BlockPool", "CapacityError", "Engine", "EngineConfig", "EngineConfigError", "EngineStats", "KVManager",
     "MigratedSequence", "NeverFitsError", "OutOfBlocksError", "Request", "SampleResult", "SamplingParams",
-    "Scheduler", "SchedulerOutput", "recv_sequence", "send_sequence",
+    "Scheduler", "SchedulerOutput",
 ]

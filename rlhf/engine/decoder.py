@@ -10,6 +10,7 @@ TP rank it computes, on flat tokens ``[T]``:
                -> paged attention -> proj (row parallel; all-reduce) -> +residual
                RMSNorm -> fc1 [gate; up] -> silu(gate) * up -> fc2 (all-reduce) -> +residual
     final RMSNorm and output layer on the rows that need logits -> all-gather over TP
+    -> padded vocabulary ids -inf (rlhf.models.vocab, as the training forward masks them)
 
 which is the math of megatron's local layer spec, so the logits match
 `rlhf.models.gpt.stage_forward` on the same tokens. PP is not supported (the
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from rlhf.engine.attention import AttentionMeta, make_attention
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters
+from rlhf.models.vocab import mask_vocab_padding
 
 
 @dataclass
@@ -129,7 +131,8 @@ class TPDecoder:
 
     @torch.no_grad()
     def forward(self, inp: StepInputs) -> torch.Tensor:
-        """Full-vocabulary logits [S, V] (float32) for ``inp.logits_rows``; fills the KV cache."""
+        """Full-vocabulary logits [S, V] (float32; V padded, padded ids -inf) for ``inp.logits_rows``;
+        fills the KV cache."""
         self.copy_blocks(inp.copies)
         eps = self.cfg.norm_eps
         x = self._embed(inp.input_ids)
@@ -140,11 +143,11 @@ class TPDecoder:
             x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.norm2, eps))
         x = F.rms_norm(x[inp.logits_rows], x.shape[-1:], self.final_norm, eps)
         logits = F.linear(x, self.out).float()
-        if self.tp == 1:
-            return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp)]
-        dist.all_gather(parts, logits.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        if self.tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.group)
+            logits = torch.cat(parts, dim=-1)
+        return mask_vocab_padding(logits, self.cfg.vocab_size)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy on write)."""

@@ -111,6 +111,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 
+    def exportable(self) -> list[tuple[str, int, int]]:
+        """(request_id, sample_index, tokens so far) of the unfinished samples `export_sequence` takes now,
+        sorted (a request still prefilling for its other samples is left out until its first token)."""
+        return sorted((s.request_id, s.sample_index, len(s.tokens)) for s in self._seqs.values()
+                      if not s.pending_forks)
+
     def generate(self, requests) -> list[SampleResult]:
         """Run ``requests`` to completion; results in request order, then sample index."""
         for r in requests:

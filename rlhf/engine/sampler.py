@@ -34,7 +34,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     Returns (tokens [S] int64, logprobs [S] float32). Log-probs are of the raw
     logits (``logprobs_of="raw"``, what the training model computes) or of the
     filtered distribution that was sampled from (``"sampling"``). Every id of
-    the model's vocabulary can be drawn (see docs/engine.md on vocabulary padding).
+    the model's vocabulary can be drawn; padded ids arrive as -inf and never are
+    (see docs/engine.md on vocabulary padding).
     """
     raw_logp = torch.log_softmax(logits, dim=-1)
     tokens = raw_logp.argmax(dim=-1)

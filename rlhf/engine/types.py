@@ -6,6 +6,7 @@ passed to `Engine` separately.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -92,7 +93,8 @@ class SamplingParams:
 
     def __post_init__(self):
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1")
-        _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 is greedy)")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+               "a finite number >= 0 (0 is greedy)")
         _check(self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 disables)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(self.n >= 1, "n", self.n, ">= 1")

@@ -3,9 +3,9 @@
 A model is built from its shape, its kind, an explicit megatron
 ``ProcessGroupCollection`` and the facts of its pipeline stage; it knows
 nothing of meshes or tasks (the parallel package makes the collection), so models
-with different (dp, pp, tp) coexist in one set of processes. megatron's local
-layer spec is the default (it runs on CPU and GPU); the TransformerEngine spec
-is an opt-in (``transformer_impl``) for GPUs with TE.
+with different (dp, pp, tp) coexist in one set of processes. The layer spec is
+rlhf.platform's choice: TransformerEngine's where a GPU computes and TE imports,
+megatron's local one elsewhere (``transformer_impl`` overrides it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from rlhf import platform
 from rlhf.models.config import ModelConfig
+from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding, padded_vocab_size
 from rlhf.tasks import KINDS
 
 
@@ -116,13 +117,18 @@ class ValueHead(torch.nn.Module):
 
 def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage = PipelineStage(),
                 seed: int = 1234, dtype: torch.dtype = torch.float32,
-                transformer_impl: str = "local") -> torch.nn.Module:
+                transformer_impl: str | None = None, padded_vocab: int | None = None) -> torch.nn.Module:
     """This rank's ``stage`` of a model of ``kind`` (``lm`` or ``value``), sharded over ``pg_collection``.
 
     megatron takes the TP size from ``pg_collection.tp`` and the stage's layers
     from ``pg_collection.pp`` (its rank() and size()), so that group must
     report ``stage``. Ranks of one stage share the seed, so with CPU
     initialisation every TP rank draws the same full weights and keeps its slice.
+
+    ``padded_vocab``: rows of the embedding and LM output layer (rlhf.models.vocab;
+    default: ``cfg.vocab_size`` rounded up to a multiple of this tp). Every layout
+    the weights are resharded between must use the same value. The padded rows
+    start at zero; ``model.unpadded_vocab_size`` records ``cfg.vocab_size``.
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -133,12 +139,17 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
         raise ValueError(f"pg_collection.pp reports stage {pp.rank()} of {pp.size()} but the model is built as "
                          f"stage {stage.index} of {stage.count}; megatron assigns layers by that group, so "
                          "pass a pp group whose rank() is the logical stage")
+    tp = pg_collection.tp.size()
+    padded_vocab = padded_vocab or padded_vocab_size(cfg.vocab_size, 1, [tp])
+    if padded_vocab < cfg.vocab_size or padded_vocab % tp:
+        raise ValueError(f"padded_vocab={padded_vocab} must be a multiple of tp={tp} and at least "
+                         f"vocab_size={cfg.vocab_size} (rlhf.models.vocab.padded_vocab_size gives one)")
     platform.setup_megatron()
     platform.seed_model_parallel_rng(seed + 1000 * stage.index)
     model = GPTModel(
-        config=transformer_config(cfg, pg_collection.tp.size(), stage.count, dtype),
-        transformer_layer_spec=_layer_spec(transformer_impl),
-        vocab_size=cfg.vocab_size,
+        config=transformer_config(cfg, tp, stage.count, dtype),
+        transformer_layer_spec=_layer_spec(transformer_impl or platform.transformer_impl()),
+        vocab_size=padded_vocab,
         max_sequence_length=cfg.max_seq_len,
         pre_process=stage.is_first,
         post_process=stage.is_last,
@@ -149,7 +160,18 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     )
     if kind == "value" and stage.is_last:
         model.output_layer = ValueHead(cfg.hidden_size, cfg.init_std).to(dtype)
+    _zero_vocab_padding(model, cfg.vocab_size, pg_collection.tp.rank())
+    model.unpadded_vocab_size = cfg.vocab_size
     return model.to(platform.device())
+
+
+@torch.no_grad()
+def _zero_vocab_padding(model: torch.nn.Module, vocab_size: int, tp_rank: int) -> None:
+    """Zero this TP rank's rows of ids >= ``vocab_size`` (drawn at random with the rest)."""
+    for name, param in model.named_parameters():
+        if name in VOCAB_PARAMETERS and getattr(param, "tensor_model_parallel", False):
+            rows = param.shape[0]
+            param[max(0, vocab_size - tp_rank * rows):].zero_()
 
 
 def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor: torch.Tensor | None = None):
@@ -158,12 +180,15 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor:
     input_ids: [b, s] token ids (every stage needs them for the shape; only the
     first stage embeds them). input_tensor: [s, b, h] hidden states from the
     previous stage (None on the first stage). Returns [s, b, h] hidden states,
-    or on the last stage [b, s, V/tp] logits (LM) / [b, s] values (value model).
+    or on the last stage [b, s, V/tp] logits (LM; V the padded vocabulary, padded
+    ids -inf: rlhf.models.vocab) / [b, s] values (value model).
     """
     model.set_input_tensor(input_tensor)
     b, s = input_ids.shape
     position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, -1)
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
-    if isinstance(model.output_layer if model.post_process else None, ValueHead):
+    if not model.post_process:
+        return out
+    if isinstance(model.output_layer, ValueHead):
         return out.squeeze(-1)
-    return out
+    return mask_vocab_padding(out, model.unpadded_vocab_size, model.pg_collection.tp.rank() * out.shape[-1])

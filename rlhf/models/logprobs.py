@@ -5,6 +5,9 @@ The log-softmax needs the max and the sum of exponentials over the whole
 vocabulary and the target's logit from whichever rank owns it: three
 all-reduces over the TP group. Backward is local (each rank's loss is the same
 replicated value), as megatron's reduce-from-TP-region mapping provides.
+Padded vocabulary ids arrive as -inf logits (rlhf.models.vocab): they add
+nothing to the sums, and ``where`` (not a product with 0) keeps them from
+turning into NaN, even on a rank whose whole slice is padding.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, tp_gro
     local = targets - start
     in_slice = (local >= 0) & (local < vocab_local)
     picked = shifted.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = tp_sum(picked * in_slice, tp_group)
+    target_logit = tp_sum(torch.where(in_slice, picked, 0.0), tp_group)
     return target_logit - sum_exp.log()
 
 
@@ -55,7 +58,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - max_logit.unsqueeze(-1)
     exp = shifted.exp()
-    sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])
+    sums = torch.stack([exp.sum(dim=-1), torch.where(exp > 0, exp * shifted, 0.0).sum(dim=-1)])
     if tp:
         dist.all_reduce(sums, group=tp_group)
     return sums[0].log() - sums[1] / sums[0]

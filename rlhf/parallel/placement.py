@@ -21,15 +21,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf.checks import is_int
 from rlhf.parallel.mesh import ParallelStrategy, PlacementError, TaskMesh
 from rlhf.tasks import TASK_MODEL, TASKS
 
 
-def parse_ranks(spec, task: str) -> tuple[int, ...]:
-    """Ranks from a list ``[0, 1]`` or a string ``"0-3"`` / ``"0,2,4-5"`` (ascending ranges only)."""
+def parse_ranks(spec, task: str, world_size: int) -> tuple[int, ...]:
+    """Ranks from a list ``[0, 1]`` or a string ``"0-3"`` / ``"0,2,4-5"`` (ascending ranges only); a range
+    reaching past the world is refused before it is expanded."""
     usage = "use e.g. '0-3' or '0,2,4-5' or a list of integers"
     if isinstance(spec, (list, tuple)):
-        if not all(_is_int(r) for r in spec):
+        if not all(is_int(r) for r in spec):
             raise PlacementError(f"{task}: ranks {list(spec)!r} must be integers; {usage}")
         return tuple(spec)
     if not isinstance(spec, str):
@@ -39,13 +41,11 @@ def parse_ranks(spec, task: str) -> tuple[int, ...]:
         lo, _, hi = part.strip().partition("-")
         if not lo.isdigit() or not (hi or lo).isdigit() or int(hi or lo) < int(lo):
             raise PlacementError(f"{task}: cannot parse ranks {spec!r} ({part.strip()!r}); {usage}")
+        if int(hi or lo) >= world_size:
+            raise PlacementError(f"{task}: ranks {spec!r} reach rank {int(hi or lo)}, outside the world of "
+                                 f"{world_size} ranks (valid: 0..{world_size - 1})")
         ranks.extend(range(int(lo), int(hi or lo) + 1))
     return tuple(ranks)
-
-
-def _is_int(value) -> bool:
-    """A true integer (a bool or 2.9 is not one)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,15 @@ class Placement:
     @classmethod
     def from_plan(cls, plan: dict, world_size: int) -> "Placement":
         """Build from a plan dict (see module docstring); a task whose entry is None is not placed."""
+        if not (is_int(world_size) and world_size >= 1):
+            raise PlacementError(f"world size {world_size!r} must be a positive integer (the number of ranks)")
+        if not isinstance(plan, dict):
+            raise PlacementError(f"the plan must map tasks to meshes, got a {type(plan).__name__}; valid tasks: "
+                                 f"{', '.join(TASKS)}")
         unknown = set(plan) - set(TASKS)
         if unknown:
-            raise PlacementError(f"unknown task(s) {sorted(unknown)} in plan; valid tasks: {', '.join(TASKS)}")
+            raise PlacementError(f"unknown task(s) {sorted(unknown, key=str)} in plan; "
+                                 f"valid tasks: {', '.join(TASKS)}")
         meshes = {task: _mesh_from_entry(task, plan.get(task, {}), world_size)
                   for task in TASKS if plan.get(task, {}) is not None}
         return cls(meshes=meshes, world_size=world_size)
@@ -87,7 +93,8 @@ class Placement:
         return cls.from_plan(load_plan(path), world_size)
 
     def validate_models(self, model_configs: dict) -> None:
-        """Check each task's strategy against the model it runs (heads, layers, vocab)."""
+        """Check each task's strategy against the model it runs (heads, ffn, layers; any tp splits the
+        vocabulary, padded: rlhf.models.vocab)."""
         for task, mesh in self.meshes.items():
             cfg = model_configs.get(TASK_MODEL[task])
             if cfg is not None:
@@ -118,10 +125,13 @@ def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
     allowed = {"ranks", "dp", "pp", "tp", "reverse_pp"}
     extra = set(entry) - allowed
     if extra:
-        raise PlacementError(f"{task}: unknown key(s) {sorted(extra)}; allowed: {sorted(allowed)}")
-    ranks = parse_ranks(entry["ranks"], task) if "ranks" in entry else tuple(range(world_size))
+        raise PlacementError(f"{task}: unknown key(s) {sorted(extra, key=str)}; allowed: {sorted(allowed)}")
+    ranks = parse_ranks(entry["ranks"], task, world_size) if "ranks" in entry else tuple(range(world_size))
+    if "ranks" in entry and not ranks:
+        raise PlacementError(f"{task}: ranks {entry['ranks']!r} names no rank; give e.g. '0-3' or null to leave "
+                             f"{task} unplaced")
     for key in ("dp", "pp", "tp"):
-        if key in entry and not (_is_int(entry[key]) and entry[key] >= 1):
+        if key in entry and not (is_int(entry[key]) and entry[key] >= 1):
             raise PlacementError(f"{task}: {key}={entry[key]!r} must be a positive integer (e.g. {key}=2)")
     if not isinstance(entry.get("reverse_pp", False), bool):
         raise PlacementError(f"{task}: reverse_pp={entry['reverse_pp']!r} must be true or false (a JSON boolean)")
@@ -146,7 +156,6 @@ def check_strategy_fits_model(task: str, strategy: ParallelStrategy, cfg) -> Non
          f"tp={tp} does not divide num_attention_heads={cfg.num_attention_heads}"),
         (cfg.num_kv_heads % tp == 0, f"tp={tp} does not divide the KV heads (num_kv_heads={cfg.num_kv_heads})"),
         (cfg.ffn_hidden_size % tp == 0, f"tp={tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}"),
-        (cfg.vocab_size % tp == 0, f"tp={tp} does not divide vocab_size={cfg.vocab_size}"),
         (pp <= cfg.num_layers, f"pp={pp} is larger than num_layers={cfg.num_layers}"),
         (cfg.num_layers % pp == 0, f"pp={pp} does not divide num_layers={cfg.num_layers}"),
     ]

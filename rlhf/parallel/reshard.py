@@ -12,7 +12,8 @@ every block::
 
 Fused QKV is laid out per query group, so its TP slices are contiguous along
 dim 0 (stride 1) and need no special case. Non-TP parameters (norms, the value
-head) are copied whole.
+head) are copied whole. A padded vocabulary (rlhf.models.vocab) is resharded
+like any dimension: both layouts must be built with the same padded size.
 
 Resharding computes, on every participating rank, the same plan of transfers
 (parameter, source rank, destination rank, overlapping ranges) and posts the
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.models.vocab import fit_vocab_rows
 from rlhf.parallel.groups import TaskGroups
 
 
@@ -199,12 +201,22 @@ def _tag(name: str) -> int:
 
 @torch.no_grad()
 def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str, torch.Tensor]) -> None:
-    """Fill this stage's shards from a full (unsharded) state dict keyed by global name."""
+    """Fill this stage's shards from a full (unsharded) state dict keyed by global name.
+
+    Vocabulary parameters may come without the model's padded rows (rlhf.models.vocab): they get zeros.
+    """
     tp = groups.mesh.strategy.tp
     for name, param in named_global_parameters(model).items():
         if name not in full:
             raise KeyError(f"full state dict has no tensor {name!r} needed by this stage")
-        param.data.copy_(full_to_shard(full[name], ShardSpec.of(param, tp), groups.tp_rank))
+        spec = ShardSpec.of(param, tp)
+        shape = list(param.shape)
+        shape[spec.dim] = spec.full_size(param)
+        tensor = fit_vocab_rows(name, full[name], shape[0])
+        if list(tensor.shape) != shape:
+            raise ValueError(f"full tensor {name!r} has shape {list(full[name].shape)}; the model's unsharded "
+                             f"shape is {shape} (vocabulary rows may be fewer: padding is added)")
+        param.data.copy_(full_to_shard(tensor, spec, groups.tp_rank))
 
 
 @torch.no_grad()
@@ -222,7 +234,8 @@ def gather_tp_full(local: torch.Tensor, spec: ShardSpec, tp_group) -> torch.Tens
 
 
 def gather_tp_full_weights(model: torch.nn.Module, groups: TaskGroups, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Full tensors of this stage's parameters (or their gradients), all-gathered over TP."""
+    """Full tensors of this stage's parameters (or their gradients), all-gathered over TP, padded
+    vocabulary rows included (``rlhf.models.vocab.drop_vocab_padding`` cuts them)."""
     tp = groups.mesh.strategy.tp
     return {name: gather_tp_full(param.grad if grads else param.data, ShardSpec.of(param, tp), groups.tp)
             for name, param in named_global_parameters(model).items()}

@@ -54,7 +54,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rlhf.schedule.problem import Action, Problem
+from rlhf.schedule.generators import serial_1f1b
+from rlhf.schedule.problem import Action, ModelSpec, Problem
 from rlhf.schedule.schedule import Schedule, ScheduleError
 from rlhf.schedule.validate import check_schedule
 
@@ -99,6 +100,16 @@ class Slot:
 
     fused: int
     copy: int
+
+
+def serial_schedule(name: str, mesh, microbatches: int) -> Schedule:
+    """Serial 1F1B of model ``name`` over ``mesh``'s pipeline (a TaskMesh), ``microbatches`` per
+    replica: what the executor runs for an unfused model (unit costs: only the order matters)."""
+    pp = mesh.strategy.pp
+    spec = ModelSpec(name, pp, 1, microbatches, "up" if mesh.reverse_pp else "down", [1.0] * pp, [2.0] * pp,
+                     [1.0] * pp)
+    problem = Problem(pp, (spec,))
+    return Schedule.from_orders(problem, serial_1f1b(problem))
 
 
 def merge_factors(sched: Schedule, placements: dict) -> dict:

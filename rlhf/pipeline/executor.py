@@ -25,6 +25,7 @@ the Chrome trace of all ranks.
 """
 from __future__ import annotations
 
+from collections import Counter
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -49,9 +50,10 @@ class ModelRuntime:
     replica's micro-batches (``groups.coord.dp``), each a ``rlhf.batch.Batch``
     (its ``tokens`` [b, s] feed the model; ``loss_fn(output, microbatch,
     groups) -> scalar`` reads the fields it needs).
-    ``optimizer``: an object with ``reduce_grads()`` (finish the DP gradient
-    reduction) and ``step()`` (update, then zero the gradients) over ``module``'s
-    parameters: a ``rlhf.optim.ModelOptimizer`` built on ``module`` and ``groups``.
+    ``optimizer``: an object with ``backward_scope(last_microbatch)`` (the context
+    of one backward), ``reduce_grads()`` (finish the DP gradient reduction) and
+    ``step()`` (update, then zero the gradients) over ``module``'s parameters: a
+    ``rlhf.optim.ModelOptimizer`` built on ``module`` and ``groups``.
     ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
     :class:`SleepCompute`.
     """
@@ -88,9 +90,11 @@ class StageCompute:
             return rt.loss_fn(out, data, rt.groups) / len(rt.microbatches)
         return out
 
-    def backward(self, rt: ModelRuntime, ins: C.Instr, out, grad, x):
-        """Accumulate parameter grads; return the gradient of the stage input (or None)."""
-        torch.autograd.backward(out, grad)
+    def backward(self, rt: ModelRuntime, ins: C.Instr, out, grad, x, last: bool):
+        """Accumulate parameter grads; return the gradient of the stage input (or None).
+        ``last``: this rank's final backward of the model in the step (overlapped DP reduction may start)."""
+        with rt.optimizer.backward_scope(last):
+            torch.autograd.backward(out, grad)
         return None if x is None else x.grad
 
     def reduce_grads(self, rt: ModelRuntime) -> None:
@@ -129,7 +133,7 @@ class SleepCompute:
         self._sleep(self._cost(rt, ins, "fwd") * self.unit)
         return torch.zeros((), device=platform.device()) if rt.is_last(ins.stage) else self._dummy()
 
-    def backward(self, rt, ins: C.Instr, out, grad, x):
+    def backward(self, rt, ins: C.Instr, out, grad, x, last: bool):
         self._sleep(self._cost(rt, ins, "bwd") * self.unit)
         return None if x is None else self._dummy()
 
@@ -164,6 +168,7 @@ class _State:
     posted: dict = field(default_factory=dict)      # (peer, tag) -> (requests, buffer) of POST_RECVs
     pending: list = field(default_factory=list)     # outstanding send requests
     losses: dict = field(default_factory=dict)      # model -> summed loss shares (last stage)
+    backwards_left: Counter = field(default_factory=Counter)  # model -> BACKWARDs still to run
 
 
 TAG_MODES = ("per_message", "per_pair")
@@ -193,7 +198,7 @@ class Executor:
 
     def run(self, program: Sequence[C.Instr], timeline: Timeline) -> dict:
         """Execute ``program``, recording every instruction; returns {model: loss} (last stages)."""
-        self.state = _State()
+        self.state = _State(backwards_left=Counter(ins.model for ins in program if ins.kind == C.BACKWARD))
         for ins in program:
             t0 = time.perf_counter()
             self.handlers[ins.kind](self.runtimes.get(ins.model), ins)
@@ -232,8 +237,9 @@ class Executor:
 
     def _backward(self, rt, ins):
         key, st = (ins.model, ins.mb), self.state
+        st.backwards_left[ins.model] -= 1
         grad = self.compute.backward(rt, ins, st.outputs.pop(key), st.out_grads.pop(key, None),
-                                     st.inputs.pop(key, None))
+                                     st.inputs.pop(key, None), last=st.backwards_left[ins.model] == 0)
         if grad is not None:
             st.in_grads[key] = grad
 

@@ -40,7 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import lcm
 
+from rlhf.checks import finite_float, is_int
+
 from .problem import ModelSpec, Problem, ProblemError
+
+MAX_INT = 2**31 - 1
+"""Largest shape or layout number accepted (keeps the FLOP counts finite floats)."""
 
 
 @dataclass(frozen=True)
@@ -61,10 +66,14 @@ class ModelShape:
     def __post_init__(self):
         for field in ("layers", "hidden", "ffn", "heads", "tp", "pp", "microbatches"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ProblemError(f"model {self.name!r}: {field}={value!r} must be a positive integer")
+            if not is_int(value) or not 1 <= value <= MAX_INT:
+                raise ProblemError(f"model {self.name!r}: {field}={value!r} must be an integer in [1, {MAX_INT}]")
         if self.hidden % self.heads:
             raise ProblemError(f"model {self.name!r}: hidden={self.hidden} not divisible by heads={self.heads}")
+        kv = self.kv_heads
+        if kv is not None and not (is_int(kv) and 1 <= kv <= self.heads and self.heads % kv == 0):
+            raise ProblemError(f"model {self.name!r}: kv_heads={kv!r} must be a positive integer dividing "
+                               f"heads={self.heads}, or absent (= heads)")
 
     def flops_per_token_layer(self, seq_len: int) -> float:
         h = self.hidden
@@ -87,15 +96,21 @@ class CostConfig:
     gpus: int | None = None
 
     def __post_init__(self):
-        for field in ("tokens_per_microbatch", "seq_len", "gpu_flops", "act_bytes_per_token_hidden",
-                      "bwd_over_fwd"):
-            if getattr(self, field) <= 0:
-                raise ProblemError(f"CostConfig.{field}={getattr(self, field)!r} must be > 0")
-        if not 0 < self.mfu <= 1:
+        for field in ("tokens_per_microbatch", "seq_len"):
+            value = getattr(self, field)
+            if not is_int(value) or not 1 <= value <= MAX_INT:
+                raise ProblemError(f"CostConfig.{field}={value!r} must be an integer in [1, {MAX_INT}]")
+        for field in ("gpu_flops", "act_bytes_per_token_hidden", "bwd_over_fwd"):
+            value = finite_float(getattr(self, field))
+            if value is None or value <= 0:
+                raise ProblemError(f"CostConfig.{field}={getattr(self, field)!r} must be a finite number > 0")
+        mfu = finite_float(self.mfu)
+        if mfu is None or not 0 < mfu <= 1:
             raise ProblemError(f"CostConfig.mfu={self.mfu!r} must lie in (0, 1] (model FLOPs utilisation)")
-        if self.comm < 0:
-            raise ProblemError(f"CostConfig.comm={self.comm!r} must be >= 0 (ms per transfer)")
-        if self.gpus is not None and self.gpus < 1:
+        comm = finite_float(self.comm)
+        if comm is None or comm < 0:
+            raise ProblemError(f"CostConfig.comm={self.comm!r} must be a finite number >= 0 (ms per transfer)")
+        if self.gpus is not None and not (is_int(self.gpus) and self.gpus >= 1):
             raise ProblemError(f"CostConfig.gpus={self.gpus!r} must be a positive GPU count or None")
 
 

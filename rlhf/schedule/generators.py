@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .problem import Problem
-from .simulate import simulate
+from .simulate import latest_ends, simulate
 
 
 def one_f_one_b(pb: Problem, model: int, pipeline: int, stage: int, warmup: int | None = None) -> list:
@@ -101,15 +101,30 @@ def greedy_fused(pb: Problem) -> list:
 class Rule:
     """A dynamic list-scheduling rule: ``extra[i]`` warm-up forwards beyond
     1F1B for model i (``None``: unbounded), ``order``: model priority (first
-    wins), ``b_first``: a ready B beats a ready F of the same model."""
+    wins), ``b_first``: a ready B beats a ready F of the same model.
+
+    With ``balance`` (a number) the priority is progress instead: a subtask's
+    place in its model's own 1F1B sequence on its stage, as a fraction of that
+    sequence, plus ``balance`` x the model's rank in ``order``; the stage
+    starts the ready subtask of the model that is furthest behind, so the
+    models advance together and their cool-downs overlap (with strict
+    priority the lower model's tail runs alone at the end)."""
 
     extra: tuple
     order: tuple
     b_first: bool = True
+    balance: float | None = None
 
     def key(self, pb: Problem) -> Callable[[int], tuple]:
         rank = {i: r for r, i in enumerate(self.order)}
         model, is_fwd, tail = pb.arrays.model, pb.arrays.is_fwd, pb.arrays.tail
+        if self.balance is not None:
+            progress = [0.0] * pb.num_nodes
+            for row in per_model_1f1b(pb):
+                for seq in row:
+                    for k, v in enumerate(seq):
+                        progress[v] = (k + 0.5) / len(seq) + self.balance * rank[model[v]]
+            return lambda v: (progress[v], -tail[v])
         b_first = self.b_first
         return lambda v: (rank[model[v]], is_fwd[v] == b_first, -tail[v])
 
@@ -222,27 +237,32 @@ def rule_schedule(pb: Problem, rule: Rule, mem_cap: float | None = None) -> list
     return list_schedule(pb, rule.key(pb), limits=limits, mem_cap=mem_cap)
 
 
-def backfill_schedule(pb: Problem, first: int, extra: int = 0, other_extra: int | None = None) -> list:
+def backfill_schedule(pb: Problem, first: int, extra: int = 0, other_extra: int | None = None,
+                      lazy: bool = False) -> list:
     """Model ``first`` runs its 1F1B (``extra`` more warm-up forwards) exactly as
     if alone; every other model's subtasks are then placed, in order of their
     ready times, into the earliest idle gap of their stage that fits them
     (conservative backfilling), so the first model is never delayed.  With
     ``other_extra`` the other models keep at most ``pp - stage + other_extra``
     micro-batches in flight per stage (a forward waits for the backward that
-    frees its slot); None means unbounded.  Returns per-stage orders sorted by
-    the placed start times."""
+    frees its slot); None means unbounded.  With ``lazy`` the first model's
+    subtasks sit at their latest times that keep its makespan
+    (:func:`simulate.latest_ends`): its forwards come just in time, which
+    opens gaps early on, while it holds few activations, for the others.
+    Returns per-stage orders sorted by the placed start times."""
     arr = pb.arrays
     sub = model_alone(pb, first)
     seq = [row[0] for row in per_model_1f1b(sub, [extra])]
     alone = simulate(sub, seq)
     if not alone.ok:
         raise ValueError(f"backfill_schedule: 1F1B of model {first} deadlocks")
+    ends = latest_ends(sub, seq, alone) if lazy else alone.end
     offset = pb.node_id_fast(first, 0, 0, 0, True)
     busy = [[] for _ in range(pb.stages)]  # sorted (start, end, id) per stage
     for s, order in enumerate(seq):
         for v in order:
-            e = alone.end[v]
-            busy[s].append((e - arr.dur[v], e, v + offset))
+            e = ends[v]
+            busy[s].append((e - arr.dur[v + offset], e, v + offset))
     slot_of = _inflight_slots(pb, first, other_extra)
     placed = {}
     parked = {}

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .problem import Action, Problem, ProblemError
+from rlhf.checks import is_int
+
+from .problem import OPS, Action, Problem, ProblemError
 from .schedule import Schedule, ScheduleError
 
 VERSION = 1
@@ -25,18 +27,25 @@ def action_to_dict(a: Action) -> dict:
 def action_from_dict(pb: Problem, d: dict, fused_stage: int) -> Action:
     """The model stage follows from the fused stage.  A ``model_stage`` in
     ``d`` is taken as written (not checked here): :func:`validate.validate`
-    reports a ``placement`` violation when it disagrees with the fused stage."""
-    try:
-        model = pb.models[pb.model_index[d["model"]]]
-        pipeline, mb, op = int(d["pipeline"]), int(d["mb"]), str(d["op"])
-    except KeyError as err:
-        raise ProblemError(f"stage {fused_stage}: action {d} lacks or names unknown {err}") from None
+    reports a ``placement`` violation when it disagrees with the fused stage.
+    Types are checked, never coerced (``"mb": 1.0`` is refused)."""
+    where = f"stage {fused_stage}: action {d!r}"
+    if not isinstance(d, dict) or any(k not in d for k in ("model", "pipeline", "mb", "op")):
+        raise ProblemError(f"{where} must be an object with model, pipeline, mb, op (and optionally model_stage)")
+    if not isinstance(d["model"], str) or d["model"] not in pb.model_index:
+        raise ProblemError(f"{where} names an unknown model; known: {list(pb.model_index)}")
+    model = pb.models[pb.model_index[d["model"]]]
+    for key in ("pipeline", "mb", "model_stage"):
+        if key in d and not is_int(d[key]):
+            raise ProblemError(f"{where}: {key}={d[key]!r} must be an integer")
+    if d["op"] not in OPS:
+        raise ProblemError(f"{where}: op={d['op']!r} must be one of {OPS}")
     if "model_stage" in d:
-        j = int(d["model_stage"])
+        j = d["model_stage"]
     else:
         s = fused_stage if model.direction == "down" else pb.stages - 1 - fused_stage
-        j = s - pipeline * model.pp
-    return Action(model.name, pipeline, mb, op, j)
+        j = s - d["pipeline"] * model.pp
+    return Action(model.name, d["pipeline"], d["mb"], d["op"], j)
 
 
 def schedule_to_dict(sched: Schedule) -> dict:
@@ -53,15 +62,19 @@ def schedule_from_dict(d: dict) -> Schedule:
     Only the structure is checked here; :func:`validate.check_schedule` checks the rules.
     """
     try:
-        if int(d.get("version", VERSION)) != VERSION:
-            raise ProblemError(f"schedule file version {d.get('version')} is not supported "
-                               f"(this reader knows version {VERSION})")
         pb = Problem.from_dict(d)
-        if "schedule" not in d:
-            raise ProblemError("schedule file lacks 'schedule' (a problem file has only stages/models)")
+        version = d.get("version", VERSION)
+        if not is_int(version) or version != VERSION:
+            raise ProblemError(f"schedule file version {version!r} is not supported "
+                               f"(this reader knows version {VERSION})")
+        if not isinstance(d.get("schedule"), list) or not all(isinstance(x, list) for x in d["schedule"]):
+            raise ProblemError("schedule file lacks 'schedule', one list of actions per fused stage "
+                               "(a problem file has only stages/models)")
+        if not isinstance(d.get("metrics", {}), dict):
+            raise ProblemError(f"metrics={d['metrics']!r} must be an object")
         stages = tuple(tuple(action_from_dict(pb, a, s) for a in stage)
                        for s, stage in enumerate(d["schedule"]))
-    except (ProblemError, KeyError, TypeError, ValueError, AttributeError) as exc:
+    except ProblemError as exc:
         raise ScheduleError(f"malformed schedule: {exc}") from None
     return Schedule(pb, stages, dict(d.get("metrics") or {}))
 
@@ -83,4 +96,8 @@ def load_schedule(path) -> Schedule:
 
 
 def load_problem(path) -> Problem:
-    return Problem.from_dict(json.loads(Path(path).read_text()))
+    """Read a problem file; ProblemError naming ``path`` if it is unreadable or malformed."""
+    try:
+        return Problem.from_dict(json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as exc:  # ValueError: bad JSON, bad text encoding, or a ProblemError
+        raise ProblemError(f"problem file {path}: {exc}") from None

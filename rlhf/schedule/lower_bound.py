@@ -18,6 +18,9 @@ micro-batch's full chain is a bound too.  The result is the maximum.
 Memory: the reference (the "memory lower bound" of the issue) is the serial
 1F1B peak per stage.  It is not a bound for every schedule (a schedule that
 runs F,B,F,B... needs less), but it is what the non-fused baseline needs.
+The true bound (:func:`min_peak_memory`) is the largest single activation on
+a stage: every stage holds at least one, and running the micro-batches one at
+a time through the whole problem holds no more.
 """
 from __future__ import annotations
 
@@ -57,3 +60,15 @@ def makespan_lower_bound(pb: Problem) -> float:
 def serial_peak_memory(pb: Problem) -> list:
     """Per-stage activation peak of the serial 1F1B schedule."""
     return stage_peak_memory(pb, serial_1f1b(pb))
+
+
+def min_peak_memory(pb: Problem) -> list:
+    """Per-stage activation peak that no schedule goes below (and one reaches): the largest
+    ``act_mem`` of a model stage placed on the fused stage. A memory cap below its maximum is infeasible."""
+    peak = [0.0] * pb.stages
+    for m in pb.models:
+        for p in range(m.pipelines):
+            for j in range(m.pp):
+                s = m.fused_stage(p, j, pb.stages)
+                peak[s] = max(peak[s], m.act_mem[j])
+    return peak

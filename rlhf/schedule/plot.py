@@ -1,5 +1,6 @@
-"""Gantt chart of a fused schedule: one row per fused stage, one colour per
-model, forward light and backward dark.  matplotlib is imported lazily (Agg)."""
+"""Gantt chart of a fused schedule (one row per fused stage, one colour per
+model, forward light and backward dark) and the speed/memory trade-off curve
+of searches under memory caps.  matplotlib is imported lazily (Agg)."""
 from __future__ import annotations
 
 from .problem import Problem
@@ -43,6 +44,34 @@ def gantt(pb: Problem, orders, path, title: str = "") -> None:
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.2 / pb.stages),
               ncol=len(handles), frameon=False)
     ax.set_title(title or f"makespan {res.makespan:.1f} {pb.time_unit}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def tradeoff(points, path, title: str = "", paper=None, bound: float | None = None) -> None:
+    """Write a PNG of the speed/memory trade-off: ``points`` are (peak
+    activation memory x serial 1F1B, speedup over serial 1F1B, label) of
+    searches under memory caps; ``paper`` an optional (memory, speedup,
+    label) reference point; ``bound`` the lower bound's speedup (dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = sorted(points)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLOURS[0][1], label="annealed (ours)")
+    for x, y, label in pts:
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    if paper is not None:
+        ax.plot([paper[0]], [paper[1]], "s", color=COLOURS[1][1], label=paper[2])
+    if bound is not None:
+        ax.axhline(bound, linestyle="--", color="grey", linewidth=0.8, label="lower bound")
+    ax.set_xlabel("peak activation memory (x serial 1F1B)")
+    ax.set_ylabel("speedup over serial 1F1B")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", frameon=False)
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

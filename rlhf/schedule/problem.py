@@ -18,12 +18,17 @@ No torch here: the search must stay importable without it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Sequence
 
+from rlhf.checks import finite_float, is_int
+
 DIRECTIONS = ("down", "up")
 OPS = ("F", "B")
+MAX_SUBTASKS = 1_000_000
+"""Largest problem accepted (subtasks over all models): the search keeps per-subtask lists in memory."""
 
 
 class ProblemError(ValueError):
@@ -61,25 +66,36 @@ class ModelSpec:
     act_mem: tuple
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ProblemError(f"model name={self.name!r} must be a non-empty string")
         for field in ("pp", "pipelines", "microbatches"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ProblemError(
                     f"model {self.name!r}: {field}={value!r} must be a positive integer")
-        if self.direction not in DIRECTIONS:
+        if not isinstance(self.direction, str) or self.direction not in DIRECTIONS:
             raise ProblemError(
                 f"model {self.name!r}: direction={self.direction!r} must be one of {DIRECTIONS}")
         for field in ("fwd", "bwd", "act_mem"):
-            values = tuple(float(x) for x in getattr(self, field))
-            object.__setattr__(self, field, values)
-            if len(values) != self.pp:
-                raise ProblemError(
-                    f"model {self.name!r}: {field} has {len(values)} entries, "
-                    f"expected pp={self.pp} (one per model stage)")
-            if any(x < 0 for x in values) or (field != "act_mem" and any(x <= 0 for x in values)):
-                raise ProblemError(
-                    f"model {self.name!r}: {field}={values} must be positive "
-                    f"(act_mem may be 0)")
+            object.__setattr__(self, field, self._stage_numbers(field, positive=field != "act_mem"))
+
+    def _stage_numbers(self, field: str, positive: bool) -> tuple:
+        """Field ``field`` as a tuple of ``pp`` finite floats, > 0 (``positive``) or >= 0; types are
+        checked, not coerced: NaN, Infinity, strings and booleans are refused by name."""
+        values = getattr(self, field)
+        if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Sequence):
+            raise ProblemError(f"model {self.name!r}: {field}={values!r} must be a list of numbers, "
+                               f"one per model stage (pp={self.pp})")
+        if len(values) != self.pp:
+            raise ProblemError(
+                f"model {self.name!r}: {field} has {len(values)} entries, "
+                f"expected pp={self.pp} (one per model stage)")
+        numbers = tuple(finite_float(x) for x in values)
+        for j, (x, number) in enumerate(zip(values, numbers)):
+            if number is None or number < 0 or (positive and number == 0):
+                raise ProblemError(f"model {self.name!r}: {field}[{j}]={x!r} must be a finite number "
+                                   f"{'> 0' if positive else '>= 0'}")
+        return numbers
 
     def fused_stage(self, pipeline: int, stage: int, stages: int) -> int:
         """Fused stage running model stage ``stage`` of ``pipeline``."""
@@ -98,13 +114,17 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelSpec":
-        missing = {"name", "pp", "pipelines", "microbatches", "direction", "fwd", "bwd"} - set(d)
+        """From a problem file's model entry; values are checked as given (``"pp": 2.0`` is refused)."""
+        required = ("name", "pp", "pipelines", "microbatches", "direction", "fwd", "bwd")
+        if not isinstance(d, dict):
+            raise ProblemError(f"model entry {d!r} must be an object with fields {', '.join(required)}[, act_mem]")
+        missing = set(required) - set(d)
         if missing:
             raise ProblemError(f"model entry {d.get('name', '?')!r} lacks fields {sorted(missing)}")
-        act = d.get("act_mem", [0.0] * int(d["pp"]))
-        return cls(name=str(d["name"]), pp=int(d["pp"]), pipelines=int(d["pipelines"]),
-                   microbatches=int(d["microbatches"]), direction=str(d["direction"]),
-                   fwd=tuple(d["fwd"]), bwd=tuple(d["bwd"]), act_mem=tuple(act))
+        fwd = d["fwd"]
+        act = d.get("act_mem", [0.0] * len(fwd) if isinstance(fwd, (list, tuple)) else None)
+        return cls(name=d["name"], pp=d["pp"], pipelines=d["pipelines"], microbatches=d["microbatches"],
+                   direction=d["direction"], fwd=fwd, bwd=d["bwd"], act_mem=act)
 
 
 @dataclass(frozen=True)
@@ -121,6 +141,11 @@ class Problem:
     mem_unit: str = "GiB"
 
     def __post_init__(self):
+        if not is_int(self.stages) or self.stages < 1:
+            raise ProblemError(f"stages={self.stages!r} must be a positive integer")
+        if isinstance(self.models, (str, bytes, Mapping)) or not isinstance(self.models, Sequence) or not all(
+                isinstance(m, ModelSpec) for m in self.models):
+            raise ProblemError(f"models={self.models!r} must be a list of models (ModelSpec)")
         object.__setattr__(self, "models", tuple(self.models))
         if not self.models:
             raise ProblemError("problem has no models; give at least one under 'models'")
@@ -132,10 +157,22 @@ class Problem:
                 raise ProblemError(
                     f"model {m.name!r}: pp*pipelines = {m.pp}*{m.pipelines} = "
                     f"{m.pp * m.pipelines} must equal stages={self.stages}")
-        if self.comm < 0:
-            raise ProblemError(f"comm={self.comm} must be >= 0")
-        if self.mem_cap is not None and self.mem_cap <= 0:
-            raise ProblemError(f"mem_cap={self.mem_cap} must be positive or None")
+        subtasks = sum(m.pipelines * m.microbatches * 2 * m.pp for m in self.models)
+        if subtasks > MAX_SUBTASKS:
+            raise ProblemError(f"the problem has {subtasks} subtasks (pipelines x microbatches x 2 x pp, summed "
+                               f"over the models), more than the {MAX_SUBTASKS} supported; use fewer microbatches")
+        comm = finite_float(self.comm)
+        if comm is None or comm < 0:
+            raise ProblemError(f"comm={self.comm!r} must be a finite number >= 0")
+        object.__setattr__(self, "comm", comm)
+        if self.mem_cap is not None:
+            cap = finite_float(self.mem_cap)
+            if cap is None or cap <= 0:
+                raise ProblemError(f"mem_cap={self.mem_cap!r} must be a finite number > 0, or absent for no cap")
+            object.__setattr__(self, "mem_cap", cap)
+        for field in ("time_unit", "mem_unit"):
+            if not isinstance(getattr(self, field), str):
+                raise ProblemError(f"{field}={getattr(self, field)!r} must be a string such as 'ms' or 'GiB'")
 
     # -- subtask numbering -------------------------------------------------
     @cached_property
@@ -199,13 +236,18 @@ class Problem:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Problem":
+        """From a parsed problem or schedule file; values are checked as given, never coerced."""
+        if not isinstance(d, dict):
+            raise ProblemError(f"a problem is a JSON object with 'stages' and 'models', not a {type(d).__name__}")
         for field in ("stages", "models"):
             if field not in d:
                 raise ProblemError(f"problem JSON lacks {field!r} (see docs/schedule_search.md, "
                                   "'Schedule file')")
-        return cls(stages=int(d["stages"]),
+        if not isinstance(d["models"], list):
+            raise ProblemError(f"models={d['models']!r} must be a list of model entries")
+        return cls(stages=d["stages"],
                    models=tuple(ModelSpec.from_dict(m) for m in d["models"]),
-                   comm=float(d.get("comm", 0.0)), mem_cap=d.get("mem_cap"),
+                   comm=d.get("comm", 0.0), mem_cap=d.get("mem_cap"),
                    time_unit=d.get("time_unit", "ms"), mem_unit=d.get("mem_unit", "GiB"))
 
     def with_mem_cap(self, cap: float | None) -> "Problem":

@@ -1,29 +1,38 @@
-"""The schedule search: starting pool -> makespan annealing -> memory annealing.
+"""The schedule search: starting pool -> makespan annealing -> memory phase.
 
 :func:`search` is one deterministic search (same problem, config and seed:
 same result).  Budgets are nominal seconds converted to a fixed number of
 proposals (``RATE / subtasks**RATE_EXPONENT`` per second, fitted to the
 rate measured on a 2-core CI machine), never wall-clock cut-offs, so results
 do not depend on machine load.  :func:`search_mpi` runs one search per MPI
-rank with seed ``seed + rank`` and keeps the best (smallest makespan, then
-smallest peak memory, then lowest rank).
+rank with seed ``seed + rank`` and keeps the best (least peak memory within
+the makespan limit of the best makespan any rank found, then the smallest
+makespan, then the lowest rank).
 
 Starting pool: the greedy fused schedule, backfilled schedules (one model's
 1F1B fixed, the others in its gaps, with bounded or unbounded warm-up) and
 dynamic list-scheduling rules (warm-up depth per model x model priority x
-B-or-F first, also built under caps of 1.0/1.25/1.5x the serial peak); with a
-memory cap only the starts within the cap are kept (serial 1F1B is one
-candidate; if none fits, :func:`pick_starts` raises ProblemError).
-Two starts are annealed for makespan: the lowest-memory start within 1% of
-the best start's makespan, within its own peak memory (half the budget, less
-if it reaches the lower bound), and the best start (the rest).
-Without a cap, half the memory budget then goes to a *cap ladder*: for caps
-of 1.5, 1.25, 1.0 x the serial peak (only those below the current peak)
-the best start within the cap is annealed within the cap towards the
-makespan found; each success is kept, the first failure ends the ladder.
-Makespan proposals left unused by an early stop at the lower bound are added
-to the ladder's budget.  The result
-goes through the memory pass (the other half), which never lengthens it.
+B-or-F first, and *balanced* rules that advance the models together, also
+built under caps of 1.0/1.25/1.5x the serial peak); with a memory cap only
+the starts within the cap are kept (serial 1F1B is one candidate; if none
+fits, :func:`pick_starts` raises ProblemError).
+
+Makespan phase: two starts are annealed for makespan: the lowest-memory
+start within 1% of the best start's makespan, within its own peak memory
+(half the budget, less if it reaches the lower bound), and the best start
+(the rest).  Its best makespan ``M`` sets the limit of the memory phase,
+:func:`makespan_limit`: ``M x (1 + makespan_slack)``, never beyond 1% over
+the lower bound unless ``M`` already is.
+
+Memory phase (the memory budget plus makespan proposals left by an early
+stop at the lower bound): a *cap ladder* (``ladder_share`` of it) anneals
+for makespan within caps of ``ladder`` x the serial 1F1B peak, from 1.5x
+down while it reaches the limit (each rung from the best-makespan start that
+fits the cap), or, if 1.5x fails, upwards from the failed rung's result; the
+lowest cap that reached the limit gives the schedule.  Then the memory pass
+(:func:`anneal.anneal_memory`, the rest) lowers the peak further without
+passing the limit, stopping at the serial peak or when it stalls.  The
+result is never slower than the limit nor above the makespan phase's peak.
 """
 from __future__ import annotations
 
@@ -32,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from itertools import product
 
 from .anneal import AnnealConfig, AnnealStats, anneal_makespan, anneal_memory
-from .generators import (Rule, backfill_schedule, greedy_fused, rule_schedule, serial_1f1b,
-                         serial_1f1b_makespan)
+from .generators import (Rule, backfill_schedule, greedy_fused, model_size_order, rule_schedule,
+                         serial_1f1b, serial_1f1b_makespan)
 from .lower_bound import makespan_lower_bound, serial_peak_memory
 from .problem import Problem, ProblemError
 from .schedule import Schedule
@@ -43,24 +52,43 @@ from .validate import check_schedule
 # proposals per nominal second = RATE / subtasks**0.75 (fitted on the 2-core CI VM)
 RATE, RATE_EXPONENT = 1.4e6, 0.75
 CAP_SWEEP = (1.0, 1.25, 1.5)  # x serial 1F1B peak: list-rule starts built under these caps
+BOUND_TOLERANCE = 0.01  # issue 12: "within 1% of the lower bound"
+RUNG_SHARE = 0.75  # of the ladder's proposals left, for each rung but the last possible one
+BALANCE_SKEWS = (0.02, 0.05)  # balanced list-rule starts: the larger model's head start
 
 
 @dataclass(frozen=True)
 class SearchConfig:
     """``budget_s``: nominal seconds of makespan annealing; ``memory_budget_s``:
-    of the memory pass; ``mem_cap``: per-stage activation cap (problem units);
-    ``anneal``: annealing knobs (its ``iters`` and ``mem_cap`` are set here)."""
+    of the memory phase; ``mem_cap``: per-stage activation cap (problem units);
+    ``makespan_slack``: how much the memory phase may lengthen the best
+    makespan (see :func:`makespan_limit`); ``ladder``: the cap ladder's rungs
+    (x the serial 1F1B peak), tried from the largest at most ``ladder_first``;
+    ``ladder_share``: the ladder's part of the memory budget (the memory pass
+    gets the rest); ``anneal``: annealing knobs (its ``iters`` and ``mem_cap``
+    are set here)."""
 
     budget_s: float = 30.0
     memory_budget_s: float = 10.0
     seed: int = 0
     mem_cap: float | None = None
+    makespan_slack: float = 0.005
+    ladder: tuple = (1.0, 1.25, 1.5, 2.0)
+    ladder_first: float = 1.5
+    ladder_share: float = 0.8
     anneal: AnnealConfig = field(default_factory=lambda: AnnealConfig(t0_scale=1e-3))
 
     def __post_init__(self):
         if self.budget_s < 0 or self.memory_budget_s < 0:
             raise ValueError(f"SearchConfig budgets ({self.budget_s}, {self.memory_budget_s}) "
                              "must be >= 0 seconds")
+        if not 0 <= self.makespan_slack <= 1:
+            raise ValueError(f"SearchConfig.makespan_slack={self.makespan_slack} must lie in [0, 1]")
+        if not self.ladder or any(x <= 0 for x in self.ladder) or self.ladder_first <= 0:
+            raise ValueError(f"SearchConfig.ladder={self.ladder}, ladder_first={self.ladder_first}: "
+                             "give positive multiples of the serial 1F1B peak")
+        if not 0 <= self.ladder_share <= 1:
+            raise ValueError(f"SearchConfig.ladder_share={self.ladder_share} must lie in [0, 1]")
 
 
 @dataclass
@@ -79,6 +107,8 @@ class SearchResult:
     evaluations: int = 0
     anneal_seconds: float = 0.0
     seconds: float = 0.0
+    best_makespan: float = 0.0
+    best_peak: float = 0.0
 
     @property
     def schedule(self) -> Schedule:
@@ -113,6 +143,9 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
     for first, extra, other in product(range(nm), (0, 2, 10**6), (0, 1, 2, 4, None)):
         cands.append((f"backfill(first={pb.models[first].name},extra={extra},others={other})",
                       backfill_schedule(pb, first, extra, other)))
+    for first, other in product(range(nm), (0, 1, 2, 4, None)):
+        cands.append((f"backfill(first={pb.models[first].name},lazy,others={other})",
+                      backfill_schedule(pb, first, 0, other, lazy=True)))
     depths = (0, 2, None)
     for cap, extra in product(caps, product(depths, repeat=nm)):
         for first in range(nm):
@@ -122,6 +155,12 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
                 tag = "" if cap is None else f",cap={cap / serial_peak:.2f}x"
                 cands.append((f"rule(extra={extra},first={pb.models[first].name},"
                               f"b_first={b_first}{tag})", rule_schedule(pb, rule, cap)))
+    size_order = tuple(model_size_order(pb))
+    extras = [(e,) * nm for e in (0, 4, 8, None)] + [(0,) + (None,) * (nm - 1), (None,) + (0,) * (nm - 1)]
+    for cap, extra, balance in product(caps, extras, BALANCE_SKEWS):
+        tag = "" if cap is None else f",cap={cap / serial_peak:.2f}x"
+        cands.append((f"balanced(extra={extra},skew={balance}{tag})",
+                      rule_schedule(pb, Rule(extra, size_order, balance=balance), cap)))
     cands.append(("serial_1f1b", serial_1f1b(pb)))
     scored = []
     for k, (name, orders) in enumerate(cands):
@@ -170,15 +209,16 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     stats = AnnealStats()
     iters = int(cfg.budget_s * per_s)
     best, name = _anneal_starts(pb, pick_starts(pool), cap, iters, lb, cfg, stats)
-    ms = simulate(pb, best).makespan
-    mem_iters = int(cfg.memory_budget_s * per_s)
-    if cap is None:  # makespan proposals left by an early stop go to the ladder
-        # (stats.proposals counts only the makespan passes at this point)
-        ladder = iters - stats.proposals + mem_iters // 2
-        best, name = _cap_ladder(pb, pool, best, name, ms, ladder, cfg, stats)
-        mem_iters -= mem_iters // 2
-    mcfg = replace(cfg.anneal, iters=mem_iters, mem_cap=cap, t0_scale=0.05)
-    best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=ms)
+    ms, best_peak = simulate(pb, best).makespan, max(stage_peak_memory(pb, best))
+    limit = makespan_limit(ms, lb, cfg.makespan_slack)
+    # makespan proposals left by an early stop at the bound go to the memory phase
+    mem_iters = iters - stats.proposals + int(cfg.memory_budget_s * per_s)
+    ladder = int(mem_iters * cfg.ladder_share)
+    best, name, used = _cap_ladder(pb, pool, best, name, limit, ladder, cfg, stats)
+    polish = mem_iters - used
+    mcfg = replace(cfg.anneal, iters=polish, mem_cap=cap)
+    best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=limit,
+                             floor=max(serial_peak_memory(pb)), patience=max(1, polish // 4))
     stats.add(st)
     check_schedule(Schedule.from_orders(pb, best), mem_cap=cap)
     return SearchResult(
@@ -187,7 +227,13 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
         greedy_peak_mem=stage_peak_memory(pb, greedy), serial_makespan=serial_1f1b_makespan(pb),
         serial_peak_mem=serial_peak_memory(pb), lower_bound=lb, start_name=name, seed=cfg.seed,
         evaluations=stats.evaluations, anneal_seconds=stats.seconds,
-        seconds=time.perf_counter() - tic)
+        seconds=time.perf_counter() - tic, best_makespan=ms, best_peak=best_peak)
+
+
+def makespan_limit(best: float, lower_bound: float, slack: float) -> float:
+    """The makespan the memory phase must keep: ``best`` x (1 + ``slack``), but
+    not beyond BOUND_TOLERANCE over the lower bound unless ``best`` already is."""
+    return max(best, min(best * (1 + slack), lower_bound * (1 + BOUND_TOLERANCE)))
 
 
 def _anneal_starts(pb, starts, cap, iters, target, cfg, stats) -> tuple:
@@ -210,27 +256,54 @@ def _anneal_starts(pb, starts, cap, iters, target, cfg, stats) -> tuple:
     return best, name
 
 
-def _cap_ladder(pb, pool, best, name, makespan, iters, cfg, stats) -> tuple:
-    """Memory first pass: for caps of CAP_SWEEP x the serial peak below the
-    current peak, highest first, anneal the best start within the cap towards
-    ``makespan``; each that reaches it replaces ``best``, the first that does
-    not ends the ladder."""
+def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats) -> tuple:
+    """Lower the peak memory while keeping the makespan within ``limit``.
+
+    Rungs are caps of ``cfg.ladder`` x the serial 1F1B peak below the current
+    peak.  The first tried is the largest at most ``cfg.ladder_first``; each
+    success tries the next lower rung, and the first failure after a success
+    ends the ladder.  If the first rung fails, the higher rungs are tried in
+    turn, each continuing from the previous rung's result (it fits the
+    larger cap and is closer to the target than the pool's starts).  A rung
+    anneals for makespan within its cap from the best-makespan schedule that
+    fits it, until the makespan is within ``limit``; it gets RUNG_SHARE of
+    the proposals left (the last possible rung all of them).  Returns (orders,
+    name, proposals used)."""
     serial_peak = max(serial_peak_memory(pb))
     peak = max(stage_peak_memory(pb, best))
-    caps = sorted((x * serial_peak for x in CAP_SWEEP if x * serial_peak < peak - 1e-9), reverse=True)
-    for k, cap in enumerate(caps):
-        fits = [x for x in pool if x.peak <= cap + 1e-9]
-        if not fits or iters <= 0:
+    rungs = [x for x in cfg.ladder if x * serial_peak < peak - 1e-9]
+    down = sorted((x for x in rungs if x <= cfg.ladder_first), reverse=True)
+    up = sorted(x for x in rungs if x > cfg.ladder_first)
+    if not down:
+        down, up = up[:1], up[1:]
+    queue, used, found, carry, k = down, 0, None, [], 0
+    while queue:
+        rung = queue.pop(0)
+        k += 1
+        cap = rung * serial_peak
+        last = not queue and (found is not None or not up)
+        share = iters - used if last else int(RUNG_SHARE * (iters - used))
+        fits = [(x.makespan, x.orders, x.name) for x in pool if x.peak <= cap + 1e-9][:1]
+        fits += [x for x in carry if max(stage_peak_memory(pb, x[1])) <= cap + 1e-9]
+        if not fits or share <= 0:
             break
-        acfg = replace(cfg.anneal, iters=iters, mem_cap=cap)
-        orders, st = anneal_makespan(pb, fits[0].orders, acfg, seed=cfg.seed + 15485863 * (k + 1),
-                                     target=makespan)
-        iters -= st.proposals
+        _, start, start_name = min(fits, key=lambda x: x[0])
+        acfg = replace(cfg.anneal, iters=share, mem_cap=cap)
+        orders, st = anneal_makespan(pb, start, acfg, seed=cfg.seed + 15485863 * k, target=limit)
+        used += st.proposals
         stats.add(st)
-        if simulate(pb, orders).makespan > makespan * (1 + 1e-9):
+        ms = simulate(pb, orders).makespan
+        result = (ms, orders, f"{start_name} within cap {rung:g}x")
+        carry = [result]
+        if ms <= limit * (1 + 1e-12):
+            found = result
+        elif found is not None:
             break
-        best, name = orders, f"{fits[0].name} within cap {cap / serial_peak:g}x"
-    return best, name
+        else:  # no rung has reached the limit yet: continue upwards
+            queue, up = up, []
+    if found is None:
+        return best, name, used
+    return found[1], found[2], used
 
 
 def world_comm():
@@ -243,16 +316,20 @@ def world_comm():
 
 
 def search_mpi(pb: Problem, cfg: SearchConfig = SearchConfig(), comm=None) -> SearchResult:
-    """One search per MPI rank (seed + rank); every rank returns the best.
-    Without mpi4py this is :func:`search`."""
+    """One search per MPI rank (seed + rank); every rank returns the best: the
+    least peak memory among the results within :func:`makespan_limit` of the
+    best makespan any rank found (else the smallest makespan), then the
+    smallest makespan, then the lowest rank.  Without mpi4py this is
+    :func:`search`."""
     comm = comm if comm is not None else world_comm()
     if comm is None:
         return search(pb, cfg)
     rank = comm.Get_rank()
     res = search(pb, replace(cfg, seed=cfg.seed + rank))
-    key = (res.makespan, max(res.peak_mem), rank)
-    keys = comm.allgather(key)
-    winner = min(keys)[2]
+    keys = comm.allgather((res.makespan, max(res.peak_mem), rank, res.best_makespan))
+    limit = makespan_limit(min(k[3] for k in keys), res.lower_bound, cfg.makespan_slack)
+    within = [(peak, ms, r) for ms, peak, r, _ in keys if ms <= limit * (1 + 1e-12)]
+    winner = min(within)[2] if within else min(keys)[2]
     best = comm.bcast(res if rank == winner else None, root=winner)
     best.evaluations = sum(comm.allgather(res.evaluations))
     best.anneal_seconds = sum(comm.allgather(res.anneal_seconds))  # rate per process

@@ -82,7 +82,9 @@ def simulate_from(pb: Problem, orders, base_end: list, base_start_of, cut: float
 def _walk(pb: Problem, orders, end: list, ptr: list, free: list) -> SimResult:
     arr = pb.arrays
     pred, lag, dur = arr.pred, arr.lag, arr.dur
-    waiter = {}
+    # waker[p] = the stage waiting for p to finish (only the stage of p's chain
+    # successor can), -1 if none; a list, not a dict: this is the inner loop
+    waker = [-1] * len(end)
     todo = list(range(len(orders)))
     while todo:
         s = todo.pop()
@@ -94,7 +96,7 @@ def _walk(pb: Problem, orders, end: list, ptr: list, free: list) -> SimResult:
             if p >= 0:
                 e = end[p]
                 if e < 0.0:
-                    waiter[p] = s
+                    waker[p] = s
                     break
                 e += lag[v]
                 if e > t:
@@ -102,14 +104,38 @@ def _walk(pb: Problem, orders, end: list, ptr: list, free: list) -> SimResult:
             t += dur[v]
             end[v] = t
             k += 1
-            if waiter:
-                w = waiter.pop(v, None)
-                if w is not None:
-                    todo.append(w)
+            w = waker[v]
+            if w >= 0:
+                todo.append(w)
         ptr[s], free[s] = k, t
     stuck = tuple((s, ptr[s], pred[orders[s][ptr[s]]])
                   for s in range(len(orders)) if ptr[s] < len(orders[s]))
     return SimResult(end, INF if stuck else max(free), stuck)
+
+
+def latest_ends(pb: Problem, orders, res: SimResult) -> list:
+    """Latest end time of every subtask that keeps the per-stage ``orders`` (of
+    which ``res`` is the simulation) within ``res.makespan``: the as-late-as-
+    possible schedule, a backward pass over stage and chain successors."""
+    arr = pb.arrays
+    nxt = [-1] * pb.num_nodes
+    for order in orders:
+        for a, b in zip(order, order[1:]):
+            nxt[a] = b
+    late = [res.makespan] * pb.num_nodes
+    start = [0.0] * pb.num_nodes
+    n = pb.num_nodes
+    # a successor ends after its predecessor, so decreasing (early) end times is a reverse topological order
+    for v in sorted(range(n), key=lambda x: -res.end[x]):
+        t = late[v]
+        w = nxt[v]
+        if w >= 0 and start[w] < t:
+            t = start[w]
+        c = v + 1
+        if c < n and arr.pred[c] == v and start[c] - arr.lag[c] < t:
+            t = start[c] - arr.lag[c]
+        late[v], start[v] = t, t - arr.dur[v]
+    return late
 
 
 def order_peak(order, mem: list) -> float:

@@ -1,0 +1,113 @@
+"""What a launch of ``pretrain_rlhf.py`` will run, told before anything starts: the ``--dry-run`` check.
+
+``pretrain_rlhf.py --dry-run --world-size N [flags]`` runs every check the
+job makes before it builds a model (the flags, the placement on N ranks
+against the models' shapes and the batch sizes, the fused schedule against
+the training placements: ``JobConfig.build_placement``) and describes the
+result: each model's size, each task's ranks and layout. It starts no
+process, opens no process group and builds no model: shapes come from
+presets, JSON files or the config files of model directories, parameters are
+counted from the shapes. Not checked here (the job checks them at start-up,
+before any model is built): the tokenizer, the prompt file's records, the
+reward function's import and a ``--load`` root's checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlhf.checkpoint.hf import hf_shapes, hf_sources
+from rlhf.config import JobConfig
+from rlhf.models.config import ModelConfig
+from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
+
+
+def stage_parameter_counts(cfg: ModelConfig, kind: str, pp: int) -> list[int]:
+    """Parameters of each of the ``pp`` pipeline stages of a model of ``kind`` ("lm": an output layer of
+    [vocab, hidden]; "value": a value head of [1, hidden]) with layers split evenly, the embedding on the
+    first stage and the final norm and head on the last; counted from the HF tensors the model converts
+    from (rlhf/checkpoint/hf.py), with untied embeddings as our models keep them."""
+    shapes = hf_shapes(cfg)
+    per_stage = cfg.num_layers // pp
+    counts = [0] * pp
+    for name, sources in hf_sources(cfg, "lm_head" if kind == "lm" else "score").items():
+        if name.startswith("decoder.layers."):
+            stage = int(name.split(".")[2]) // per_stage
+        else:
+            stage = 0 if name.startswith("embedding.") else pp - 1
+        counts[stage] += sum(math.prod(shapes[source]) for source in sources)
+    return counts
+
+
+def parameter_count(cfg: ModelConfig, kind: str) -> int:
+    """Parameters of a whole model of ``kind`` ("lm" or "value"; see :func:`stage_parameter_counts`)."""
+    return sum(stage_parameter_counts(cfg, kind, 1))
+
+
+def short_count(count: float) -> str:
+    """``6738415616`` -> ``6.74B``; ``M`` below a billion, ``K`` below a million."""
+    for scale, unit in ((1e9, "B"), (1e6, "M")):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return f"{count / 1e3:.1f}K"
+
+
+def describe_placement(placement) -> list[str]:
+    """One line per placed task: its ranks, ``dp x pp x tp`` and a reversed pipeline."""
+    lines = []
+    for task, mesh in placement.meshes.items():
+        reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
+        lines.append(f"  {task:13s} ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
+    return lines
+
+
+def dry_run(config: JobConfig, world_size: int) -> str:
+    """Check ``config`` on ``world_size`` ranks as the job does before building models, and describe the
+    launch (raises the job's PlacementError / ConfigError on bad input; builds nothing)."""
+    placement = config.build_placement(world_size)
+    needed = config.needed_tasks()
+    lines = [f"dry run: {world_size} ranks; the flags, the placement, the model shapes and the fused schedule "
+             "are valid (no process started, no model built)", "models (parameters, untied embeddings):"]
+    for model in MODELS:
+        cfg, kind = config.models[model], MODEL_KIND[model]
+        used = any(TASK_MODEL[t] == model for t in needed)
+        source = config.models.weights.get(model)
+        lines.append(f"  {model:10s} {short_count(parameter_count(cfg, kind)):>8s} {kind:5s} {cfg.num_layers} layers, "
+                     f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.num_attention_heads} heads "
+                     f"({cfg.num_kv_heads} KV), vocab {cfg.vocab_size}, context {cfg.max_seq_len}"
+                     + (f"; from {source}" if source else "") + ("" if used else "; not used by this job"))
+    lines.append("tasks (parameters per rank: the largest pipeline stage / tp):")
+    trained = set(config.trained_tasks().values())
+    for task, line in zip(placement.meshes, describe_placement(placement)):
+        mesh, model = placement[task], TASK_MODEL[task]
+        stages = stage_parameter_counts(config.models[model], MODEL_KIND[model], mesh.strategy.pp)
+        line += f"; {short_count(max(stages) / mesh.strategy.tp)}/rank"
+        if task in trained:
+            line += f"; {config.microbatches(placement, task)} micro-batches per mini-batch and DP replica"
+        lines.append(line + ("" if task in needed else "; placed, not run by this job"))
+    lines += [_describe_batches(config), _describe_training(config, placement)]
+    return "\n".join(lines)
+
+
+def _describe_batches(config: JobConfig) -> str:
+    ppo, gen = config.ppo, config.generation
+    return (f"PPO: {ppo.rollout_batch_size} prompts x {ppo.n_samples_per_prompt} samples = {ppo.rollout_samples} "
+            f"samples per iteration ({gen.max_prompt_len} + {gen.max_response_len} tokens at most), "
+            f"{ppo.minibatches} mini-batches of {ppo.ppo_mini_batch_size} x {ppo.ppo_epochs} epoch(s), "
+            f"micro-batches of {ppo.micro_batch_size}; {config.run.iterations} iterations")
+
+
+def _describe_training(config: JobConfig, placement) -> str:
+    if not config.fusion.intra_stage_fusion:
+        return "training: actor and critic one after the other, serial 1F1B each (no --intra-stage-fusion)"
+    schedule = config.fused_schedule(placement)
+    if schedule is None:
+        return ("training: fused (--intra-stage-fusion) without a schedule file: the first iteration runs serial "
+                "1F1B, measures every stage and searches a fused schedule for it")
+    shape = ", ".join(f"{m.name} pp{m.pp} x{m.pipelines} pipeline(s) of {m.microbatches} micro-batches {m.direction}"
+                      for m in schedule.problem.models)
+    metrics = schedule.metrics
+    speed = (f"; searched makespan {metrics['serial_1f1b'] / metrics['makespan']:.2f}x faster than serial 1F1B"
+             if metrics.get("makespan") and metrics.get("serial_1f1b") else "")
+    return f"training: fused schedule {config.fusion.schedule} ({shape}{speed})"
+

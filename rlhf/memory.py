@@ -1,0 +1,138 @@
+"""Where model weights and the KV cache live between the stages of an iteration.
+
+RLHFuse (section 6) and HybridFlow (zero redundancy) free what a stage does
+not use: this module owns the two reversible moves the trainer makes, and
+the byte count that shows them (docs/training.md, "Memory between stages").
+
+* :class:`StorageRelease` frees the storage behind some tensors *in place*
+  (each storage resized to 0 bytes) and gives it back, zero-filled, before
+  the next use. The tensor objects, their shapes and every reference to them
+  stay valid: the engine's decoder holds actor_gen's weights and its KV cache
+  by reference, and sees them again once resharding has refilled the weights.
+* :class:`ModuleOffloader` keeps a module's parameters and buffers in host
+  memory (pinned where an accelerator exists, :func:`rlhf.platform.pin`) and
+  puts a copy on the compute device only while the module runs. The host copy
+  stays the original and the device copy is dropped, copied back only when
+  asked (after loading a checkpoint into it): for frozen modules (the
+  reference and reward models). On a CPU-only host the
+  compute device is the CPU and the copy is still made, so the round trip is
+  the same code on every host.
+
+:func:`storage_bytes` counts bytes per device, each storage once (views and
+megatron's contiguous parameter buffers share one).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Optional
+
+import torch
+
+from rlhf import platform
+
+
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A module's parameters, then its buffers (a fixed order: the offloader pairs them with host copies)."""
+    return list(module.parameters()) + list(module.buffers())
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[torch.device, int]:
+    """{device: bytes} of the storages behind ``tensors``, each storage counted once (a released one is 0)."""
+    seen, out = set(), {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            out[t.device] = out.get(t.device, 0) + storage.nbytes()
+    return out
+
+
+class StorageRelease:
+    """Frees and restores the storages behind ``tensors`` in place (FSDP's resize trick).
+
+    While released, the tensors keep their shapes but hold no memory; reading
+    one is an error. :meth:`restore` gives every storage its size back,
+    zero-filled (never uninitialised memory: the KV cache's masked attention
+    would turn stray NaN bits into NaN outputs), for the owner to refill.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor]):
+        storages = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            storages.setdefault(storage._cdata, (storage, storage.nbytes()))
+        self._storages = list(storages.values())
+        self.released = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensors hold when restored."""
+        return sum(n for _, n in self._storages)
+
+    def release(self) -> None:
+        """Free every storage (idempotent)."""
+        for storage, _ in self._storages:
+            storage.resize_(0)
+        self.released = True
+
+    def restore(self) -> None:
+        """Reallocate every storage at its former size, zero-filled (no-op unless released)."""
+        if not self.released:
+            return
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+            storage.fill_(0)
+        self.released = False
+
+
+class ModuleOffloader:
+    """A frozen module's weights in host memory, on ``device`` only inside :meth:`on_device`.
+
+    Built around a module wherever its weights are, it moves them to the host
+    at once. ``device`` defaults to :func:`rlhf.platform.device`.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: Optional[torch.device] = None):
+        self.module = module
+        self.device = torch.device(device) if device is not None else platform.device()
+        self._host: Optional[list[torch.Tensor]] = None  # the originals while a device copy is in use
+        for t in module_tensors(module):
+            t.data = platform.pin(t.data.to("cpu"))
+
+    @property
+    def on_host(self) -> bool:
+        return self._host is None
+
+    def load(self) -> None:
+        """Point every parameter and buffer at a fresh copy on the device (asynchronous from pinned memory)."""
+        if not self.on_host:
+            return
+        tensors = module_tensors(self.module)
+        self._host = [t.data for t in tensors]
+        for t in tensors:
+            t.data = t.data.to(self.device, copy=True, non_blocking=True)
+
+    def offload(self, write_back: bool = False) -> None:
+        """Point them back at the host originals, into which ``write_back`` first copies the device values
+        (else changes made on the device are lost); the device copies are dropped (freed once unreferenced)."""
+        if self.on_host:
+            return
+        for t, host in zip(module_tensors(self.module), self._host):
+            if write_back:
+                host.copy_(t.data)
+            t.data = host
+        self._host = None
+
+    @contextmanager
+    def on_device(self, write_back: bool = False):
+        """The module on the device for the body, back on the host after it (also when it raises)."""
+        self.load()
+        try:
+            yield self.module
+        finally:
+            self.offload(write_back)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the module's device copies: 0 while offloaded (host memory is not counted)."""
+        return 0 if self.on_host else sum(storage_bytes(module_tensors(self.module)).values())

@@ -1,0 +1,73 @@
+"""Migration messages: exact round trip of the versioned layout, and refusal of cut, foreign-version or
+invalid messages with the sample named and kept by the sender (2 gloo ranks, one launch)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf.fusion.transport import MigrationFormatError, decode_sequence, encode_sequence
+from rlhf.testing.distributed import launch
+from scenario_fusion import SENT, other_version, plain, sample
+
+
+def assert_same(got: dict, want: dict):
+    assert got.keys() == want.keys()
+    for name, x in got.items():
+        y = want[name]
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            assert x is not None and y is not None and x.dtype == y.dtype and np.array_equal(x, y), name
+        else:
+            assert x == y, name
+
+
+def test_layout_round_trips_exactly():
+    state = sample(0, with_kv=True)
+    got, kv_spec = decode_sequence(encode_sequence(state))
+    assert kv_spec == ((2, 2, 5, 2, 4), torch.float32)
+    assert_same(plain(dataclasses.replace(got, kv=state.kv)), plain(state))
+    assert got.params.stop_token_ids == (2, 5) and got.logprobs == state.logprobs  # float64 on the wire: exact
+
+
+@pytest.mark.parametrize("keep, named", [(40, (None, None)), (130, (None, 1)), (-3, ("req-1", 1))])
+def test_a_cut_message_is_refused_naming_the_sample(keep, named):
+    data = encode_sequence(sample(1, with_kv=False))  # header 128 bytes, then the 5-byte request id
+    with pytest.raises(MigrationFormatError, match="truncated") as e:
+        decode_sequence(data[:keep])
+    assert (e.value.request_id, e.value.sample_index) == named
+    if keep == -3:
+        assert f"sample 1 of request 'req-1': {len(data) - 3} bytes, its header describes {len(data)}" in str(e.value)
+
+
+def test_another_version_or_no_magic_is_refused():
+    with pytest.raises(MigrationFormatError, match="is version 2; this build reads version 1") as e:
+        decode_sequence(other_version(sample(2, with_kv=False)))
+    assert e.value.sample_index == 2
+    with pytest.raises(MigrationFormatError, match="not a migration message"):
+        decode_sequence(b"\x80\x04" + bytes(200))  # e.g. a pickle
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(2, "scenario_fusion:run", timeout_s=300)
+
+
+def test_accepted_samples_arrive_exactly_with_and_without_kv(results):
+    good = [state for kind, state in SENT if kind == "ok"]
+    assert len(results[1]["received"]) == 2
+    for got, want in zip(results[1]["received"], good):
+        assert_same(got, plain(want))
+
+
+def test_refused_samples_are_named_by_the_receiver_and_kept_by_the_sender(results):
+    errors = results[1]["errors"]
+    assert [(rid, index) for rid, index, _ in errors] == [("req-1", 1), ("req-2", 2), ("req-4", 4)]
+    assert all(msg.startswith("from rank 0: ") for _, _, msg in errors)
+    assert "truncated" in errors[0][2] and "version 2" in errors[1][2] and "sampling params" in errors[2][2]
+    kept = results[0]["kept"]
+    assert kept[:2] == ["req-1", "req-2"]
+    assert kept[2] == "rank 1 refused sample 4 of 'req-4'; it stays with the sender"
+    # every sample sent is either received or still held by the sender: none lost, none duplicated
+    received = [s["request_id"] for s in results[1]["received"]]
+    assert sorted(received + kept[:2] + ["req-4"]) == [f"req-{i}" for i in range(5)]

