@@ -15,10 +15,12 @@ caller turns them into Actions.  They emit compute subtasks only.
   are the heads of fixed per-(stage, model) sequences; otherwise each model
   offers its next F (if fewer than ``limit`` micro-batches are in flight on
   that stage and the memory cap allows) and its next B.
-* :func:`backfill_schedule` - one model's 1F1B kept exactly as if alone,
+* :func:`backfill_schedule` - one model's 1F1B kept exactly as if alone (at
+  its earliest times, or *lazy*: its latest times that keep its makespan),
   the others placed into its idle gaps (conservative backfilling).
 * :func:`rule_schedule` - :func:`list_schedule` under a :class:`Rule`
-  (warm-up depth per model, model priority, B or F first).
+  (warm-up depth per model, model priority, B or F first; or *balanced*:
+  the model furthest behind in its own 1F1B sequence first).
 
 ``search.start_pool`` builds the annealer's starts from these.
 """

@@ -49,11 +49,13 @@ def gantt(pb: Problem, orders, path, title: str = "") -> None:
     plt.close(fig)
 
 
-def tradeoff(points, path, title: str = "", paper=None, bound: float | None = None) -> None:
+def tradeoff(points, path, title: str = "", paper=None, bound: float | None = None,
+             default=None) -> None:
     """Write a PNG of the speed/memory trade-off: ``points`` are (peak
     activation memory x serial 1F1B, speedup over serial 1F1B, label) of
-    searches under memory caps; ``paper`` an optional (memory, speedup,
-    label) reference point; ``bound`` the lower bound's speedup (dashed)."""
+    searches under memory caps; ``paper`` and ``default`` optional
+    (memory, speedup, label) points (the paper's, the default search's);
+    ``bound`` the lower bound's speedup (dashed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -63,8 +65,9 @@ def tradeoff(points, path, title: str = "", paper=None, bound: float | None = No
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLOURS[0][1], label="annealed (ours)")
     for x, y, label in pts:
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
-    if paper is not None:
-        ax.plot([paper[0]], [paper[1]], "s", color=COLOURS[1][1], label=paper[2])
+    for extra, marker, colour in ((paper, "s", COLOURS[1][1]), (default, "D", COLOURS[2][1])):
+        if extra is not None:
+            ax.plot([extra[0]], [extra[1]], marker, color=colour, label=extra[2])
     if bound is not None:
         ax.axhline(bound, linestyle="--", color="grey", linewidth=0.8, label="lower bound")
     ax.set_xlabel("peak activation memory (x serial 1F1B)")
