@@ -199,3 +199,17 @@ def test_mpi_bad_input_prints_once_and_every_rank_exits_2(tmp_path):
                         "nominal seconds\n")
     r = run(["--problem", str(path), "--budget", "abc"], mpi=2)  # argparse's own error, also on rank 0 only
     assert r.returncode == 2 and r.stderr.count("invalid float value: 'abc'") == 1
+
+
+def test_makespan_slack_flag_bounds_the_memory_phase(tmp_path, refusal):
+    pb, path = problem_file(tmp_path)
+    out = tmp_path / "s.json"
+    r = run(["--problem", str(path), "--budget", "0.2", "--memory-budget", "0.2", "--makespan-slack", "0",
+             "--out", str(out)])
+    assert r.returncode == 0, r.stderr
+    metrics = load_schedule(out).metrics
+    # no slack: the fastest makespan found is kept, only its memory may fall
+    assert metrics["makespan"] == pytest.approx(metrics["best_makespan"])
+    assert max(metrics["peak_act_mem"]) <= metrics["best_peak_act_mem"] + 1e-9
+    assert refusal(["--problem", str(path), "--makespan-slack", "-0.1"]) == (
+        "--makespan-slack: -0.1 is out of range; give a number in [0, 1]")

@@ -63,8 +63,9 @@ def tradeoff(points, path, title: str = "", paper=None, bound: float | None = No
     pts = sorted(points)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=COLOURS[0][1], label="annealed (ours)")
-    for x, y, label in pts:
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -10), fontsize=8)
+    for k, (x, y, label) in enumerate(pts):  # labels alternate below / above to keep neighbours apart
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -11 if k % 2 == 0 else 5),
+                    fontsize=8)
     for extra, marker, colour in ((paper, "s", COLOURS[1][1]), (default, "D", COLOURS[2][1])):
         if extra is not None:
             ax.plot([extra[0]], [extra[1]], marker, color=colour, label=extra[2])

@@ -107,7 +107,7 @@ class SearchResult:
     evaluations: int = 0
     anneal_seconds: float = 0.0
     seconds: float = 0.0
-    best_makespan: float = 0.0
+    best_makespan: float = 0.0  # the makespan phase's result, before the memory phase
     best_peak: float = 0.0
 
     @property
@@ -129,6 +129,7 @@ class SearchResult:
                 "serial_1f1b": self.serial_makespan, "greedy": self.greedy_makespan,
                 "peak_act_mem": self.peak_mem, "serial_peak_act_mem": self.serial_peak_mem,
                 "greedy_peak_act_mem": self.greedy_peak_mem, "start": self.start_name,
+                "best_makespan": self.best_makespan, "best_peak_act_mem": self.best_peak,
                 "seed": self.seed, "evaluations": self.evaluations,
                 "evals_per_second": self.evals_per_second}
 
