@@ -10,7 +10,7 @@ is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 import sys
 
 from rlhf.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
-from rlhf.cli import UsageError, run_program, usage_errors
+from rlhf.cli import built_and_resumed, run_program, usage_errors
 from rlhf.launch import describe_placement, dry_run
 
 PROGRAM = "pretrain_rlhf.py"
@@ -36,8 +36,6 @@ def run(config) -> None:
     """Place the tasks, build the trainer (and resume it), train; bad input raises UsageError."""
     import torch.distributed as dist
 
-    from rlhf.checkpoint import CheckpointError, resolve_checkpoint
-
     world = dist.get_world_size()
     with usage_errors(flag_of):
         placement = config.build_placement(world)
@@ -47,14 +45,8 @@ def run(config) -> None:
     from rlhf.job import build_trainer
 
     with usage_errors(flag_of):
-        try:
-            if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
-                resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
-            trainer = build_trainer(config, placement)
-            if config.checkpoint.load:
-                trainer.load(config.checkpoint.load)
-        except CheckpointError as exc:
-            raise UsageError(f"--load {config.checkpoint.load}: {exc}") from None
+        load = config.checkpoint.load
+        trainer = built_and_resumed(load, lambda: build_trainer(config, placement), lambda t: t.load(load))
         trainer.train()  # a reward function failing on a batch raises a ConfigError on every rank
 
 

@@ -10,7 +10,7 @@ is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 
 import sys
 
-from rlhf.cli import UsageError, run_program, usage_errors
+from rlhf.cli import built_and_resumed, run_program, usage_errors
 from rlhf.reward_arguments import parse_args, reward_flag_of
 
 PROGRAM = "train_reward.py"
@@ -24,7 +24,6 @@ def run(config) -> None:
     """Place the reward model, build the trainer (and resume it), train, export; bad input raises UsageError."""
     import torch.distributed as dist
 
-    from rlhf.checkpoint import CheckpointError, resolve_checkpoint
     from rlhf.reward_config import TASK
 
     world = dist.get_world_size()
@@ -37,14 +36,9 @@ def run(config) -> None:
     from rlhf.reward_job import build_reward_trainer, export_reward_model, save_tokenizer
 
     with usage_errors(reward_flag_of):
-        try:
-            if config.checkpoint.load:  # refuse a root with no complete checkpoint before building anything
-                resolve_checkpoint(config.checkpoint.load, group=dist.group.WORLD)
-            trainer, tokenizer = build_reward_trainer(config, placement)
-            if config.checkpoint.load:
-                trainer.load(config.checkpoint.load)
-        except CheckpointError as exc:
-            raise UsageError(f"--load {config.checkpoint.load}: {exc}") from None
+        load = config.checkpoint.load
+        trainer, tokenizer = built_and_resumed(load, lambda: build_reward_trainer(config, placement),
+                                               lambda built: built[0].load(load))
     save_tokenizer(config, tokenizer)
     trainer.train()
     if config.checkpoint.save:

@@ -102,6 +102,24 @@ def check_out_path(flag: str, path) -> None:
             os.remove(path)
 
 
+def built_and_resumed(load: str | None, build, resume):
+    """``build()`` a trainer, then ``resume(built)`` from checkpoint root ``load`` (``--load``) when given.
+    A root without a complete checkpoint is refused (UsageError) before anything is built; collective."""
+    import torch.distributed as dist
+
+    from rlhf.checkpoint import CheckpointError, resolve_checkpoint
+
+    try:
+        if load:
+            resolve_checkpoint(load, group=dist.group.WORLD)
+        built = build()
+        if load:
+            resume(built)
+    except CheckpointError as exc:
+        raise UsageError(f"--load {load}: {exc}") from None
+    return built
+
+
 def run_program(program: str, parse, run, argv=None) -> int:
     """An entry point's life: ``parse(argv)`` into a config (its output and errors on the first rank
     only; None means the work is done without a process group, as a dry run), then the process
