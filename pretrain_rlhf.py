@@ -7,10 +7,8 @@ Bad input (a flag, the placement, a file the flags name, a checkpoint root)
 is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 """
 
-import sys
-
 from rlhf.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
-from rlhf.cli import built_and_resumed, run_program, usage_errors
+from rlhf.cli import built_and_resumed, exit_process, run_program, usage_errors
 from rlhf.launch import describe_placement, dry_run
 
 PROGRAM = "pretrain_rlhf.py"
@@ -51,4 +49,4 @@ def run(config) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -8,9 +8,7 @@ Bad input (a flag, the placement, a file the flags name, a checkpoint root)
 is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 """
 
-import sys
-
-from rlhf.cli import built_and_resumed, run_program, usage_errors
+from rlhf.cli import built_and_resumed, exit_process, run_program, usage_errors
 from rlhf.reward_arguments import parse_args, reward_flag_of
 
 PROGRAM = "train_reward.py"
@@ -48,4 +46,4 @@ def run(config) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -18,6 +18,7 @@ import io
 import math
 import os
 import sys
+from typing import NoReturn
 
 from rlhf.checks import finite_float
 
@@ -143,6 +144,22 @@ def run_program(program: str, parse, run, argv=None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def exit_process(status: int) -> NoReturn:
+    """End a distributed entry point with ``status``, skipping the interpreter's finalization.
+
+    A gloo worker thread can still be freeing the last collective's work after
+    the program returns; those tensors were made in Python, so it needs the
+    GIL, and during finalization a thread that asks for the GIL is stopped:
+    the C++ runtime then aborts the process ("terminate called without an
+    active exception", exit -6) although every result is written. Everything
+    the program opened is closed by then, so the streams are flushed and the
+    process ends at once.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 @contextlib.contextmanager
