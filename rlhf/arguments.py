@@ -27,6 +27,11 @@ def _optional_float(text: str):
     return None if text.lower() in ("none", "off") else float(text)
 
 
+def _fraction_or_auto(text: str):
+    """'auto' -> None (chosen at run time), else a float."""
+    return None if text.lower() == "auto" else float(text)
+
+
 def _auto_switch(text: str):
     """'auto' -> None (the platform decides), 'on' -> True, 'off' -> False."""
     choices = {"auto": None, "on": True, "off": False}
@@ -47,6 +52,9 @@ SECTIONS = {
         ("temperature", float, "sampling temperature (0: greedy)"),
         ("top_p", float, "nucleus sampling mass (1: off)"),
         ("top_k", int, "sample among the k most likely tokens (0: all)"),
+        ("long_tail_median", int, "the long-tailed measurement workload (0: off): each sample's response "
+                                  "length is drawn from a lognormal with this median in tokens (p99.9 about 12x "
+                                  "it), capped at --max-response-len, and EOS is ignored (docs/fusion.md)"),
     ]),
     "ppo": (PPOConfig, "PPO", [
         ("rollout_batch_size", int, "prompts per iteration"),
@@ -96,6 +104,17 @@ SECTIONS = {
                           "serial 1F1B, measures every stage's forward and backward time and a fused schedule "
                           "is searched for them"),
         ("search_budget", float, "nominal seconds of that search's annealing (a fixed proposal count)"),
+        ("inter_stage_fusion", bool, "migrate generation's long tail to a few instances once few samples are "
+                                     "left, and infer the finished samples (reference, reward, critic) on the "
+                                     "freed ranks while those generate (needs actor_gen dp >= 2; docs/fusion.md)"),
+        ("migration_threshold", _fraction_or_auto, "migrate when the unfinished samples are at most this fraction "
+                                                   "of the batch (0: never; 1: at the first count); auto: 0.2 "
+                                                   "in the first iteration, then the fusion policy's simulated "
+                                                   "best for the lengths and times measured so far"),
+        ("migrate_kv", str, "move a migrated sample with its K/V (yes), as tokens that the destination "
+                            "prefills again (no), or the cheaper of the two as measured (auto)"),
+        ("migration_check_every", int, "engine steps between the instances' counts of unfinished samples "
+                                       "(one small all-gather each)"),
     ]),
     "checkpoint": (CheckpointConfig, "checkpointing", [
         ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest)"),

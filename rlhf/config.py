@@ -106,17 +106,25 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """Rollout generation: prompt and response budgets (tokens) and sampling."""
+    """Rollout generation: prompt and response budgets (tokens) and sampling.
+
+    ``long_tail_median`` > 0 declares the long-tailed measurement workload
+    (docs/fusion.md): each sample's response length is drawn from a lognormal
+    with this median (p99.9 about 12x it), capped at ``max_response_len``,
+    and EOS is ignored, so samples end at their drawn length."""
 
     max_prompt_len: int = 16
     max_response_len: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    long_tail_median: int = 0
 
     def __post_init__(self):
         check_field_types("generation", self)
         check_positive_ints("generation", self, ("max_prompt_len", "max_response_len"))
+        _check_range("generation", "long_tail_median", self.long_tail_median, 0, self.max_response_len,
+                     "in [0, max_response_len] (0: off)")
         _check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
         _check_range("generation", "top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
         _check_range("generation", "top_k", self.top_k, 0, float("inf"), ">= 0 (0 disables)")
@@ -430,16 +438,30 @@ def _check_path(value: str, name: str, kind: str) -> None:
         raise ConfigError(f"{name}={value!r} is an existing {other}; give a {kind} path", f"logging.{name}")
 
 
+MIGRATE_KV = ("yes", "no", "auto")
+"""How migrated samples travel: with their K/V, as tokens to re-prefill, or the cheaper one as measured."""
+
+
 @dataclass(frozen=True)
 class FusionConfig:
     """Intra-stage fusion: actor and critic training run as one fused pipeline schedule instead of one
     serial 1F1B schedule each: the ``schedule`` file (tools/search_schedule.py), or without one a
     schedule searched after the first iteration from its measured stage times (``search_budget``
-    nominal seconds of annealing, rlhf/schedule/search.py)."""
+    nominal seconds of annealing, rlhf/schedule/search.py).
+
+    Inter-stage fusion (docs/fusion.md): once the batch's unfinished samples fall to
+    ``migration_threshold`` (a fraction; None: auto, chosen by rlhf.fusion.policy from the lengths
+    and times measured so far), they migrate to a few generation instances (``migrate_kv``) and the
+    freed ranks infer the finished samples while the rest generate. Instances count their
+    unfinished samples every ``migration_check_every`` engine steps."""
 
     intra_stage_fusion: bool = False
     schedule: str | None = None
     search_budget: float = 10.0
+    inter_stage_fusion: bool = False
+    migration_threshold: float | None = None
+    migrate_kv: str = "auto"
+    migration_check_every: int = 4
 
     def __post_init__(self):
         check_field_types("fusion", self)
@@ -449,6 +471,16 @@ class FusionConfig:
         if self.schedule is not None and not self.intra_stage_fusion:
             raise ConfigError("a schedule is run only with intra_stage_fusion; turn it on or drop the schedule",
                               "fusion.schedule")
+        if self.migration_threshold is not None:
+            _check_range("fusion", "migration_threshold", self.migration_threshold, 0.0, 1.0,
+                         "a fraction of the batch in [0, 1] (0 never migrates), or auto")
+            if not self.inter_stage_fusion:
+                raise ConfigError("a migration threshold is used only with inter_stage_fusion; turn it on or drop "
+                                  "the threshold", "fusion.migration_threshold")
+        if self.migrate_kv not in MIGRATE_KV:
+            raise ConfigError(f"migrate_kv {self.migrate_kv!r} is not one of {', '.join(MIGRATE_KV)}",
+                              "fusion.migrate_kv")
+        check_positive_ints("fusion", self, ("migration_check_every",))
 
 
 SAVE_FORMATS = ("ours", "torch_dist")
@@ -617,6 +649,10 @@ class JobConfig:
                                   "whole micro-batches)", "ppo.ppo_mini_batch_size")
         if self.fusion.intra_stage_fusion:
             self.fused_schedule(placement)
+        if self.fusion.inter_stage_fusion and placement["actor_gen"].strategy.dp < 2:
+            raise ConfigError(f"inter-stage fusion migrates samples between generation instances, but actor_gen "
+                              f"has dp {placement['actor_gen'].strategy.dp}; place actor_gen with dp >= 2",
+                              "fusion.inter_stage_fusion")
 
     def fused_schedule(self, placement):
         """The fused schedule file checked against the training placements and micro-batch counts

@@ -20,6 +20,7 @@ import contextlib
 import math
 import numbers
 import os
+import random
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -35,6 +36,8 @@ from rlhf.checkpoint.megatron import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.config import ConfigError, JobConfig
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+from rlhf.fusion.inter_stage import InterStageFusion
+from rlhf.fusion.policy import long_tailed_lengths
 from rlhf.memory import ModuleOffloader, StorageRelease, module_tensors, storage_bytes
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
@@ -113,6 +116,9 @@ class Trainer:
         self.stage_times = StageTimes() if config.fusion.intra_stage_fusion and self.fused is None else None
         self._training_steps = []  # this iteration's executor timelines
         self.engine = self._build_engine()
+        self.inter_stage = (InterStageFusion(config, placement, self._inference_tasks(), EngineConfig().max_num_seqs)
+                            if config.fusion.inter_stage_fusion else None)
+        self._fused, self._early = None, None  # this iteration's fused generation and early inference
         self.kl = make_kl_controller(config.ppo.kl_config)
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
         self.iteration = 0
@@ -210,7 +216,14 @@ class Trainer:
         local.update(self._batch_metrics(batch))
         local.update(self.timer.metrics())
         local.update(self._memory_metrics())
+        if self.inter_stage is not None:
+            g = self.groups["actor_gen"]
+            local.update(self.inter_stage.metrics(self._fused, None if g is None else g.tp_rank))
         metrics = with_rates(reduce_metrics(local))
+        if self.inter_stage is not None:
+            self.inter_stage.observe(batch.response_lengths.tolist(), metrics,
+                                     self.placement["actor_gen"].strategy.dp)
+            self._fused = None
         if self.timer.timeline is not None:
             write_trace(self.config.logging.trace_file, self.timer.timeline)
         return IterationResult(batch, metrics)
@@ -231,27 +244,49 @@ class Trainer:
         Prompt ``i`` goes to replica ``i % dp``; every TP rank of a replica runs
         the same engine on the same requests, and its TP rank 0 contributes them.
         """
-        gen = self.config.generation
-        n = self.config.ppo.n_samples_per_prompt
         g = self.groups["actor_gen"]
         mine = []
         if self.generation_memory is not None and self.generation_memory.released:  # the same on every rank
             raise RuntimeError("actor_gen's weights and KV cache were released after the last generation "
                                "(memory.release_generation_memory); call sync_generation_weights() first")
+        fused = None
+        if self.inter_stage is not None:
+            self.inter_stage.start_iteration()
         if g is not None:
             dp = g.mesh.strategy.dp
-            requests = [Request(str(i), tuple(p.token_ids), SamplingParams(
-                max_new_tokens=gen.max_response_len, temperature=gen.temperature, top_p=gen.top_p,
-                top_k=gen.top_k, seed=self._sample_seed(i), stop_token_ids=(self.tokenizer.eos_id,), n=n))
-                for i, p in enumerate(prompt_batch.prompts) if i % dp == g.coord.dp]
-            results = self.engine.generate(requests)
+            requests = [Request(str(i), tuple(p.token_ids), self._sampling_params(i))
+                        for i, p in enumerate(prompt_batch.prompts) if i % dp == g.coord.dp]
+            if self.inter_stage is not None:
+                fused = self.inter_stage.generate(self.engine, requests, g)
+                results = fused.samples
+            else:
+                results = self.engine.generate(requests)
             mine = results if g.tp_rank == 0 else []
         self._note_memory("generation")
         if self.generation_memory is not None:
             self.generation_memory.release()
-        samples = sorted(gather_to_all(mine), key=lambda s: (int(s.request_id), s.sample_index))
         ids = {str(i): i for i in range(len(prompt_batch.prompts))}
+        if self.inter_stage is None:
+            samples = gather_to_all(mine)
+        else:  # the freed ranks infer the samples finished at the migration while the rest generate
+            early = self.inter_stage.infer_early(fused, lambda part: Batch.from_samples(
+                part, self.tokenizer.pad_id, ids).to(platform.device()), self._infer_on_device)
+            samples, self._early = self.inter_stage.gather(mine, early, fused)
+            self._fused = fused
+        samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
         return Batch.from_samples(samples, self.tokenizer.pad_id, ids)
+
+    def _sampling_params(self, prompt_index: int) -> SamplingParams:
+        """Prompt ``prompt_index``'s sampling: the configured one, or the declared long-tailed workload
+        (``generation.long_tail_median``: a drawn length per sample, EOS ignored)."""
+        gen, n = self.config.generation, self.config.ppo.n_samples_per_prompt
+        seed = self._sample_seed(prompt_index)
+        common = dict(max_new_tokens=gen.max_response_len, temperature=gen.temperature, top_p=gen.top_p,
+                      top_k=gen.top_k, seed=seed, n=n)
+        if not gen.long_tail_median:
+            return SamplingParams(stop_token_ids=(self.tokenizer.eos_id,), **common)
+        lengths = long_tailed_lengths(n, random.Random(seed), median=gen.long_tail_median, cap=gen.max_response_len)
+        return SamplingParams(sample_max_new_tokens=tuple(lengths), **common)
 
     def _sample_seed(self, prompt_index: int) -> int:
         """Distinct per (run seed, iteration, prompt); the engine adds the sample index."""
@@ -262,21 +297,22 @@ class Trainer:
 
     def infer(self, batch: Batch) -> Batch:
         """ref_logprobs, scores, values (with a critic) and recomputed old_logprobs (if asked), on every rank."""
-        outputs = {}
-        for task, name in INFERENCE_FIELDS.items():
-            if task == "actor_train" and not self.config.ppo.recompute_logprobs:
-                continue
+        early, self._early = self._early, None
+        outputs = {} if early is None else {name: dict(rows) for name, rows in early.rows.items()}
+        for task, name in self._inference_tasks():
             if task in self.models:
-                with self._on_device(task):
-                    outputs[name] = self._infer_task(task, batch)
-                    self._note_memory("inference")
+                done = set() if early is None else early.done.get(task, set())
+                remaining = [i for i in range(len(batch)) if i not in done]
+                index = [remaining[k] for k in shares(len(remaining), self.groups[task].mesh.strategy.dp)[
+                    self.groups[task].coord.dp]]
+                outputs.setdefault(name, {}).update(self._infer_on_device(task, batch.select(index), index))
         self._note_memory("inference")
         merged = {}
         for part in gather_to_all([outputs]):
             for name, rows in part.items():
                 merged.setdefault(name, {}).update(rows)
-        fields = {name: torch.stack([rows[i] for i in range(len(batch))]).to(batch.tokens.device)
-                  for name, rows in merged.items()}
+        fields = {name: torch.stack([_response_width(rows[i], batch.response_width) for i in range(len(batch))])
+                  .to(batch.tokens.device) for name, rows in merged.items()}
         if not self.config.has_reward_model:
             fields["scores"] = self._function_scores(batch)
         return batch.with_fields(**fields)
@@ -299,15 +335,26 @@ class Trainer:
             raise ConfigError(box[0], "reward.reward_fn")
         return torch.tensor(box[0], dtype=torch.float32, device=batch.tokens.device)
 
-    def _infer_task(self, task: str, batch: Batch) -> dict:
-        """This rank's replica share of ``task``, micro-batched through its pipeline.
+    def _inference_tasks(self) -> list[tuple[str, str]]:
+        """[(task, the batch field it adds)] of this run's inference passes, in order."""
+        return [(task, name) for task, name in INFERENCE_FIELDS.items() if task in self.tasks
+                and (task != "actor_train" or self.config.ppo.recompute_logprobs)]
+
+    def _infer_on_device(self, task: str, part: Batch, index: list) -> dict:
+        """`_infer_rows` with ``task``'s model on the compute device (offloaded ones are loaded for it)."""
+        with self._on_device(task):
+            rows = self._infer_rows(task, part, index)
+            self._note_memory("inference")
+        return rows
+
+    def _infer_rows(self, task: str, part: Batch, index: list) -> dict:
+        """``task``'s outputs for the samples of ``part`` (this rank's replica runs them, micro-batched
+        through its pipeline), whose batch indices are ``index``.
 
         Returns {sample index: output row} on the last stage's TP rank 0, else {}; rows are
         host tensors, since they travel to every rank as pickled objects.
         """
         g, model = self.groups[task], self.models[task]
-        index = shares(len(batch), g.mesh.strategy.dp)[g.coord.dp]
-        part = batch.select(index)
         rows, done = {}, 0
         for mb in part.split(_count(len(part), self.config.ppo.micro_batch_size)):
             out = pipeline_forward(model, g, mb.tokens)
@@ -588,6 +635,12 @@ _INFERENCE_OUTPUT = {
     "actor_train": _response_logprobs,
 }
 """What each inference task's last stage returns per micro-batch: [b, R] or [b]."""
+
+
+def _response_width(row: torch.Tensor, width: int) -> torch.Tensor:
+    """A response-aligned row ([R'] for a sub-batch inferred early) zero-padded to the batch's ``width``;
+    a per-sample score ([]) as it is."""
+    return row if row.dim() == 0 else torch.nn.functional.pad(row, (0, width - row.shape[0]))
 
 
 def _count(n: int, size: int) -> int:

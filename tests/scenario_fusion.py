@@ -101,7 +101,7 @@ def _all_samples(results, groups) -> list:
 
 def runtime_run():
     from rlhf.engine import Engine, EngineConfig
-    from rlhf.fusion.runtime import FusionConfig, fused_generate
+    from rlhf.fusion.runtime import MigrationConfig, fused_generate
     from rlhf.models import ModelConfig
     from rlhf.models.gpt import build_model
     from rlhf.parallel import Placement
@@ -121,7 +121,7 @@ def runtime_run():
             return Engine(model, g, cfg, EngineConfig(num_blocks=512, block_size=4))
         runs = {"unfused": (_all_samples(engine().generate(mine), g), None)}
         for name, threshold, kv in RUNS:
-            fused = fused_generate(engine(), mine, g, FusionConfig(threshold, kv, CHECK_EVERY, b_sat=16))
+            fused = fused_generate(engine(), mine, g, MigrationConfig(threshold, kv, CHECK_EVERY, b_sat=16))
             stats = dataclasses.replace(fused, samples=[])
             runs[name] = (_all_samples(fused.samples, g), gather_to_all([stats]))
         out[label] = runs

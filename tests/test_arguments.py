@@ -8,7 +8,7 @@ import pytest
 
 from rlhf.arguments import build_parser, flag_of, parse_args
 from rlhf.cli import UsageError, usage_errors
-from rlhf.config import ConfigError, JobConfig, PlacementConfig, PPOConfig, RunConfig
+from rlhf.config import ConfigError, FusionConfig, JobConfig, PlacementConfig, PPOConfig, RunConfig
 from rlhf.models.config import preset
 from rlhf.parallel import Placement, PlacementError
 from rlhf.reward_arguments import reward_flag_of
@@ -74,6 +74,13 @@ def test_flags_fill_the_configs(tmp_path):
     (["--seed", str(2**28)], "--seed: seed=268435456 must be in [0, 268435455]"),
     (["--search-budget", "0"], "--search-budget: search_budget=0.0 must be a finite number of seconds > 0"),
     (["--schedule", "s.json"], "--schedule: a schedule is run only with intra_stage_fusion"),
+    (["--migration-threshold", "0.3"], "--migration-threshold: a migration threshold is used only with "
+                                        "inter_stage_fusion"),
+    (["--inter-stage-fusion", "--migration-threshold", "1.5"], "--migration-threshold: migration_threshold=1.5 "
+                                                               "must be a fraction of the batch in [0, 1]"),
+    (["--migrate-kv", "maybe"], "--migrate-kv: migrate_kv 'maybe' is not one of yes, no, auto"),
+    (["--migration-check-every", "0"], "--migration-check-every: migration_check_every must be an integer >= 1"),
+    (["--long-tail-median", "40"], "--long-tail-median: long_tail_median=40 must be in [0, max_response_len]"),
     (["--save-interval", "5"], "--save-interval: save_interval needs a checkpoint root to save to (save)"),
     (["--load", "/nonexistent/ckpt"], "--load: load='/nonexistent/ckpt' is not a directory"),
     (["--actor-train", "tp=x"], "--actor-train: cannot parse 'tp=x' in 'tp=x'"),
@@ -171,6 +178,15 @@ def test_fused_schedule_checked_against_the_placement(tmp_path):
                     "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "16",
                     "--micro-batch-size", "2"]).check_placement(fits)
 
+
+
+def test_inter_stage_fusion_needs_two_generation_instances():
+    cfg = JobConfig(fusion=FusionConfig(inter_stage_fusion=True, migration_threshold=None))
+    plan = {"actor_train": {"ranks": "0-1", "tp": 2}, "actor_gen": {"ranks": "0-1", "tp": 2}}
+    with pytest.raises(ConfigError, match="inter-stage fusion migrates samples between generation instances, but "
+                                          "actor_gen has dp 1; place actor_gen with dp >= 2"):
+        cfg.check_placement(Placement.from_plan(plan, 2))
+    cfg.check_placement(Placement.from_plan({"actor_train": {"ranks": "0-1", "tp": 2}}, 2))  # actor_gen dp 2
 
 
 def test_unplaced_tasks():

@@ -217,3 +217,14 @@ def test_configs_name_the_bad_field():
         EngineConfig(num_blocks=0)
     with pytest.raises(EngineConfigError, match="prompt"):
         Request("r", ())
+    with pytest.raises(EngineConfigError, match=r"sample_max_new_tokens=\(3,\) is invalid: must be empty or 2 \(n\)"):
+        SamplingParams(max_new_tokens=4, n=2, sample_max_new_tokens=(3,))
+    with pytest.raises(EngineConfigError, match="limits in \\[1, max_new_tokens\\]"):
+        SamplingParams(max_new_tokens=4, n=2, sample_max_new_tokens=(3, 5))
+
+
+def test_each_sample_stops_at_its_own_length_limit():
+    params = SamplingParams(max_new_tokens=6, n=3, sample_max_new_tokens=[2, 6, 1])
+    assert params.sample_max_new_tokens == (2, 6, 1)
+    assert [params.max_new_tokens_of(i) for i in range(3)] == [2, 6, 1]
+    assert SamplingParams(max_new_tokens=6, n=3).max_new_tokens_of(2) == 6

@@ -1,6 +1,7 @@
 """Inter-stage fusion policy (pure): simulator against hand-computed timelines and an independent
 step-by-step reference, the m and destination rules, and the chosen R against the sweep's best."""
 
+import dataclasses
 import heapq
 import math
 import random
@@ -41,6 +42,21 @@ def test_hand_computed_timeline_with_a_move():
     fused = simulate([3, 1, 3, 1], UNIT, 0.5)
     assert (fused.total_s, fused.generation_s, fused.migrate_at_s, fused.m, fused.migrated) == (4.5, 3.5, 1.0, 1, 1)
     assert simulate([3, 1, 3, 1], UNIT, 0.0).total_s == 5.0
+
+
+def test_hand_computed_timeline_as_the_runtime_is_built():
+    # stream_tail=False: the freed instance infers only what finished by the migration, after every move
+    batch = dataclasses.replace(UNIT, stream_tail=False)
+    # [1, 4] and [2, 2], R = 1/4: at t=2 three finished; instance 1 (freed, nothing moves) infers them,
+    # 2 + 3 = 5; instance 0 generates until 4; then both infer the last one: 5 + ceil(1/2) = 6
+    fused = simulate([1, 4, 2, 2], batch, 0.25)
+    assert (fused.total_s, fused.generation_s, fused.migrate_at_s, fused.m, fused.migrated) == (6.0, 4.0, 2.0, 1, 0)
+    # [3, 1] and [3, 1], R = 1/2: at t=1 two finished and one sample moves (0.5 s): instance 1 infers the two
+    # from 1.5 to 3.5, instance 0 generates until 3.5; the two long ones: 3.5 + ceil(2/2) = 4.5
+    fused = simulate([3, 1, 3, 1], batch, 0.5)
+    assert (fused.total_s, fused.generation_s, fused.migrated) == (4.5, 3.5, 1)
+    # unfused is the same model either way
+    assert simulate([1, 4, 2, 2], batch, 0.0).total_s == simulate([1, 4, 2, 2], UNIT, 0.0).total_s == 6.0
 
 
 def reference(lengths, cost, threshold, dt=1e-3):

@@ -8,7 +8,7 @@ tokens and log-probs; R=0 never migrates and equals unfused bit for bit; R=1 mig
 import pytest
 
 from rlhf.fusion.policy import FusionPolicyError
-from rlhf.fusion.runtime import FusionConfig
+from rlhf.fusion.runtime import MigrationConfig
 from rlhf.testing.distributed import launch
 from scenario_fusion import CHECK_EVERY, PLANS, RUNS
 
@@ -61,7 +61,7 @@ def test_kv_migration_ships_more_bytes_than_tokens_only(results, plan):
 
 
 def test_fusion_config_names_a_bad_field():
-    with pytest.raises(FusionPolicyError, match=r"FusionConfig.threshold=1.5 is invalid: must be a fraction"):
-        FusionConfig(1.5)
+    with pytest.raises(FusionPolicyError, match=r"MigrationConfig.threshold=1.5 is invalid: must be a fraction"):
+        MigrationConfig(1.5)
     with pytest.raises(FusionPolicyError, match="check_every=0"):
-        FusionConfig(0.2, check_every=0)
+        MigrationConfig(0.2, check_every=0)

@@ -212,7 +212,7 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.params.stop_token_ids:
             return "stop"
-        if len(seq.output) >= seq.params.max_new_tokens:
+        if len(seq.output) >= seq.params.max_new_tokens_of(seq.sample_index):
             return "length"
         if len(seq.tokens) >= self.max_len:
             return "context"

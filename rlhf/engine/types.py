@@ -80,6 +80,9 @@ class SamplingParams:
     no filtering), which is what the training model computes for the same
     tokens; ``"sampling"`` returns the log-prob under the distribution that
     was actually sampled from (temperature and top-k/top-p applied).
+    ``sample_max_new_tokens`` (one per sample, each <= ``max_new_tokens``)
+    gives each sample its own length limit, as a declared workload does
+    (empty: ``max_new_tokens`` for all).
     """
 
     max_new_tokens: int = 16
@@ -90,6 +93,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     logprobs_of: str = "raw"
+    sample_max_new_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         _check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1")
@@ -100,6 +104,14 @@ class SamplingParams:
         _check(self.n >= 1, "n", self.n, ">= 1")
         _check(self.logprobs_of in ("raw", "sampling"), "logprobs_of", self.logprobs_of, "'raw' or 'sampling'")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        limits = tuple(int(t) for t in self.sample_max_new_tokens)
+        _check(not limits or (len(limits) == self.n and all(1 <= t <= self.max_new_tokens for t in limits)),
+               "sample_max_new_tokens", limits, f"empty or {self.n} (n) limits in [1, max_new_tokens]")
+        object.__setattr__(self, "sample_max_new_tokens", limits)
+
+    def max_new_tokens_of(self, sample_index: int) -> int:
+        """Sample ``sample_index``'s length limit."""
+        return self.sample_max_new_tokens[sample_index] if self.sample_max_new_tokens else self.max_new_tokens
 
     @property
     def greedy(self) -> bool:

@@ -17,8 +17,11 @@ only send, destinations only receive). The sources are then free; the
 destinations run to the end. A refused message leaves the sample with its
 source, which imports it back and finishes it: no sample is lost.
 
-Not built yet: starting reference, reward and critic inference on the freed
-ranks and streaming the long tail into it, and the trainer switch
+The same gather hands every rank the samples finished so far
+(``finished_at_migration``): the trainer (`rlhf.trainer`, with
+``--inter-stage-fusion``) infers them on the freed ranks while the
+destinations generate. Not built: streaming each long-tail sample into
+inference as it finishes; the long tail is inferred once generation ends
 (docs/fusion.md).
 """
 
@@ -41,7 +44,7 @@ ASSIGNED, FINISHED, EXPORTABLE, FREE_KV, HELD_KV = range(5)
 
 
 @dataclass(frozen=True)
-class FusionConfig:
+class MigrationConfig:
     """R (fraction of the batch; 0 never migrates), K/V or tokens only, steps between counts, B_sat."""
 
     threshold: float
@@ -53,7 +56,7 @@ class FusionConfig:
         for name, ok, valid in (("threshold", 0 <= self.threshold <= 1, "a fraction in [0, 1]"),
                                 ("check_every", self.check_every >= 1, ">= 1"), ("b_sat", self.b_sat >= 1, ">= 1")):
             if not ok:
-                raise FusionPolicyError(f"FusionConfig.{name}={getattr(self, name)!r} is invalid: must be {valid}")
+                raise FusionPolicyError(f"MigrationConfig.{name}={getattr(self, name)!r} is invalid: must be {valid}")
 
 
 @dataclass
@@ -62,19 +65,23 @@ class FusedGeneration:
 
     ``samples``: the samples that finished here (TP ranks of an instance hold the same ones).
     ``migrate_step``: the loop step of the migration (None: none); ``destinations``: DP indices.
+    ``finished_at_migration``: every instance's samples finished by then (the same on every rank of
+    the generation mesh), which the freed ranks can infer while the destinations generate.
     """
 
     samples: list[SampleResult]
     migrate_step: int | None = None
     destinations: tuple[int, ...] = ()
+    finished_at_migration: list[SampleResult] = dataclasses.field(default_factory=list)
     moved_out: int = 0
     moved_in: int = 0
     bytes_sent: int = 0
     refused: int = 0
     generation_s: float = 0.0
+    migration_s: float = 0.0
 
 
-def fused_generate(engine: Engine, requests: list[Request], groups, cfg: FusionConfig) -> FusedGeneration:
+def fused_generate(engine: Engine, requests: list[Request], groups, cfg: MigrationConfig) -> FusedGeneration:
     """Run this instance's ``requests``; migrate the batch's long tail once it is short enough (collective
     over the generation mesh ``groups.mesh_group``: every rank of it calls this)."""
     start = time.perf_counter()
@@ -91,7 +98,9 @@ def fused_generate(engine: Engine, requests: list[Request], groups, cfg: FusionC
             ready = all(r[EXPORTABLE] == r[ASSIGNED] - r[FINISHED] for r in rows)
             if ready and unfinished <= migration_limit(cfg.threshold, sum(r[ASSIGNED] for r in rows)):
                 out.migrate_step = step
+                moving = time.perf_counter()
                 _migrate(engine, groups, rows, cfg, out)
+                out.migration_s = time.perf_counter() - moving
                 break
         if engine.has_unfinished():
             out.samples += engine.step()
@@ -118,14 +127,17 @@ def _report(engine: Engine, groups, assigned: int, finished: int) -> list[list[i
     return [rows[d] for d in range(mesh.strategy.dp)]
 
 
-def _migrate(engine: Engine, groups, rows: list[list[int]], cfg: FusionConfig, out: FusedGeneration) -> None:
+def _migrate(engine: Engine, groups, rows: list[list[int]], cfg: MigrationConfig, out: FusedGeneration) -> None:
     """Move every unfinished sample off the non-destinations, in one global order."""
     mesh, me, tp = groups.mesh, groups.coord.dp, groups.coord.tp
     free_kv = [r[FREE_KV] for r in rows]
     out.destinations = choose_destinations([r[ASSIGNED] - r[FINISHED] for r in rows], free_kv,
                                            [r[HELD_KV] for r in rows], cfg.b_sat)
-    mine = [(me, engine.exportable())] if tp == 0 else []
-    lists = dict(gather_to_all(mine, group=groups.mesh_group))
+    mine = [(me, engine.exportable(), out.samples)] if tp == 0 else []
+    gathered = gather_to_all(mine, group=groups.mesh_group)
+    lists = {dp: unfinished for dp, unfinished, _ in gathered}
+    out.finished_at_migration = sorted((s for _, _, finished in gathered for s in finished),
+                                       key=lambda s: (s.request_id, s.sample_index))
     samples = [lists[d] for d in range(mesh.strategy.dp)]
     for src, pos, dst in assign_moves([[n for _, _, n in s] for s in samples], out.destinations, free_kv):
         if me == src:
