@@ -158,12 +158,12 @@ def _recvs(lay: _Layouts, params: dict, local_src: dict, my_tp: int, me: int) ->
             shape[spec.dim] = sum(n for _, _, n in ranges)
             buffer = torch.empty(shape, dtype=param.dtype, device=param.device)
             ops.append(dist.P2POp(dist.irecv, buffer, src_rank, tag=_tag(name)))
-            unpack.append((param, spec.dim, ranges, buffer))
+            unpack.append((name, param, spec.dim, ranges, buffer))
     return ops, unpack
 
 
 @torch.no_grad()
-def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> None:
+def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> dict[str, int]:
     """Copy weights of the model laid out on ``src_mesh`` into the one on ``dst_mesh``.
 
     ``src`` / ``dst`` are this rank's ``(TaskGroups, model)`` in each layout, or
@@ -174,6 +174,9 @@ def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> None
     Both sides order a pair's messages by the model's parameter order and post
     them in one batch, so the exchange cannot deadlock even where messages are
     matched by order rather than tag (NCCL).
+
+    Returns the bytes this rank received from other ranks, by global parameter
+    name (local copies are free; rlhf.planner.reshard_bytes predicts them).
     """
     me = dist.get_rank()
     lay = _Layouts(src_mesh, dst_mesh, num_layers)
@@ -187,11 +190,14 @@ def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> None
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-    for param, dim, ranges, buffer in unpack:
+    received: dict[str, int] = {}
+    for name, param, dim, ranges, buffer in unpack:
         offset = 0
         for _, d_loc, n in ranges:
             param.data.narrow(dim, d_loc, n).copy_(buffer.narrow(dim, offset, n))
             offset += n
+        received[name] = received.get(name, 0) + buffer.numel() * buffer.element_size()
+    return received
 
 
 def _tag(name: str) -> int:

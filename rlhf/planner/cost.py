@@ -1,0 +1,219 @@
+"""Cost model of one task call: seconds and bytes per GPU under a (mesh, dp, pp, tp) layout.
+
+Three kinds of call (``ROLE``), every time in seconds::
+
+    training   (actor_train, critic_train)   compute-bound, 1F1B per mini-batch:
+        f = fwd FLOPs of one micro-batch / (pp * tp * gpu_flops * mfu) + TP all-reduces + PP send
+        b = 2 f;  per mini-batch (m + pp - 1) * (f + b) + DP gradient all-reduce
+    inference  (ref_inf, reward_inf, critic_inf)   compute-bound, one pipelined pass: (m + pp - 1) * f
+    generation (actor_gen)   per DP replica of b samples: prefill (compute-bound), then R decode steps of
+        max(weights + KV bytes read / (tp * hbm_bandwidth * hbm_efficiency),  FLOPs / (tp * gpu_flops * mfu))
+        + TP all-reduces + PP sends; the KV read at the mean context P + R/2
+
+with m micro-batches per DP replica. The batch that saturates a decode step
+(:func:`saturating_batch`) is where its two terms meet. An all-reduce of n
+bytes over g ranks takes 2 (g-1)/g n / bandwidth, the bandwidth of NVLink when
+the group sits in one node, of the network otherwise. Each call adds
+``call_overhead_s`` once and ``step_overhead_s`` per sequential step on its
+critical path (``TaskCost.steps``: decode steps and the prefill; forward-pass
+equivalents of the pipelined micro-batches, a backward counting two).
+
+Memory per GPU (bytes): a task's *static* part stays resident for the whole
+iteration (training: 18 bytes per parameter: bf16 weights and gradients, fp32
+master weights and Adam moments; inference and generation: bf16 weights), its
+*transient* part only while it runs (training: activations of the micro-batches
+1F1B keeps in flight, 34 bytes per token and hidden unit per layer, and fp32
+logits; generation: the KV cache; inference: one layer's activations and the
+logits). A GPU must hold the static parts of all its tasks plus the largest
+transient part.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlhf.models.config import ModelConfig
+from rlhf.parallel.mesh import TaskMesh
+from rlhf.planner.errors import PlannerError
+from rlhf.planner.hardware import Hardware
+from rlhf.planner.models import BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, stage_parameters
+
+ROLE = {"actor_gen": "generation", "ref_inf": "inference", "reward_inf": "inference", "critic_inf": "inference",
+        "actor_train": "training", "critic_train": "training"}
+TRAIN_BYTES_PER_PARAM = 18
+ACT_BYTES_PER_TOKEN_HIDDEN = 34  # per layer (Korthikanti et al.), as rlhf.schedule.cost_model
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``gpus_per_node`` GPUs; global rank r sits on node r // gpus_per_node."""
+
+    nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise PlannerError(f"{name}={value!r} must be a positive integer")
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def bandwidth(self, ranks, hw: Hardware) -> float:
+        """Bytes/s between ``ranks``: NVLink when they share a node, the network otherwise."""
+        return hw.intra_node_bandwidth if len({self.node(r) for r in ranks}) <= 1 else hw.inter_node_bandwidth
+
+
+@dataclass(frozen=True)
+class Workload:
+    """PPO batch settings of one iteration: ``samples`` responses of up to ``response_len`` tokens after
+    ``prompt_len`` prompt tokens; training in ``minibatches`` mini-batches of micro-batches of
+    ``micro_batch_size`` samples, ``ppo_epochs`` times."""
+
+    samples: int
+    prompt_len: int
+    response_len: int
+    minibatches: int = 1
+    micro_batch_size: int = 1
+    ppo_epochs: int = 1
+
+    def __post_init__(self):
+        for name in ("samples", "prompt_len", "response_len", "minibatches", "micro_batch_size", "ppo_epochs"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise PlannerError(f"{name}={value!r} must be a positive integer")
+        if self.samples % self.minibatches:
+            raise PlannerError(f"minibatches={self.minibatches} must divide the {self.samples} samples of an "
+                               "iteration")
+
+    @property
+    def seq(self) -> int:
+        return self.prompt_len + self.response_len
+
+
+@dataclass(frozen=True)
+class TaskCost:
+    """Predicted seconds of one call (``parts`` says where they go), its sequential steps and bytes per
+    GPU."""
+
+    seconds: float
+    static_bytes: float
+    transient_bytes: float
+    parts: dict = field(default_factory=dict)
+    steps: int = 0
+
+
+def allreduce_s(nbytes: float, ranks, cluster: Cluster, hw: Hardware) -> float:
+    """Ring all-reduce of ``nbytes`` over ``ranks``."""
+    g = len(ranks)
+    return 0.0 if g <= 1 else 2 * (g - 1) / g * nbytes / cluster.bandwidth(ranks, hw)
+
+
+def microbatches(samples: int, dp: int, micro_batch_size: int) -> int:
+    """Micro-batches one DP replica runs for ``samples`` samples."""
+    return max(1, math.ceil(samples / (dp * micro_batch_size)))
+
+
+def task_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
+              cluster: Cluster) -> TaskCost:
+    """Seconds and bytes per GPU of ``task`` running model ``cfg`` (``kind`` lm or value) on ``mesh``."""
+    role = ROLE.get(task)
+    if role is None:
+        raise PlannerError(f"unknown task {task!r}; tasks: {', '.join(ROLE)}")
+    cost = {"training": _training, "inference": _inference, "generation": _generation}[role]
+    return cost(cfg, kind, mesh, wl, hw, cluster)
+
+
+def _stage_bytes(cfg: ModelConfig, kind: str, mesh: TaskMesh, per_param: float) -> float:
+    s = mesh.strategy
+    return max(stage_parameters(cfg, kind, s.pp)) / s.tp * per_param
+
+
+def _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster) -> tuple[float, float]:
+    """(compute, communication) seconds of one micro-batch of ``tokens`` tokens through one stage."""
+    s = mesh.strategy
+    compute = forward_flops_per_token(cfg, kind, wl.seq) * tokens / (s.pp * s.tp * hw.gpu_flops * hw.mfu)
+    act = tokens * cfg.hidden_size * BYTES
+    tp = allreduce_s(act, mesh.tp_ranks(0, 0), cluster, hw) * 2 * cfg.num_layers / s.pp
+    pp = act / cluster.bandwidth(mesh.pp_ranks(0, 0), hw) if s.pp > 1 else 0.0
+    return compute, tp + pp
+
+
+def _training(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
+    s = mesh.strategy
+    m = microbatches(wl.samples // wl.minibatches, s.dp, wl.micro_batch_size)
+    tokens = wl.micro_batch_size * wl.seq
+    f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
+    updates = wl.minibatches * wl.ppo_epochs
+    grads = allreduce_s(_stage_bytes(cfg, kind, mesh, BYTES), mesh.dp_ranks(0, 0), cluster, hw)
+    passes = updates * (m + s.pp - 1) * 3
+    parts = {"compute": updates * m * 3 * f, "bubble": updates * (s.pp - 1) * 3 * f,
+             "tp_pp_comm": updates * (m + s.pp - 1) * 2 * comm, "dp_comm": updates * grads,
+             "overhead": hw.call_overhead_s + passes * hw.step_overhead_s}
+    layers = cfg.num_layers / s.pp
+    act = min(m, s.pp) * layers * tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / s.tp
+    logits = tokens * head_outputs(cfg, kind) * 4 / s.tp
+    return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, TRAIN_BYTES_PER_PARAM), act + logits, parts,
+                    passes)
+
+
+def _inference(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
+    s = mesh.strategy
+    m = microbatches(wl.samples, s.dp, wl.micro_batch_size)
+    tokens = wl.micro_batch_size * wl.seq
+    f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
+    passes = m + s.pp - 1
+    parts = {"compute": m * f, "bubble": (s.pp - 1) * f, "tp_pp_comm": passes * comm,
+             "overhead": hw.call_overhead_s + passes * hw.step_overhead_s}
+    act = tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_hidden_size) * BYTES / s.tp
+    logits = tokens * head_outputs(cfg, kind) * 4 / s.tp
+    return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, BYTES), act + logits, parts, passes)
+
+
+def decode_terms(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, hw: Hardware,
+                 cluster: Cluster) -> tuple[float, float, float]:
+    """(weight + KV read, FLOPs, communication) seconds of one decode step of ``batch`` samples at
+    ``context`` tokens on one DP replica of ``mesh``."""
+    s = mesh.strategy
+    weights = sum(stage_parameters(cfg, "lm", 1)) * BYTES
+    read = (weights + batch * context * kv_bytes_per_token(cfg)) / (s.tp * hw.hbm_bandwidth * hw.hbm_efficiency)
+    compute = forward_flops_per_token(cfg, "lm", int(context)) * batch / (s.tp * hw.gpu_flops * hw.mfu)
+    act = batch * cfg.hidden_size * BYTES
+    tp = allreduce_s(act, mesh.tp_ranks(0, 0), cluster, hw) * 2 * cfg.num_layers
+    pp = (s.pp - 1) * act / cluster.bandwidth(mesh.pp_ranks(0, 0), hw)
+    return read, compute, tp + pp
+
+
+def decode_step_s(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, hw: Hardware,
+                  cluster: Cluster) -> float:
+    """Seconds of one decode step: the slower of reading and computing, then the communication."""
+    read, compute, comm = decode_terms(cfg, mesh, batch, context, hw, cluster)
+    return max(read, compute) + comm
+
+
+def saturating_batch(cfg: ModelConfig, mesh: TaskMesh, context: float, hw: Hardware) -> int:
+    """The running batch at which a decode step's FLOPs take as long as its weight reads (B_sat)."""
+    weights_s = sum(stage_parameters(cfg, "lm", 1)) * BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    flops_s = forward_flops_per_token(cfg, "lm", int(context)) / (hw.gpu_flops * hw.mfu)
+    return max(1, math.ceil(weights_s / flops_s))
+
+
+def _generation(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
+    s = mesh.strategy
+    batch = math.ceil(wl.samples / s.dp)
+    prefill = forward_flops_per_token(cfg, "lm", wl.prompt_len) * batch * wl.prompt_len / (
+        s.tp * hw.gpu_flops * hw.mfu)
+    read, compute, comm = decode_terms(cfg, mesh, batch, wl.prompt_len + wl.response_len / 2, hw, cluster)
+    bound = "decode" if read >= compute else "decode_compute"  # memory-bound (the usual case) or not
+    steps = wl.response_len + 1
+    parts = {"prefill": prefill, bound: wl.response_len * max(read, compute), "decode_comm": wl.response_len * comm,
+             "overhead": hw.call_overhead_s + steps * hw.step_overhead_s}
+    kv = batch * wl.seq * kv_bytes_per_token(cfg) / (s.tp * s.pp)
+    logits = batch * cfg.vocab_size * 4 / s.tp
+    return TaskCost(sum(parts.values()), _stage_bytes(cfg, "lm", mesh, BYTES), kv + logits, parts, steps)

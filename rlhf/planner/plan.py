@@ -1,0 +1,179 @@
+"""An execution plan (every task's ranks and degrees), what it costs, and the placement file it becomes.
+
+:func:`evaluate` builds one PPO iteration as calls (rlhf.planner.simulate)::
+
+    reshard actor -> actor_gen -> ref_inf, reward_inf, critic_inf -> advantage -> actor_train
+                                                                              -> critic_train -> reshard critic
+
+as the trainer runs it (rlhf/trainer.py: the actor's weights move into the
+generation layout before generation, the critic's into the inference layout
+after training). ``advantage`` is host time on every rank (the hardware
+file's ``host_s``: advantages, metrics), and a point where all ranks meet:
+the trainer gathers the whole batch after inference.
+A reshard occupies both layouts' ranks for its worst rank's received bytes
+(rlhf.planner.reshard_bytes) over the link between them; it is left out when
+nothing moves. The samples move along the data edges (tokens, log-probs and
+the scores as 4-byte values per token). With ``fuse_training`` the two
+training calls are one call on their shared ranks whose time is the serial
+time scaled by the greedy fused schedule's makespan over serial 1F1B
+(rlhf.schedule; the annealed schedule of tools/search_schedule.py is at
+least as short). Memory per rank: the static bytes of every task on it plus
+the largest transient bytes of one call (both training calls when fused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from rlhf.models.config import ModelConfig
+from rlhf.parallel.mesh import TaskMesh
+from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches, task_cost
+from rlhf.planner.errors import PlannerError
+from rlhf.planner.hardware import Hardware
+from rlhf.planner.models import schedule_shape
+from rlhf.planner.reshard_bytes import received_bytes
+from rlhf.planner.simulate import Call, Timeline, schedule
+from rlhf.schedule.cost_model import CostConfig, build_problem
+from rlhf.schedule.generators import greedy_fused, serial_1f1b_makespan
+from rlhf.schedule.problem import ProblemError
+from rlhf.schedule.simulate import simulate as simulate_schedule
+from rlhf.tasks import MODEL_KIND, TASK_MODEL, TASKS
+
+INFERENCE = ("ref_inf", "reward_inf", "critic_inf")
+RESHARDS = {"reshard actor": ("actor_train", "actor_gen"), "reshard critic": ("critic_train", "critic_inf")}
+BATCH_BYTES_PER_TOKEN = 16
+"""Bytes per token of the batch moving between tasks: token id, log-probs, reference log-probs, values."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every task's mesh; ``fuse_training`` runs actor and critic training as one fused schedule."""
+
+    name: str
+    meshes: dict
+    fuse_training: bool = False
+
+    def placement(self) -> dict:
+        """The plan as ``pretrain_rlhf.py --placement`` reads it (rlhf.parallel.placement)."""
+        out = {}
+        for task in TASKS:
+            mesh, s = self.meshes[task], self.meshes[task].strategy
+            out[task] = {"ranks": rank_spec(mesh.ranks), "dp": s.dp, "pp": s.pp, "tp": s.tp}
+            if mesh.reverse_pp:
+                out[task]["reverse_pp"] = True
+        return out
+
+    def describe(self) -> str:
+        """One line: each task's layout, tasks on the same ranks grouped."""
+        parts = [f"{t.split('_')[0]}.{t.split('_')[1]}={rank_spec(m.ranks)}:{m.strategy}"
+                 for t, m in self.meshes.items()]
+        return " ".join(parts) + (" +fused" if self.fuse_training else "")
+
+
+def rank_spec(ranks) -> str | list:
+    """``"a-b"`` for an ascending run of ranks, else the list (placement files accept both)."""
+    ranks = list(ranks)
+    return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[0] + len(ranks))) else ranks
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A plan's predicted iteration: seconds, each call's timing and cost, bytes per rank."""
+
+    plan: Plan
+    timeline: Timeline
+    costs: dict
+    memory: dict
+    reshard_bytes: dict = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return self.timeline.seconds
+
+    @property
+    def peak_memory(self) -> float:
+        return max(self.memory.values())
+
+
+def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
+             durations: dict | None = None) -> Evaluation:
+    """Predict ``plan``'s iteration (``models``: ModelConfig per model name). ``durations`` overrides
+    the cost model's seconds of named tasks (e.g. measured per-call times)."""
+    costs = {task: cached_cost(task, models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl, hw, cluster)
+             for task, mesh in plan.meshes.items()}
+    seconds = {task: c.seconds for task, c in costs.items()} | (durations or {})
+    calls, moved, reshards = [], {}, {}
+    for name, (src, dst) in RESHARDS.items():
+        model = TASK_MODEL[src]
+        moved[name] = most_received(models[model], MODEL_KIND[model], plan.meshes[src], plan.meshes[dst])
+        if moved[name]:
+            ranks = set(plan.meshes[src].ranks) | set(plan.meshes[dst].ranks)
+            reshards[name] = (ranks, moved[name] / cluster.bandwidth(ranks, hw))
+    mesh = plan.meshes
+    everyone = set().union(*(m.ranks for m in mesh.values()))
+
+    def edge(src: str, dst_ranks, tokens_share: float = 1.0) -> tuple:
+        nbytes = wl.samples * wl.seq * BATCH_BYTES_PER_TOKEN * tokens_share
+        return src, nbytes / cluster.bandwidth(set(mesh[src].ranks) | set(dst_ranks), hw)
+
+    if "reshard actor" in reshards:
+        calls.append(Call("reshard actor", *reshards["reshard actor"]))
+    calls.append(Call("actor_gen", mesh["actor_gen"].ranks, seconds["actor_gen"],
+                      [("reshard actor", 0.0)] if "reshard actor" in reshards else []))
+    calls += [Call(t, mesh[t].ranks, seconds[t], [edge("actor_gen", mesh[t].ranks)]) for t in INFERENCE]
+    # each inference call sends one value per token: a quarter of the batch's bytes
+    calls.append(Call("advantage", everyone, hw.host_s, [edge(t, everyone, 0.25) for t in INFERENCE]))
+    if plan.fuse_training:
+        fused = fused_training_seconds(plan, models, wl, hw, seconds["actor_train"] + seconds["critic_train"])
+        calls.append(Call("actor_train+critic_train", mesh["actor_train"].ranks, fused, [("advantage", 0.0)]))
+        trained = "actor_train+critic_train"
+    else:
+        calls += [Call(t, mesh[t].ranks, seconds[t], [("advantage", 0.0)]) for t in ("actor_train", "critic_train")]
+        trained = "critic_train"
+    if "reshard critic" in reshards:
+        calls.append(Call("reshard critic", *reshards["reshard critic"], [(trained, 0.0)]))
+    return Evaluation(plan, schedule(calls), costs, memory_per_rank(plan, costs), moved)
+
+
+@lru_cache(maxsize=None)
+def cached_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
+                cluster: Cluster) -> TaskCost:
+    """rlhf.planner.cost.task_cost, remembered (the search asks for the same layouts again and again)."""
+    return task_cost(task, cfg, kind, mesh, wl, hw, cluster)
+
+
+@lru_cache(maxsize=None)
+def most_received(cfg: ModelConfig, kind: str, src: TaskMesh, dst: TaskMesh) -> int:
+    """The bytes the busiest rank receives resharding ``src`` -> ``dst`` (remembered)."""
+    return max(received_bytes(cfg, kind, src, dst).values())
+
+
+def memory_per_rank(plan: Plan, costs: dict) -> dict:
+    """Bytes each rank holds at its peak: every task's static part plus the largest transient part."""
+    static, transient = {}, {}
+    for task, mesh in plan.meshes.items():
+        c: TaskCost = costs[task]
+        extra = c.transient_bytes
+        if plan.fuse_training and task in ("actor_train", "critic_train"):
+            extra = costs["actor_train"].transient_bytes + costs["critic_train"].transient_bytes
+        for r in mesh.ranks:
+            static[r] = static.get(r, 0.0) + c.static_bytes
+            transient[r] = max(transient.get(r, 0.0), extra)
+    return {r: static[r] + transient[r] for r in static}
+
+
+def fused_training_seconds(plan: Plan, models: dict, wl: Workload, hw: Hardware, serial_s: float) -> float:
+    """Serial training seconds scaled by the greedy fused schedule's makespan over serial 1F1B."""
+    a, c = plan.meshes["actor_train"], plan.meshes["critic_train"]
+    if set(a.ranks) != set(c.ranks):
+        raise PlannerError("intra-stage fusion needs actor_train and critic_train on the same ranks")
+    shapes = [schedule_shape(models[TASK_MODEL[t]], TASK_MODEL[t], mesh.strategy.tp, mesh.strategy.pp,
+                             microbatches(wl.samples // wl.minibatches, mesh.strategy.dp, wl.micro_batch_size), d)
+              for t, mesh, d in (("actor_train", a, "down"), ("critic_train", c, "up"))]
+    try:
+        pb = build_problem(shapes, CostConfig(tokens_per_microbatch=wl.micro_batch_size * wl.seq,
+                                              seq_len=wl.seq, gpu_flops=hw.gpu_flops, mfu=hw.mfu))
+    except ProblemError as exc:
+        raise PlannerError(f"intra-stage fusion: {exc}") from None
+    return serial_s * simulate_schedule(pb, greedy_fused(pb)).makespan / serial_1f1b_makespan(pb)

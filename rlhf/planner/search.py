@@ -1,0 +1,307 @@
+"""Search over model placements, GPU allocations and per-task (dp, pp, tp): the ranked plans.
+
+The space, pruned as it is built:
+
+* **placements** (HybridFlow section 6): the partitions of the four models
+  into colocated sets; all tasks of a model run on its set's ranks. APP's
+  presets are named among them: ``flatten`` (one set: every model on every
+  GPU), ``interleave`` ({actor, reference} and {critic, reward} on two
+  halves, so the concurrent inference calls and the two training calls run
+  side by side), ``separate`` (each model alone).
+* **allocations**: each set gets a contiguous block of ranks, whole nodes, or
+  a power-of-two part of one node that does not straddle nodes.
+* **strategies**: per task every (dp, pp, tp) filling its block, pruned when
+  tp does not divide the heads, KV heads or ffn, a TP group leaves its node,
+  pp does not divide the layers, generation is pipelined (the engine decodes
+  a whole model: pp = 1), or the task alone cannot fit one GPU; the
+  ``options`` fastest survivors (cost model) are kept.
+
+Each (placement, allocation) is first scored with every task's fastest
+option; the ``keep`` best go on to a full search of their option products.
+That search is brute force when the products hold at most
+``brute_force_limit`` plans, otherwise simulated annealing (one task's option
+changed per proposal, ``proposals`` proposals per candidate, seeded: the same
+input gives the same plans). Infeasible plans (a rank over its memory) are
+kept out of the ranking and reported with their reason. Where actor and
+critic share a set, fused training (intra-stage fusion) is tried too when
+``fuse_training`` is set.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import dataclass, field
+
+from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
+from rlhf.planner.cost import ROLE, Cluster, Workload
+from rlhf.planner.errors import PlannerError
+from rlhf.planner.hardware import Hardware
+from rlhf.planner.plan import Evaluation, Plan, cached_cost, evaluate, most_received
+from rlhf.planner.reshard_bytes import hybridflow_ranks
+from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL, TASKS
+
+PRESETS = {
+    "flatten": (("actor", "reference", "reward", "critic"),),
+    "interleave": (("actor", "reference"), ("reward", "critic")),
+    "separate": (("actor",), ("reference",), ("reward",), ("critic",)),
+}
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Knobs of the search (see the module docstring)."""
+
+    options: int = 3
+    keep: int = 8
+    brute_force_limit: int = 2000
+    proposals: int = 600
+    seed: int = 0
+    fuse_training: bool = False
+
+
+@dataclass
+class SearchResult:
+    """Feasible plans, fastest first; pruned ``(what, why)``; how the search ran."""
+
+    ranked: list
+    pruned: list = field(default_factory=list)
+    method: str = ""
+    evaluations: int = 0
+
+    @property
+    def best(self) -> Evaluation:
+        return self.ranked[0]
+
+
+def set_partitions(items: tuple) -> list[tuple]:
+    """All partitions of ``items`` into non-empty sets, each set in ``items`` order."""
+    if not items:
+        return [()]
+    head, rest = items[0], items[1:]
+    out = []
+    for part in set_partitions(rest):
+        out.append(((head,),) + part)
+        for i in range(len(part)):
+            out.append(part[:i] + ((head,) + part[i],) + part[i + 1:])
+    return sorted(out, key=lambda p: (len(p), p))
+
+
+def allocations(sets: int, cluster: Cluster) -> list[tuple[int, ...]]:
+    """Block sizes (in rank order) giving ``sets`` sets all GPUs: whole nodes, or a power-of-two part of
+    one node that does not straddle a node boundary."""
+    g = cluster.gpus_per_node
+    sizes = sorted({g * k for k in range(1, cluster.nodes + 1)} | {1 << i for i in range(g.bit_length())
+                                                                     if g % (1 << i) == 0})
+    out = []
+
+    def grow(prefix: tuple, offset: int):
+        if len(prefix) == sets:
+            if offset == cluster.gpus:
+                out.append(prefix)
+            return
+        for size in sizes:
+            inside = size % g == 0 and offset % g == 0 or size < g and offset // g == (offset + size - 1) // g
+            if offset + size <= cluster.gpus and inside and (size >= g or offset % size == 0):
+                grow(prefix + (size,), offset + size)
+
+    grow((), 0)
+    return out
+
+
+def strategies(task: str, cfg, ranks: tuple, wl: Workload, cluster: Cluster) -> tuple[list[ParallelStrategy],
+                                                                                    list[str]]:
+    """Every (dp, pp, tp) for ``task`` on ``ranks`` that shards ``cfg`` and the batch, and why the others
+    do not (the rules rlhf.parallel.placement and the job's config apply)."""
+    minibatch = wl.samples // wl.minibatches
+    n, ok, why = len(ranks), [], []
+    for tp in (d for d in range(1, n + 1) if n % d == 0):
+        for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
+            s = ParallelStrategy(dp=n // (tp * pp), pp=pp, tp=tp)
+            rule = next((msg for bad, msg in (
+                (cfg.num_attention_heads % tp or cfg.num_kv_heads % tp or cfg.ffn_hidden_size % tp,
+                 f"tp={tp} does not divide the heads/KV heads/ffn"),
+                (tp > cluster.gpus_per_node or cluster.gpus_per_node % tp, f"tp={tp}: a TP group leaves its node"),
+                (cfg.num_layers % pp, f"pp={pp} does not divide {cfg.num_layers} layers"),
+                (task == "actor_gen" and pp > 1, "generation decodes a whole model (pp=1)"),
+                (ROLE[task] == "training" and minibatch % (n // (tp * pp) * wl.micro_batch_size),
+                 f"dp={n // (tp * pp)} x micro-batch {wl.micro_batch_size} does not divide the mini-batch of "
+                 f"{minibatch} samples"),
+            ) if bad), None)
+            (why.append(f"{task} {s}: {rule}") if rule else ok.append(s))
+    return ok, why
+
+
+def task_options(task: str, models: dict, ranks: tuple, wl: Workload, hw: Hardware, cluster: Cluster,
+                 count: int) -> tuple[list[TaskMesh], list[str]]:
+    """The ``count`` fastest meshes of ``task`` on ``ranks`` that fit one GPU alone and the leanest one
+    (fewest static bytes: it leaves the most room to the other tasks), and why the others fell."""
+    cfg, kind = models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]]
+    good, why = strategies(task, cfg, ranks, wl, cluster)
+    limit = hw.gpu_memory * hw.memory_headroom
+    fits = []
+    for s in good:
+        mesh = TaskMesh(task, ranks, s)
+        c = cached_cost(task, cfg, kind, mesh, wl, hw, cluster)
+        if c.static_bytes + c.transient_bytes > limit:
+            why.append(f"{task} {s}: needs {(c.static_bytes + c.transient_bytes) / 2**30:.1f} GiB per GPU alone "
+                       f"> {limit / 2**30:.1f} GiB")
+        else:
+            fits.append((c.seconds, c.static_bytes, mesh))
+    fits.sort(key=lambda x: x[0])
+    kept = fits[:count]
+    leanest = min(fits, key=lambda x: (x[1], x[0]), default=None)
+    if leanest is not None and leanest not in kept:
+        kept.append(leanest)
+    return [m for _, _, m in kept], why
+
+
+def generation_order(meshes: dict, models: dict) -> dict:
+    """actor_gen's ranks in HybridFlow's order when that moves fewer bytes from actor_train."""
+    gen, train = meshes["actor_gen"], meshes["actor_train"]
+    if set(gen.ranks) != set(train.ranks):
+        return meshes
+    order = hybridflow_ranks(train, gen.strategy)
+    if order is None or order == gen.ranks:
+        return meshes
+    nested = TaskMesh("actor_gen", order, gen.strategy)
+    cfg = models["actor"]
+    if most_received(cfg, "lm", train, nested) < most_received(cfg, "lm", train, gen):
+        return {**meshes, "actor_gen": nested}
+    return meshes
+
+
+def _candidates(cluster: Cluster) -> list[tuple[str, tuple, tuple]]:
+    """(name, sets of models, block sizes) for every placement and allocation; APP presets named."""
+    named = {v: k for k, v in PRESETS.items()}
+    out = []
+    for sets in set_partitions(MODELS):
+        for sizes in allocations(len(sets), cluster):
+            label = named.get(sets, " | ".join("+".join(m[:3] for m in s) for s in sets))
+            out.append((f"{label} [{','.join(map(str, sizes))}]", sets, sizes))
+    return out
+
+
+def search(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
+           config: SearchConfig = SearchConfig()) -> SearchResult:
+    """Rank plans for ``models`` (ModelConfig per model name) on ``cluster``; PlannerError if none fits."""
+    result = SearchResult(ranked=[])
+    scored = []
+    for name, sets, sizes in _candidates(cluster):
+        options = _options(name, sets, sizes, models, wl, hw, cluster, config, result)
+        if options is None:
+            continue
+        for fuse in _fusions(sets, config):
+            firsts = [_evaluate(name, [o[i] for o in options.values()], options, fuse, models, wl, hw, cluster,
+                                result) for i in (0, -1)]  # every task's fastest, every task's leanest
+            firsts = [ev for ev in firsts if ev is not None]
+            if firsts:
+                scored.append((min(ev.seconds for ev in firsts), name, options, fuse))
+    scored.sort(key=lambda x: x[0])
+    kept = scored[:config.keep]
+    total = sum(math.prod(len(o) for o in options.values()) for _, _, options, _ in kept)
+    result.method = ("brute force" if total <= config.brute_force_limit else
+                     f"simulated annealing ({config.proposals} proposals per candidate)")
+    best: dict = {}
+    for _, name, options, fuse in kept:
+        found = (_brute_force if total <= config.brute_force_limit else _anneal)(
+            name, options, fuse, models, wl, hw, cluster, config, result)
+        for ev in found:
+            key = ev.plan.describe()
+            if key not in best or ev.seconds < best[key].seconds:
+                best[key] = ev
+    result.ranked = sorted(best.values(), key=lambda e: e.seconds)
+    if not result.ranked:
+        raise PlannerError(_nothing_fits(result.pruned, cluster))
+    return result
+
+
+def _nothing_fits(pruned: list, cluster: Cluster) -> str:
+    """Why no plan exists, in one line: memory, or GPUs that no layout divides."""
+    memory = [why for _, why in pruned if "GiB" in why]
+    if memory:
+        return (f"no plan fits in memory on {cluster.nodes} x {cluster.gpus_per_node} GPUs (e.g. {memory[0]}); "
+                "add GPUs, use GPUs with more memory, or shorten the sequences or micro-batches")
+    example = pruned[0][1] if pruned else "no candidate"
+    return (f"the {cluster.gpus} GPUs ({cluster.nodes} x {cluster.gpus_per_node}) cannot be divided among the "
+            f"tasks: no (dp, pp, tp) shards the models and the batch (e.g. {example}); use a GPU count per node "
+            "that divides the heads and layers (a power of two) or change the batch sizes")
+
+
+def _fusions(sets: tuple, config: SearchConfig) -> tuple:
+    together = any("actor" in s and "critic" in s for s in sets)
+    return (False, True) if config.fuse_training and together else (False,)
+
+
+def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict | None:
+    """Per task, its kept meshes on its set's block; None (and a pruned entry) when a task has none."""
+    blocks, offset = {}, 0
+    for s, size in zip(sets, sizes):
+        for model in s:
+            blocks[model] = tuple(range(offset, offset + size))
+        offset += size
+    options = {}
+    for task in TASKS:
+        kept, why = task_options(task, models, blocks[TASK_MODEL[task]], wl, hw, cluster, config.options)
+        if not kept:
+            result.pruned.append((name, why[-1] if why else f"{task}: no strategy"))
+            return None
+        options[task] = kept
+    return options
+
+
+def _evaluate(name, choice, options, fuse, models, wl, hw, cluster, result) -> Evaluation | None:
+    meshes = dict(zip(options, choice))
+    if fuse:
+        critic = meshes["critic_train"]
+        meshes["critic_train"] = TaskMesh("critic_train", critic.ranks, critic.strategy, reverse_pp=True)
+    plan = Plan(name, generation_order(meshes, models), fuse_training=fuse)
+    result.evaluations += 1
+    try:
+        ev = evaluate(plan, models, wl, hw, cluster)
+    except PlannerError as exc:
+        result.pruned.append((name, str(exc)))
+        return None
+    limit = hw.gpu_memory * hw.memory_headroom
+    if ev.peak_memory > limit:
+        rank = max(ev.memory, key=ev.memory.get)
+        result.pruned.append((plan.describe(), f"memory: rank {rank} needs {ev.peak_memory / 2**30:.1f} GiB > "
+                                               f"{limit / 2**30:.1f} GiB"))
+        return None
+    return ev
+
+
+def _brute_force(name, options, fuse, models, wl, hw, cluster, config, result) -> list:
+    found = (_evaluate(name, choice, options, fuse, models, wl, hw, cluster, result)
+             for choice in itertools.product(*options.values()))
+    return [ev for ev in found if ev is not None]
+
+
+def _anneal(name, options, fuse, models, wl, hw, cluster, config, result) -> list:
+    """Simulated annealing over one option index per task, from the fastest options."""
+    rng = random.Random(f"{config.seed}:{name}:{fuse}")
+    lists = list(options.values())
+    state = [0] * len(lists)
+    seen: dict = {}
+
+    def energy(st) -> float:
+        key = tuple(st)
+        if key not in seen:
+            seen[key] = _evaluate(name, [l[i] for l, i in zip(lists, st)], options, fuse, models, wl, hw,
+                                  cluster, result)
+        return seen[key].seconds if seen[key] is not None else math.inf
+
+    current = energy(state)
+    temp0 = 0.05 * current if math.isfinite(current) else 1.0
+    for k in range(config.proposals):
+        task = rng.randrange(len(lists))
+        if len(lists[task]) < 2:
+            continue
+        proposal = state[:]
+        proposal[task] = rng.choice([i for i in range(len(lists[task])) if i != state[task]])
+        e = energy(proposal)
+        temp = temp0 * (1 - k / config.proposals) + 1e-12
+        if e <= current or (math.isfinite(e) and rng.random() < math.exp(-(e - current) / temp)):
+            state, current = proposal, e
+    return [ev for ev in seen.values() if ev is not None]

@@ -1,0 +1,328 @@
+"""The execution planner (rlhf/planner): shapes, hardware file, calibration, cost model, iteration simulator,
+search and tools/plan_placement.py (reshard bytes: tests/test_planner_reshard.py).
+
+Each piece against an independent reference: parameter counts against the
+published Llama-2 / CodeLlama counts, transformers' own models and the dry
+run's count; the 1F1B bubble against rlhf/schedule's simulator; calibration
+against constants it must recover; the list scheduler against hand-worked
+timelines; written plans against pretrain_rlhf.py's own --dry-run checks.
+"""
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rlhf.models.config import PRESETS as PRESETS_JOB
+from rlhf.models.config import ModelConfig
+from rlhf.parallel import Placement
+from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
+from rlhf.planner.calibrate import STAGE_TASKS, calibrate, host_seconds, observations
+from rlhf.planner.cost import Cluster, Workload, allreduce_s, decode_step_s, decode_terms, saturating_batch, task_cost
+from rlhf.planner.errors import PlannerError
+from rlhf.planner.hardware import PRESETS as HW
+from rlhf.planner.hardware import load_hardware, save_hardware
+from rlhf.planner.models import (PRESETS, forward_flops_per_token, kv_bytes_per_token, model_preset,
+                                 parameter_count, schedule_shape, stage_parameters)
+from rlhf.planner.plan import Plan, evaluate
+from rlhf.planner.search import PRESETS as PRESETS_APP
+from rlhf.planner.search import SearchConfig, allocations, generation_order, search, set_partitions, strategies
+from rlhf.planner.simulate import Call, schedule
+from rlhf.schedule.cost_model import CostConfig, build_problem
+from rlhf.schedule.generators import serial_1f1b_makespan
+from rlhf.tasks import MODELS, TASKS
+from rlhf.testing.tools import load_tool
+
+plan_placement = load_tool("plan_placement")
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,
+                   vocab_size=256, max_seq_len=64)
+
+# ReaL Table 1's four LLaMA configurations: the parameter counts of the published checkpoints
+# (meta-llama/Llama-2-{7,13,70}b-hf, codellama/CodeLlama-34b-hf).
+TABLE1 = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-34b": 33_743_970_304,
+          "llama-70b": 68_976_648_192}
+
+
+# --- models ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(TABLE1))
+def test_table1_parameter_counts_are_exact(name):
+    assert parameter_count(model_preset(name), "lm") == TABLE1[name]
+
+
+@pytest.mark.parametrize("name", ["llama-7b", "llama-34b"])
+def test_counts_match_transformers_llama(name):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    cfg = model_preset(name)
+    hf = transformers.LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
+                                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                                  num_key_value_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf)
+    assert sum(p.numel() for p in model.parameters()) == parameter_count(cfg, "lm")
+
+
+def test_counts_match_the_dry_run_per_stage_and_kind():
+    from rlhf.launch import stage_parameter_counts
+
+    qwen = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                       vocab_size=300, qkv_bias=True)
+    for cfg in (TINY, qwen, PRESETS["llama-13b"]):
+        for kind in ("lm", "value"):
+            for pp in (p for p in (1, 2, 4) if cfg.num_layers % p == 0):
+                assert stage_parameters(cfg, kind, pp) == stage_parameter_counts(cfg, kind, pp)
+
+
+def test_unknown_preset_is_one_line():
+    with pytest.raises(PlannerError, match=r"^unknown model preset 'llama-8b'; presets: llama-7b, llama-13b"):
+        model_preset("llama-8b")
+
+
+# --- hardware file and calibration ---------------------------------------------------------------------------------
+
+def test_hardware_file_round_trip_and_errors(tmp_path):
+    hw = HW["h100"]
+    path = tmp_path / "hw.json"
+    save_hardware(hw, path)
+    assert load_hardware(str(path)) == hw
+    path.write_text(json.dumps({**hw.to_dict(), "nvlink": 1}))
+    with pytest.raises(PlannerError, match=r"^hardware file .*hw.json: unknown field\(s\) \['nvlink'\]"):
+        load_hardware(str(path))
+    path.write_text(json.dumps({**hw.to_dict(), "mfu": 1.5}))
+    with pytest.raises(PlannerError, match=r"mfu=1.5 is invalid; give a fraction in \(0, 1\]"):
+        load_hardware(str(path))
+    with pytest.raises(PlannerError, match=r"^hardware file nope.json: .*give a preset: h100, a100"):
+        load_hardware("nope.json")
+
+
+def test_calibration_recovers_the_constants_of_a_measured_run():
+    truth = replace(HW["a100"], mfu=0.3, hbm_efficiency=0.8, step_overhead_s=0.002)
+    plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    measured_ev = evaluate(plan, MODELS_7B, WL, truth, Cluster(1, 8))
+    measured = {stage: sum(measured_ev.costs[t].seconds for t in tasks) for stage, tasks in STAGE_TASKS.items()}
+    measured["iteration"] = sum(measured.values()) + 0.5  # host time outside the stages
+    start = HW["a100"]
+    fitted = calibrate(start, observations(evaluate(plan, MODELS_7B, WL, start, Cluster(1, 8)).costs, measured),
+                       host_seconds(measured))
+    assert (fitted.mfu, fitted.hbm_efficiency, fitted.step_overhead_s, fitted.host_s) == pytest.approx(
+        (0.3, 0.8, 0.002, 0.5), rel=1e-6)
+    assert fitted.call_overhead_s == 0.0  # three stages fit three terms; the call overhead keeps its value
+
+
+# --- cost model ----------------------------------------------------------------------------------------------------
+
+WL = Workload(samples=256, prompt_len=256, response_len=256, minibatches=4, micro_batch_size=4)
+MODELS_7B = {m: model_preset("llama-7b") for m in MODELS}
+
+
+def _mesh(task, strategy, start=0):
+    return TaskMesh(task, tuple(range(start, start + strategy.size)), strategy)
+
+
+def _flat_plan(n, train, gen, infer=None):
+    infer = infer or ParallelStrategy(dp=n)
+    meshes = {t: _mesh(t, gen if t == "actor_gen" else train if t.endswith("train") else infer) for t in TASKS}
+    return Plan("flat", meshes)
+
+
+def test_generation_is_memory_bound_below_the_saturating_batch():
+    cfg, hw = model_preset("llama-7b"), HW["h100"]
+    mesh = _mesh("actor_gen", ParallelStrategy(tp=2))
+    cluster = Cluster(1, 8)
+    b_sat = saturating_batch(cfg, mesh, 512, hw)
+    comm = lambda b: 2 * cfg.num_layers * allreduce_s(b * cfg.hidden_size * 2, [0, 1], cluster, hw)  # noqa: E731
+    for batch in (1, b_sat // 2):
+        read = (parameter_count(cfg, "lm") * 2 + batch * 512 * kv_bytes_per_token(cfg)) / (2 * 3.35e12 * 0.6)
+        assert decode_step_s(cfg, mesh, batch, 512, hw, cluster) == pytest.approx(read + comm(batch))
+    # far past B_sat (and with a short context: little KV to read) the step is compute-bound
+    read, compute, _ = decode_terms(cfg, mesh, 8 * b_sat, 1, hw, cluster)
+    assert compute > read
+    assert decode_terms(cfg, mesh, 16 * b_sat, 1, hw, cluster)[1] == pytest.approx(2 * compute)
+
+
+def test_training_bubble_matches_the_schedule_simulator():
+    """(m + pp - 1) / m: the planner's 1F1B time against rlhf.schedule's serial 1F1B makespan."""
+    cfg, hw, cluster = model_preset("llama-13b"), HW["a100"], Cluster(1, 8)
+    mesh = _mesh("actor_train", ParallelStrategy(dp=1, pp=4, tp=2))
+    c = task_cost("actor_train", cfg, "lm", mesh, WL, hw, cluster)
+    m = WL.samples // WL.minibatches // WL.micro_batch_size
+    pb = build_problem([schedule_shape(cfg, "actor", 2, 4, m)], CostConfig())
+    f_b = pb.models[0].fwd[0] + pb.models[0].bwd[0]
+    assert (c.parts["compute"] + c.parts["bubble"]) / c.parts["compute"] == pytest.approx(
+        serial_1f1b_makespan(pb) / (m * f_b))
+    tokens = WL.samples * WL.seq * WL.ppo_epochs
+    assert c.parts["compute"] == pytest.approx(3 * forward_flops_per_token(cfg, "lm", WL.seq) * tokens
+                                               / (8 * hw.gpu_flops * hw.mfu))
+    assert c.static_bytes == 18 * max(stage_parameters(cfg, "lm", 4)) / 2
+
+
+def test_fused_training_is_no_slower_than_serial():
+    plan = _flat_plan(8, train=ParallelStrategy(dp=1, pp=4, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    critic = plan.meshes["critic_train"]
+    fused = Plan("fused", {**plan.meshes, "critic_train": TaskMesh("critic_train", critic.ranks, critic.strategy,
+                                                                   reverse_pp=True)}, fuse_training=True)
+    serial = evaluate(plan, MODELS_7B, WL, HW["h100"], Cluster(1, 8))
+    together = evaluate(fused, MODELS_7B, WL, HW["h100"], Cluster(1, 8))
+    train = serial.timeline.end["critic_train"] - serial.timeline.start["actor_train"]
+    span = together.timeline.end["actor_train+critic_train"] - together.timeline.start["actor_train+critic_train"]
+    assert span < train
+    assert together.peak_memory > serial.peak_memory  # both models' activations are live at once
+
+
+# --- iteration simulator -------------------------------------------------------------------------------------------
+
+def test_list_scheduling_hand_worked():
+    calls = [Call("A", {0, 1}, 2.0), Call("B", {2}, 1.0), Call("C", {0}, 1.0, [("A", 0.5)]),
+             Call("D", {1, 2}, 1.0, [("B", 0.0)])]
+    t = schedule(calls)
+    # A and B start at 0; D waits for rank 1 (A ends at 2), not for B alone; C for A's data (2 + 0.5)
+    assert t.start == {"A": 0.0, "B": 0.0, "D": 2.0, "C": 2.5}
+    assert t.seconds == 3.5
+    with pytest.raises(PlannerError, match="wait on each other"):
+        schedule([Call("X", {0}, 1.0, [("Y", 0)]), Call("Y", {0}, 1.0, [("X", 0)])])
+    with pytest.raises(PlannerError, match=r"call 'X': unknown input\(s\) \['Z'\]"):
+        schedule([Call("X", {0}, 1.0, [("Z", 0)])])
+
+
+def test_iteration_from_given_call_times_overlaps_disjoint_meshes():
+    """With per-call times given (as ReaL's Tables 2-5 give them), disjoint meshes run side by side."""
+    s = ParallelStrategy(dp=4)
+    meshes = {"actor_gen": _mesh("actor_gen", s), "actor_train": _mesh("actor_train", s),
+              "ref_inf": _mesh("ref_inf", s, 4), "reward_inf": _mesh("reward_inf", s, 4),
+              "critic_inf": _mesh("critic_inf", s, 4),
+              "critic_train": _mesh("critic_train", ParallelStrategy(dp=2, tp=2), 4)}
+    times = {"actor_gen": 10.0, "ref_inf": 2.0, "reward_inf": 1.0, "critic_inf": 3.0, "actor_train": 5.0,
+             "critic_train": 4.0}
+    ev = evaluate(Plan("split", meshes), MODELS_7B, WL, replace(HW["h100"], inter_node_bandwidth=1e30,
+                                                                 intra_node_bandwidth=1e30), Cluster(1, 8), times)
+    # inference 10..16 (ref and reward one after the other on ranks 4-7, critic too); both trainings
+    # 16..21 side by side; the critic's reshard into critic_inf after its training (ranks 4-7 only)
+    assert ev.timeline.start["ref_inf"] == pytest.approx(10.0)
+    assert ev.timeline.start["actor_train"] == ev.timeline.start["critic_train"] == pytest.approx(16.0)
+    assert ev.timeline.end["actor_train"] == pytest.approx(21.0)
+    assert ev.timeline.start["reshard critic"] == pytest.approx(20.0)
+    assert "reshard actor" not in ev.timeline.start  # actor_train and actor_gen share a layout: nothing moves
+
+
+# --- search --------------------------------------------------------------------------------------------------------
+
+def test_search_space_enumeration_and_pruning():
+    assert len(set_partitions(MODELS)) == 15  # Bell number B4
+    assert allocations(3, Cluster(1, 8)) == [(2, 2, 4), (4, 2, 2)]  # aligned blocks, none straddles a node
+    assert allocations(2, Cluster(2, 8)) == [(8, 8)]
+    assert PRESETS_APP["flatten"] in set_partitions(MODELS) and PRESETS_APP["separate"] in set_partitions(MODELS)
+    cfg = model_preset("llama-7b")
+    ok, why = strategies("actor_train", cfg, tuple(range(16)), WL, Cluster(2, 8))
+    assert ParallelStrategy(dp=2, pp=1, tp=8) in ok
+    assert why == ["actor_train dp1xpp1xtp16: tp=16: a TP group leaves its node"]
+    _, why = strategies("actor_gen", TINY, tuple(range(8)), WL, Cluster(1, 8))
+    assert "actor_gen dp2xpp1xtp4: tp=4 does not divide the heads/KV heads/ffn" in why  # 2 KV heads
+    assert "actor_gen dp4xpp2xtp1: generation decodes a whole model (pp=1)" in why
+    _, why = strategies("critic_train", cfg, tuple(range(8)), Workload(48, 8, 8, 2, 4), Cluster(1, 8))
+    assert "critic_train dp8xpp1xtp1: dp=8 x micro-batch 4 does not divide the mini-batch of 24 samples" in why
+
+
+def test_generation_mesh_takes_hybridflow_order_when_it_moves_fewer_bytes():
+    train = _mesh("actor_train", ParallelStrategy(dp=2, tp=4))
+    meshes = {"actor_train": train, "actor_gen": _mesh("actor_gen", ParallelStrategy(dp=4, tp=2))}
+    assert generation_order(meshes, MODELS_7B)["actor_gen"].ranks == (0, 2, 1, 3, 4, 6, 5, 7)
+    same = {**meshes, "actor_gen": _mesh("actor_gen", ParallelStrategy(dp=2, tp=4))}
+    assert generation_order(same, MODELS_7B)["actor_gen"].ranks == tuple(range(8))  # nothing moves either way
+
+
+def _job_accepts(placement: dict, models: dict, world: int, wl: Workload) -> None:
+    """The checks pretrain_rlhf.py makes: Placement validation, model shapes, whole micro-batches."""
+    p = Placement.from_plan(placement, world)
+    p.validate_models(models)
+    for task in ("actor_train", "critic_train"):
+        assert (wl.samples // wl.minibatches) % (p[task].strategy.dp * wl.micro_batch_size) == 0
+
+
+@pytest.mark.parametrize("actor, critic, nodes", [("llama-7b", "llama-7b", 2), ("llama-70b", "llama-7b", 16)])
+def test_search_plans_pass_placement_validation(actor, critic, nodes):
+    a, c = model_preset(actor), model_preset(critic)
+    models = {"actor": a, "reference": a, "critic": c, "reward": c}
+    hw, cluster = HW["h100"], Cluster(nodes, 8)
+    res = search(models, WL, hw, cluster, SearchConfig(fuse_training=True))
+    assert [e.seconds for e in res.ranked] == sorted(e.seconds for e in res.ranked)
+    assert res.pruned and all(e.peak_memory <= hw.gpu_memory * hw.memory_headroom for e in res.ranked)
+    for ev in res.ranked[:3]:
+        _job_accepts(ev.plan.placement(), models, cluster.gpus, WL)
+    assert res.best.seconds == min(e.seconds for e in res.ranked)
+
+
+# --- tools/plan_placement.py ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("actor, critic, nodes", [("llama-7b", "llama-7b", 2), ("llama-70b", "llama-7b", 16)])
+def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nodes):
+    """The written plan passes pretrain_rlhf.py's own pre-start checks (its --dry-run), fused schedule included."""
+    from rlhf.arguments import parse_args
+    from rlhf.launch import dry_run
+
+    out = tmp_path / "plan.json"
+    batch = ["--rollout-batch-size", "64", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size", "64",
+             "--micro-batch-size", "4", "--max-prompt-len", "512", "--max-response-len", "512"]
+    assert plan_placement.main(["--actor", actor, "--critic", critic, "--nodes", str(nodes), "--gpus-per-node", "8",
+                                "--intra-stage-fusion", "--out", str(out), "--top", "3", *batch]) == 0
+    text = capsys.readouterr().out
+    assert "iter s" in text and "GiB/GPU" in text and "pruned:" in text and f"written to {out}" in text
+    shapes = {}
+    for model, preset in (("actor", actor), ("critic", critic)):
+        shapes[model] = tmp_path / f"{model}.json"
+        shapes[model].write_text(json.dumps(PRESETS[preset].to_dict()))
+    fused = ["--intra-stage-fusion"] if "--intra-stage-fusion" in text.splitlines()[-1] else []
+    config = parse_args(["--actor-model", str(shapes["actor"]), "--critic-model", str(shapes["critic"]),
+                         "--placement", str(out), *batch, *fused])
+    assert dry_run(config, nodes * 8).startswith(f"dry run: {nodes * 8} ranks;")
+    # the written plan predicted on its own gives the table's first row
+    assert plan_placement.main(["--actor", actor, "--critic", critic, "--nodes", str(nodes), "--placement", str(out),
+                                *batch, *fused]) == 0
+    assert text.splitlines()[2].split()[1] == capsys.readouterr().out.splitlines()[2].split()[1]
+
+
+def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
+    """Stage times made with known constants (a slow 'GPU' with a large call overhead) are fitted back."""
+    measured, hw_out = tmp_path / "stages.json", tmp_path / "cpu.json"
+    placement = ROOT / "examples" / "placement_4ranks.json"
+    truth = replace(HW["a100"], mfu=0.001, hbm_efficiency=0.01, step_overhead_s=0.005)
+    models = {"actor": PRESETS_JOB["tiny"], "reference": PRESETS_JOB["tiny"], "critic": PRESETS_JOB["tiny-critic"],
+              "reward": PRESETS_JOB["tiny-critic"]}
+    plan = plan_placement.plan_from_file(placement, Cluster(1, 4))
+    costs = evaluate(plan, models, Workload(512, 512, 512, 4, 4), truth, Cluster(1, 4)).costs
+    measured.write_text(json.dumps({stage: sum(costs[t].seconds for t in tasks)
+                                    for stage, tasks in STAGE_TASKS.items()}))
+    args = ["--actor", "tiny", "--critic", "tiny-critic", "--nodes", "1", "--gpus-per-node", "4", "--hardware", "a100",
+            "--placement", str(placement), "--measured", str(measured), "--write-hardware", str(hw_out)]
+    assert plan_placement.main(args) == 0
+    assert "calibrated: mfu" in capsys.readouterr().out
+    fitted = load_hardware(str(hw_out))
+    assert (fitted.mfu, fitted.hbm_efficiency, fitted.step_overhead_s) == pytest.approx((0.001, 0.01, 0.005),
+                                                                                      rel=1e-6)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--actor", "llama-8b", "--critic", "llama-7b"], r"^plan_placement.py: --actor llama-8b: unknown model; give a "
+                                                      r"preset \(llama-7b"),
+    (["--actor", "llama-70b", "--critic", "llama-7b", "--nodes", "1"],
+     r"^plan_placement.py: no plan fits in memory on 1 x 8 GPUs \(e.g. .*GiB"),
+    (["--actor", "tiny", "--critic", "tiny", "--gpus-per-node", "3", "--ppo-mini-batch-size", "6",
+      "--rollout-batch-size", "6", "--n-samples-per-prompt", "1", "--micro-batch-size", "4"],
+     r"^plan_placement.py: the 3 GPUs \(1 x 3\) cannot be divided among the tasks"),
+    (["--actor", "tiny", "--critic", "tiny", "--gpus-per-node", "4", "--placement", "BAD"],
+     r"^plan_placement.py: --placement BAD: actor_gen: pp\*tp = 1\*3 does not divide the mesh size 4"),
+    (["--actor", "tiny", "--critic", "tiny", "--hardware", "nope.json"], r"^plan_placement.py: --hardware: hardware "
+                                                                        r"file nope.json"),
+    (["--actor", "tiny", "--critic", "tiny", "--ppo-mini-batch-size", "100"],
+     r"^plan_placement.py: --ppo-mini-batch-size: 100 does not divide the 512 samples"),
+])
+def test_tool_bad_input_is_one_line(tmp_path, capsys, args, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"actor_gen": {"tp": 3}}))
+    assert plan_placement.main([str(bad) if a == "BAD" else a for a in args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert re.match(message, err.replace(str(bad), "BAD")), err
