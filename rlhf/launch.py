@@ -85,8 +85,21 @@ def dry_run(config: JobConfig, world_size: int) -> str:
         if task in trained:
             line += f"; {config.microbatches(placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
-    lines += [_describe_batches(config), _describe_training(config, placement)]
+    lines += [_describe_batches(config), _describe_generation(config, placement), _describe_training(config, placement)]
     return "\n".join(lines)
+
+
+def _describe_generation(config: JobConfig, placement) -> str:
+    fusion, gen = config.fusion, config.generation
+    workload = (f"long-tailed workload (lognormal lengths, median {gen.long_tail_median}, EOS ignored)"
+                if gen.long_tail_median else "samples end at EOS or --max-response-len")
+    if not fusion.inter_stage_fusion:
+        return f"generation: {placement['actor_gen'].strategy.dp} instance(s), {workload}; inference after it " \
+               "(no --inter-stage-fusion)"
+    threshold = "auto" if fusion.migration_threshold is None else f"{fusion.migration_threshold:g}"
+    return (f"generation: {placement['actor_gen'].strategy.dp} instances, {workload}; inter-stage fusion: the long "
+            f"tail migrates at R={threshold} (K/V: {fusion.migrate_kv}, counts every {fusion.migration_check_every} "
+            "steps) and the freed ranks infer the finished samples")
 
 
 def _describe_batches(config: JobConfig) -> str:

@@ -228,6 +228,20 @@ def test_a_launch_that_cannot_run_is_refused(tmp_path, capsys):
                                 "num_layers=40\n")
 
 
+def test_dry_run_describes_generation_and_inter_stage_fusion(capsys):
+    status, out, _ = dry_run(4, [], capsys)
+    assert status == 0 and ("generation: 2 instance(s), samples end at EOS or --max-response-len; inference after "
+                            "it (no --inter-stage-fusion)") in out.splitlines()
+    status, out, _ = dry_run(4, ["--inter-stage-fusion", "--migration-threshold", "0.3", "--migrate-kv", "no",
+                                 "--long-tail-median", "8"], capsys)
+    assert status == 0 and ("generation: 2 instances, long-tailed workload (lognormal lengths, median 8, EOS "
+                            "ignored); inter-stage fusion: the long tail migrates at R=0.3 (K/V: no, counts every 4 "
+                            "steps) and the freed ranks infer the finished samples") in out.splitlines()
+    status, _, err = dry_run(2, ["--inter-stage-fusion", "--actor-gen", "tp=2"], capsys)
+    assert (status, err) == (2, "pretrain_rlhf.py: --inter-stage-fusion: inter-stage fusion migrates samples between "
+                                "generation instances, but actor_gen has dp 1; place actor_gen with dp >= 2\n")
+
+
 def test_dry_run_flags_are_checked(capsys):
     assert pretrain_rlhf.main(["--dry-run"]) == 2
     assert capsys.readouterr().err == ("pretrain_rlhf.py: --world-size: --dry-run needs the number of ranks to plan "
