@@ -11,10 +11,11 @@
     calibrated sleeps (`SleepEngine`: a decode step sleeps the cost model's
     step time; inference sleeps ``infer_s`` per sample) while the real
     fusion runtime runs: the counts, the migration (token-only messages
-    through the real transport), the early inference on the freed ranks and
-    the final gather (`rlhf.fusion.inter_stage`). Unfused and fused wall
-    times (median of ``--repeats``) next to the simulator's prediction for
-    the same batch, with ``stream_tail=False`` as the runtime is built.
+    through the real transport), the inference on the freed ranks of the
+    samples finished by then and of those the destinations stream, and the
+    final gather (`rlhf.fusion.inter_stage`). Unfused and fused wall times
+    (median of ``--repeats``) next to the simulator's prediction for the
+    same batch.
 (c) The same on real tiny models: the trainer's generate + infer on 4 CPU
     ranks (actor_gen dp4 TP1, inference tasks over the same ranks) on the
     long-tailed workload, unfused and fused at the policy's R. Four ranks
@@ -77,7 +78,7 @@ def print_figure9(res: dict, batches: int) -> None:
 
 # --- (b) calibrated sleeps on 4 ranks ----------------------------------------------------------------------------
 
-SLEEP_COST = GenerationCost(instances=4, step_s=0.02, b_sat=64, infer_s=0.12, migrate_s=0.004, stream_tail=False)
+SLEEP_COST = GenerationCost(instances=4, step_s=0.02, b_sat=64, infer_s=0.12, migrate_s=0.004)
 """(b)'s cost model: a 20 ms decode step (flat: b_sat above any instance's batch), 120 ms of inference per
 sample on one rank, 4 ms per migrated sample at the destination (token-only: its re-prefill)."""
 SLEEP_BATCH, SLEEP_MEDIAN, SLEEP_CAP, CHECK_EVERY = 64, 16, 160, 2
@@ -225,7 +226,7 @@ def print_sleep(res: dict) -> None:
           f"ms/sample, counts every {CHECK_EVERY} steps, R={res['threshold']:.0%} (policy)")
     info = m["info"]
     print(f"    fused run: {m['migrated']} samples migrated to instance(s) {list(info['destinations'])}, "
-          f"{info['early']} inferred early on the freed ranks")
+          f"{info['early']} inferred on the freed ranks while generation ran")
     print(f"    {'':8} {'measured s':>10} {'predicted s':>11} {'measured/predicted':>18}")
     for name in ("unfused", "fused"):
         print(f"    {name:8} {m[name]:10.3f} {p[name]:11.3f} {m[name] / p[name]:18.3f}")

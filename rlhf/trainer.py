@@ -305,7 +305,8 @@ class Trainer:
                 remaining = [i for i in range(len(batch)) if i not in done]
                 index = [remaining[k] for k in shares(len(remaining), self.groups[task].mesh.strategy.dp)[
                     self.groups[task].coord.dp]]
-                outputs.setdefault(name, {}).update(self._infer_on_device(task, batch.select(index), index))
+                if index:  # fewer samples left than replicas: the idle ones (all their ranks) skip
+                    outputs.setdefault(name, {}).update(self._infer_on_device(task, batch.select(index), index))
         self._note_memory("inference")
         merged = {}
         for part in gather_to_all([outputs]):

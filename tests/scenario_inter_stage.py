@@ -55,6 +55,8 @@ def _rollout(trainer: Trainer, prompts) -> dict:
     stats = [] if fused is None else [(dist.get_rank(), fused.migrate_step, fused.moved_out, fused.moved_in,
                                        fused.refused, len(fused.finished_at_migration))]
     rows = 0 if early is None else sum(len(r) for r in early.rows.values())  # computed on this rank
+    if fused is not None:
+        stats = [(*stats[0], trainer.inter_stage.streamed)]
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (stats, rows))
     return {"fields": {f: getattr(batch, f).cpu().numpy() for f in FIELDS},  # numpy: a queue cannot hold tensors

@@ -1,7 +1,6 @@
 """Inter-stage fusion policy (pure): simulator against hand-computed timelines and an independent
 step-by-step reference, the m and destination rules, and the chosen R against the sweep's best."""
 
-import dataclasses
 import heapq
 import math
 import random
@@ -30,33 +29,19 @@ def test_step_time_is_flat_up_to_saturation_then_linear():
 def test_hand_computed_timeline_without_moves():
     # instance 0: lengths [1, 4] -> ends 1, 4; instance 1: [2, 2] -> ends 2, 2; unfused: 4 + 4 samples * 1 s / 2
     assert simulate([1, 4, 2, 2], UNIT, 0.0).total_s == 6.0
-    # R = 1/4: at t=2 one sample is left, on instance 0 (m=1, nothing moves); instance 1 infers 3 samples
-    # from t=2 (done at 5 minus the 2 s served by t=4), then both infer the last two: 4 + 2/2
+    # R = 1/4: at t=2 one sample is left, on instance 0 (m=1, nothing moves); instance 1 infers the 3 finished
+    # ones from t=2 to 5; the one that ends generation (t=4) waits for that, then both infer it: 5 + 1/2
     fused = simulate([1, 4, 2, 2], UNIT, 0.25)
-    assert (fused.total_s, fused.generation_s, fused.migrate_at_s, fused.m, fused.migrated) == (5.0, 4.0, 2.0, 1, 0)
+    assert (fused.total_s, fused.generation_s, fused.migrate_at_s, fused.m, fused.migrated) == (5.5, 4.0, 2.0, 1, 0)
 
 
 def test_hand_computed_timeline_with_a_move():
     # [3, 1] and [3, 1]: at t=1 two samples are left, one each; m = ceil(2/2) = 1, instance 0 (tie: lower index)
-    # receives one (0.5 s), runs both from 1.5 to 3.5; instance 1 infers the two finished ones from t=1 to 3
+    # receives one (0.5 s), runs both from 1.5 to 3.5; instance 1, free once the move is done, infers the two
+    # finished ones from t=1.5 to 3.5; the two that end generation at 3.5: both instances, 3.5 + 2/2
     fused = simulate([3, 1, 3, 1], UNIT, 0.5)
     assert (fused.total_s, fused.generation_s, fused.migrate_at_s, fused.m, fused.migrated) == (4.5, 3.5, 1.0, 1, 1)
     assert simulate([3, 1, 3, 1], UNIT, 0.0).total_s == 5.0
-
-
-def test_hand_computed_timeline_as_the_runtime_is_built():
-    # stream_tail=False: the freed instance infers only what finished by the migration, after every move
-    batch = dataclasses.replace(UNIT, stream_tail=False)
-    # [1, 4] and [2, 2], R = 1/4: at t=2 three finished; instance 1 (freed, nothing moves) infers them,
-    # 2 + 3 = 5; instance 0 generates until 4; then both infer the last one: 5 + ceil(1/2) = 6
-    fused = simulate([1, 4, 2, 2], batch, 0.25)
-    assert (fused.total_s, fused.generation_s, fused.migrate_at_s, fused.m, fused.migrated) == (6.0, 4.0, 2.0, 1, 0)
-    # [3, 1] and [3, 1], R = 1/2: at t=1 two finished and one sample moves (0.5 s): instance 1 infers the two
-    # from 1.5 to 3.5, instance 0 generates until 3.5; the two long ones: 3.5 + ceil(2/2) = 4.5
-    fused = simulate([3, 1, 3, 1], batch, 0.5)
-    assert (fused.total_s, fused.generation_s, fused.migrated) == (4.5, 3.5, 1)
-    # unfused is the same model either way
-    assert simulate([1, 4, 2, 2], batch, 0.0).total_s == simulate([1, 4, 2, 2], UNIT, 0.0).total_s == 6.0
 
 
 def reference(lengths, cost, threshold, dt=1e-3):
@@ -71,7 +56,8 @@ def reference(lengths, cost, threshold, dt=1e-3):
                                     [0] * len(remaining), cost.b_sat)
         kept = [list(r) if j in dests else [] for j, r in enumerate(remaining)]
         delays = {}
-        for src, pos, dst in assign_moves([[0] * len(r) for r in remaining], dests, [math.inf] * len(remaining)):
+        moves = assign_moves([[0] * len(r) for r in remaining], dests, [math.inf] * len(remaining))
+        for src, pos, dst in moves:
             kept[dst].append(remaining[src][pos])
             delays[dst] = delays.get(dst, 0.0) + cost.migrate_s
         remaining = kept
@@ -79,7 +65,8 @@ def reference(lengths, cost, threshold, dt=1e-3):
         events = [(te, j) for te, j in events if j in dests and j not in delays]
         events += [(t + delay + cost.step_time(len(remaining[j])), j) for j, delay in delays.items()]
         heapq.heapify(events)
-        return events, {j: t for j in range(cost.instances) if j not in dests}
+        # the moves go one after another: a source is free when the last is done
+        return events, {j: t + cost.migrate_s * len(moves) for j in range(cost.instances) if j not in dests}
 
     events = [(cost.step_time(len(r)), j) for j, r in enumerate(remaining) if r]
     heapq.heapify(events)
@@ -96,15 +83,18 @@ def reference(lengths, cost, threshold, dt=1e-3):
         if frees is None and unfinished <= limit and events and events[0][0] > t + 1e-9:
             events, frees = migrate(t, events)
     gen_end = max(finished)
-    starts = [(frees or {}).get(j, gen_end) for j in range(cost.instances)]
-    arrivals, arrived, served, tick = sorted(finished), 0, 0.0, 0
-    while served < len(lengths) - 1e-9:
+    # the freed instances serve what finished before generation ended; what ends it waits for all N
+    streamed = sorted(t for t in finished if t < gen_end - 1e-9) if frees else []
+    starts = list(frees.values()) if frees else []
+    arrived, served, tick = 0, 0.0, 0
+    while served < len(streamed) - 1e-9:
         now = tick * dt
-        while arrived < len(arrivals) and arrivals[arrived] <= now + 1e-12:
+        while arrived < len(streamed) and streamed[arrived] <= now + 1e-12:
             arrived += 1
         served = min(arrived, served + dt * sum(s <= now + 1e-12 for s in starts) / cost.infer_s)
         tick += 1
-    return tick * dt
+    drained = tick * dt if streamed else min(starts, default=0.0)
+    return max(drained, gen_end) + (len(lengths) - len(streamed)) * cost.infer_s / cost.instances
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

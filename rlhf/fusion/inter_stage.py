@@ -1,21 +1,21 @@
-"""Inter-stage fusion inside the trainer: fused generation, early inference on the freed ranks, metrics.
+"""Inter-stage fusion inside the trainer: fused generation, inference on the freed ranks, metrics.
 
 One iteration with ``--inter-stage-fusion`` (docs/fusion.md)::
 
     every generation instance      fused_generate (rlhf.fusion.runtime): count every k steps;
                                    at <= R x batch unfinished, migrate them to m destinations
-    ranks freed by the migration   infer the samples finished by then: each inference task's
-                                   DP replicas whose ranks are all free share them
-    destinations                   generate the long tail to the end
+    destinations                   generate the long tail, streaming the samples they finish to
+                                   the freed ranks every k steps (rlhf.fusion.stream)
+    ranks freed by the migration   infer the samples finished by then, then each streamed batch:
+                                   each inference task's DP replicas whose ranks are all free
+                                   take the samples in turns
     every rank                     one object all-gather: the samples and what was inferred early;
-                                   then the trainer infers the rest (the long tail) on all replicas
+                                   then the trainer infers the rest (the batch that ended
+                                   generation, and tasks with no freed replica) on all replicas
 
 A sample's reference log-probs, score and values do not depend on which
 replica or micro-batch computes them, so the outputs equal the unfused run's
-(up to float rounding of other batch shapes). Not built: streaming each
-long-tail sample into inference the moment it finishes; the long tail is
-inferred after generation, which `rlhf.fusion.policy.simulate` models with
-``GenerationCost.stream_tail=False``.
+(up to float rounding of other batch shapes).
 
 R is ``fusion.migration_threshold``, or auto: `FIRST_THRESHOLD` in the first
 iteration, then the policy's choice (`choose_threshold`) for the response
@@ -34,8 +34,9 @@ from typing import Callable
 import torch.distributed as dist
 
 from rlhf.fusion.policy import GenerationCost, LengthDistribution, choose_threshold
-from rlhf.fusion.runtime import FusedGeneration, MigrationConfig, fused_generate
-from rlhf.parallel.exchange import gather_to_all, shares
+from rlhf.fusion.runtime import FusedGeneration, MigrationConfig, finish_tail, fused_generate
+from rlhf.fusion.stream import StreamSender, receive
+from rlhf.parallel.exchange import gather_to_all
 
 FIRST_THRESHOLD = 0.2
 """R of the first iteration under ``migration_threshold auto``: RLHFuse's measured best (its Figure 9)."""
@@ -86,41 +87,75 @@ class InterStageFusion:
     def start_iteration(self) -> None:
         """Mark the start of generation on this rank (every rank, before `generate`)."""
         self._start, self._steps, self._window = time.perf_counter(), None, None
+        self.streamed = 0  # samples this freed rank received from the destinations while they generated
 
     def generate(self, engine, requests, groups) -> FusedGeneration:
-        """This instance's ``requests`` with the long tail migrated at R (collective over actor_gen)."""
+        """This instance's ``requests`` with the long tail migrated at R (collective over actor_gen); a
+        destination streams the samples it finishes to the freed ranks (`rlhf.fusion.stream`)."""
         steps = engine.stats.steps
         fused = fused_generate(engine, requests, groups, MigrationConfig(
-            self.threshold, self.migrate_kv, self.cfg.migration_check_every, b_sat=self.b_sat))
+            self.threshold, self.migrate_kv, self.cfg.migration_check_every, b_sat=self.b_sat), finish=False)
+        stream = self._stream(fused)
+        if stream is not None and groups.coord.dp in fused.destinations and groups.tp_rank == 0:
+            sender = StreamSender(stream[0])
+            finish_tail(engine, fused, sender.send, every=self.cfg.migration_check_every)
+            sender.close()
+        else:
+            finish_tail(engine, fused)
         self._steps = engine.stats.steps - steps
         return fused
 
-    def infer_early(self, fused: FusedGeneration | None, make_batch: Callable, infer_rows: Callable) -> EarlyInference:
-        """On a rank the migration freed: the samples finished by then, shared by each inference task's
-        replicas that lie within the freed ranks (``infer_rows(task, part, indices) -> rows``).
-        Elsewhere (destinations, ranks outside actor_gen, no migration): nothing."""
-        early = EarlyInference()
+    def _freed(self, fused: FusedGeneration) -> set:
+        """The ranks of the instances the migration freed (every rank of actor_gen derives the same set)."""
         gen = self.placement["actor_gen"]
-        if fused is None or fused.migrate_step is None or not fused.finished_at_migration:
+        return {r for d in range(gen.strategy.dp) if d not in fused.destinations for r in gen.mp_ranks(d)}
+
+    def _stream(self, fused: FusedGeneration | None):
+        """(the freed ranks that infer, the destinations' senders), or None: no migration, or no inference
+        task has a replica within the freed ranks."""
+        if fused is None or fused.migrate_step is None:
+            return None
+        freed = self._freed(fused)
+        meshes = [self.placement[task] for task, _ in self.inference]
+        inferring = sorted({r for mesh in meshes for d in early_replicas(mesh, freed) for r in mesh.mp_ranks(d)})
+        gen = self.placement["actor_gen"]
+        return (inferring, [gen.rank(0, d, 0) for d in fused.destinations]) if inferring else None
+
+    def infer_early(self, fused: FusedGeneration | None, make_batch: Callable, infer_rows: Callable) -> EarlyInference:
+        """On a rank the migration freed: the samples finished by then, then each batch the destinations
+        stream, shared by each inference task's replicas that lie within the freed ranks
+        (``infer_rows(task, part, indices) -> rows``). Elsewhere (destinations, ranks outside actor_gen, no
+        migration): nothing."""
+        early, stream = EarlyInference(), self._stream(fused)
+        if stream is None or dist.get_rank() not in stream[0]:
             return early
-        freed = {r for d in range(gen.strategy.dp) if d not in fused.destinations for r in gen.mp_ranks(d)}
-        if dist.get_rank() not in freed:
-            return early
-        start = time.perf_counter()
-        samples = sorted(fused.finished_at_migration, key=lambda s: batch_index(s.request_id, s.sample_index, self.n))
-        index = [batch_index(s.request_id, s.sample_index, self.n) for s in samples]
-        batch = make_batch(samples)
-        for task, name in self.inference:
-            mesh = self.placement[task]
-            replicas = early_replicas(mesh, freed)
-            if not replicas:
-                continue
-            early.done[task] = set(index)
-            coord = mesh.coord(dist.get_rank())
-            if coord is not None and coord.dp in replicas:
-                part = shares(len(samples), len(replicas))[replicas.index(coord.dp)]
-                rows = infer_rows(task, batch.select(part), [index[k] for k in part])
-                early.rows.setdefault(name, {}).update(rows)
+        start, freed = time.perf_counter(), self._freed(fused)
+        dealt = {}  # task -> samples dealt so far: batch after batch, the replicas take turns
+
+        def infer(samples: list) -> None:
+            samples = sorted(samples, key=lambda s: batch_index(s.request_id, s.sample_index, self.n))
+            index = [batch_index(s.request_id, s.sample_index, self.n) for s in samples]
+            batch = make_batch(samples)
+            for task, name in self.inference:
+                mesh = self.placement[task]
+                replicas = early_replicas(mesh, freed)
+                if not replicas:
+                    continue
+                early.done.setdefault(task, set()).update(index)
+                coord = mesh.coord(dist.get_rank())
+                first = dealt.get(task, 0)
+                dealt[task] = first + len(samples)
+                mine = replicas.index(coord.dp) if coord is not None and coord.dp in replicas else None
+                part = [k for k in range(len(samples)) if (first + k) % len(replicas) == mine]
+                if part:  # a batch smaller than the replica count leaves some replicas (all their ranks) idle
+                    rows = infer_rows(task, batch.select(part), [index[k] for k in part])
+                    early.rows.setdefault(name, {}).update(rows)
+
+        if fused.finished_at_migration:
+            infer(fused.finished_at_migration)
+        early_count = len(early.done and next(iter(early.done.values())))
+        receive(stream[1], infer)
+        self.streamed = len(early.done and next(iter(early.done.values()))) - early_count
         self._window = (start - self._start, time.perf_counter() - self._start)
         return early
 
@@ -157,6 +192,9 @@ class InterStageFusion:
                 out["fusion_destinations"] = float(len(fused.destinations))
             if dist.get_rank() == 0:
                 out["fusion_early_samples_count"] = float(len(fused.finished_at_migration))
+        stream = self._stream(fused)
+        if stream is not None and dist.get_rank() == stream[0][0]:  # one of the freed ranks that infer
+            out["fusion_streamed_count"] = float(self.streamed)
         return out
 
     # ---- between iterations: the auto choices ----------------------------------------
@@ -171,8 +209,7 @@ class InterStageFusion:
             self.migrate_kv = self._kv_cheaper(metrics)
         if self.cfg.migration_threshold is None and self._step_s:
             infer_s = metrics.get("time_inference_s", 0.0) + metrics.get("time_fusion_early_inference_s", 0.0)
-            cost = GenerationCost(instances, self._step_s, self.b_sat, infer_s * instances / self.batch_size,
-                                  stream_tail=False)
+            cost = GenerationCost(instances, self._step_s, self.b_sat, infer_s * instances / self.batch_size)
             self.threshold = choose_threshold(self.lengths, cost, self.batch_size, trials=8, seed=self.seed).threshold
 
     def _kv_cheaper(self, metrics: dict) -> bool:

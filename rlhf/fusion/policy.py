@@ -15,11 +15,6 @@ sample joins when it finishes.
   already hold the most unfinished samples; each moved sample goes to the
   destination holding the fewest samples at that moment.
 
-``GenerationCost.stream_tail=False`` models the runtime as built
-(rlhf.fusion.inter_stage): the freed instances infer only the samples
-finished at the migration (each its whole share, once every move is done),
-and the long tail is inferred by every instance once generation ends.
-
 The simulator's time model, per instance (one DP replica of generation)::
 
     decode step (s) = step_s * max(1, running / b_sat)    # flat up to B_sat
@@ -28,9 +23,12 @@ The simulator's time model, per instance (one DP replica of generation)::
 
 Samples start together (sample k of a batch of B on instance k // (B / N), as
 `Batch.split` deals them) and a sample of length L finishes after L steps.
-Inference is a fluid queue: every free instance serves 1 / infer_s samples
-per second. The instances freed by the migration start it at once; the
-destinations join when generation ends (unfused: all instances then).
+Inference, as the runtime runs it (rlhf.fusion.inter_stage): the instances
+freed by the migration, once every move is done (the moves go in one global
+order), serve the samples finished before generation ends as a fluid queue
+(1 / infer_s samples per second each); the samples that end generation are
+inferred by all N instances after that queue is empty (unfused: all samples,
+all instances, after generation).
 """
 
 from __future__ import annotations
@@ -67,7 +65,6 @@ class GenerationCost:
     migrate_s: float = 0.0
     kv_tokens: int | None = None
     prompt_len: int = 0
-    stream_tail: bool = True
 
     def __post_init__(self):
         for name, ok, valid in (("instances", self.instances >= 1, ">= 1"), ("step_s", self.step_s > 0, "> 0"),
@@ -261,16 +258,13 @@ def _fused(per: list[list[int]], ends: list[list[float]], at: float, cost: Gener
         else:
             arrivals += [t for t, length in zip(ends[d], per[d]) if length > steps[d]]
     gen_end = max(arrivals)
-    if cost.stream_tail:
-        frees = [at] * (cost.instances - len(dests)) + [gen_end] * len(dests)
-        return SimResult(_drain(arrivals, frees, cost.infer_s), gen_end, at, len(dests), len(moves))
-    early = sum(length <= s for ls, s in zip(per, steps) for length in ls)  # finished by the migration
-    freed = cost.instances - len(dests)  # each infers its whole share of the early samples, then of the tail
-    moved_s = cost.migrate_s * len(moves)  # the moves go in one global order: sources wait for all of them
-    early_end = at + moved_s + math.ceil(early / freed) * cost.infer_s if freed else at
-    tail = len(arrivals) - (early if freed else 0)
-    return SimResult(max(gen_end, early_end) + math.ceil(tail / cost.instances) * cost.infer_s, gen_end, at,
-                     len(dests), len(moves))
+    moved = at + cost.migrate_s * len(moves)  # one global order of moves: a source is free once all are done
+    freed = cost.instances - len(dests)
+    streamed = [t for t in arrivals if t < gen_end - 1e-9] if freed else []
+    drained = _drain(streamed, [moved] * freed, cost.infer_s) if streamed else moved
+    last = len(arrivals) - len(streamed)  # what ends generation: every instance infers it, after the stream
+    return SimResult(max(drained, gen_end) + last * cost.infer_s / cost.instances, gen_end, at, len(dests),
+                     len(moves))
 
 
 # --- when: the length distribution and the threshold ---------------------------------------------------------------

@@ -81,9 +81,13 @@ class FusedGeneration:
     migration_s: float = 0.0
 
 
-def fused_generate(engine: Engine, requests: list[Request], groups, cfg: MigrationConfig) -> FusedGeneration:
+def fused_generate(engine: Engine, requests: list[Request], groups, cfg: MigrationConfig,
+                   finish: bool = True) -> FusedGeneration:
     """Run this instance's ``requests``; migrate the batch's long tail once it is short enough (collective
-    over the generation mesh ``groups.mesh_group``: every rank of it calls this)."""
+    over the generation mesh ``groups.mesh_group``: every rank of it calls this).
+
+    ``finish=False`` returns right after the migration, leaving the long tail in ``engine`` for the caller
+    to run with `finish_tail` (which can hand each finished sample on as it finishes)."""
     start = time.perf_counter()
     for r in requests:
         engine.add_request(r)
@@ -105,10 +109,28 @@ def fused_generate(engine: Engine, requests: list[Request], groups, cfg: Migrati
         if engine.has_unfinished():
             out.samples += engine.step()
         step += 1
-    while engine.has_unfinished():  # destinations, and sources that kept a refused sample
-        out.samples += engine.step()
     out.generation_s = time.perf_counter() - start
+    if finish:
+        finish_tail(engine, out)
     return out
+
+
+def finish_tail(engine: Engine, out: FusedGeneration, on_finished=None, every: int = 1) -> None:
+    """Run what ``engine`` still holds to the end (a destination's long tail, or a sample a source kept),
+    adding to ``out``. ``on_finished(samples, last)`` is called every ``every`` steps with the samples
+    finished since its last call (possibly none), and once at the end with ``last=True``."""
+    start, step, fresh = time.perf_counter() - out.generation_s, 0, []
+    while engine.has_unfinished():
+        done = engine.step()
+        out.samples += done
+        fresh += done
+        step += 1
+        if on_finished is not None and step % every == 0 and engine.has_unfinished():
+            on_finished(fresh, False)
+            fresh = []
+    if on_finished is not None:
+        on_finished(fresh, True)
+    out.generation_s = time.perf_counter() - start
 
 
 def _report(engine: Engine, groups, assigned: int, finished: int) -> list[list[int]]:
