@@ -136,18 +136,28 @@ def run_program(program: str, parse, run, argv=None) -> int:
 
     from rlhf import platform
 
+    global _ran_distributed
     platform.init_distributed()
+    _ran_distributed = True
     try:
         run(config)
+        status = 0
     except UsageError as exc:
-        return report(program, exc)
-    finally:
+        status = report(program, exc)
+    except BaseException:
         dist.destroy_process_group()
-    return 0
+        raise
+    dist.barrier()  # every rank has printed what it had to before any of them exits (exit_process)
+    dist.destroy_process_group()
+    return status
+
+
+_ran_distributed = False
+"""Whether this process ran a process group (run_program): then exit_process skips finalization."""
 
 
 def exit_process(status: int) -> NoReturn:
-    """End a distributed entry point with ``status``, skipping the interpreter's finalization.
+    """End an entry point with ``status``; after a process group (`run_program`), skip finalization.
 
     A gloo worker thread can still be freeing the last collective's work after
     the program returns; those tensors were made in Python, so it needs the
@@ -155,8 +165,11 @@ def exit_process(status: int) -> NoReturn:
     the C++ runtime then aborts the process ("terminate called without an
     active exception", exit -6) although every result is written. Everything
     the program opened is closed by then, so the streams are flushed and the
-    process ends at once.
+    process ends at once. Without a process group (a refused flag, a dry
+    run) the process exits normally.
     """
+    if not _ran_distributed:
+        sys.exit(status)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
