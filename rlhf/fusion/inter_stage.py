@@ -151,11 +151,13 @@ class InterStageFusion:
                     rows = infer_rows(task, batch.select(part), [index[k] for k in part])
                     early.rows.setdefault(name, {}).update(rows)
 
+        def infer_streamed(samples: list) -> None:
+            self.streamed += len(samples)
+            infer(samples)
+
         if fused.finished_at_migration:
             infer(fused.finished_at_migration)
-        early_count = len(early.done and next(iter(early.done.values())))
-        receive(stream[1], infer)
-        self.streamed = len(early.done and next(iter(early.done.values()))) - early_count
+        receive(stream[1], infer_streamed)
         self._window = (start - self._start, time.perf_counter() - self._start)
         return early
 
