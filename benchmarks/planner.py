@@ -12,17 +12,22 @@
     rlhf.planner.reshard_bytes; tests/test_planner_reshard.py checks that count
     against the real rlhf/parallel/reshard.py on 8 gloo ranks. A transition
     counts when the HybridFlow order meets the formula and the planner picks it.
-(d) With ``--cpu-runs``: the tiny default job on 4 gloo ranks (benchmarks/e2e.py's
-    measurement) under several placements; the planner is calibrated on the
-    first run's stage times and predicts every run's iteration. Reported: the
-    table, whether the predicted order equals the measured one, the largest
-    relative error.
+(d) With ``--cpu-runs``: the tiny default job on 4 gloo ranks (one torch
+    thread each, as benchmarks/e2e.py runs it) under the placements of
+    CPU_PLANS, each the median of ``--iterations`` timed iterations (the
+    slowest rank per stage). The planner is calibrated on one profiling run,
+    the first (the job's built-in plan: TP, PP and DP at once), from its
+    stage seconds alone, and predicts every run's iteration. Reported: the
+    table (stages measured / predicted), whether the predicted order equals
+    the measured one, the largest relative error. ``--record FILE`` saves
+    the measured table; ``--measured FILE`` reports from a saved one.
 
 ``--real-tables`` JSON: a list of plans, each
 ``{"name": ..., "expected_s": 64.0, "calls": [{"name": "actor_gen", "ranks": [0, ...],
 "seconds": 12.3, "inputs": [["reshard actor", 0.0]]}, ...]}``.
 
-    python benchmarks/planner.py [--cpu-runs] [--iterations 3] [--warmup 1] [--real-tables FILE]
+    python benchmarks/planner.py [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2]
+                                 [--real-tables FILE]
 
 The last line is the summary:
 ``planner: table1=<k>/4 table6=<k>/4 hybridflow=<k>/2 cpu_rank_agreement=<yes|no|n/a> max_cpu_error=<x|n/a>``.
@@ -33,15 +38,18 @@ import argparse
 import json
 import os
 import platform as host
+import statistics
 import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
-from rlhf.planner.calibrate import calibrate, host_seconds, observations
+from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
 from rlhf.planner.cost import Cluster, Workload
-from rlhf.planner.hardware import Hardware
+from rlhf.planner.hardware import PRESETS as HARDWARE
 from rlhf.planner.models import PRESETS, parameter_count
-from rlhf.planner.plan import Plan, evaluate
+from rlhf.planner.plan import Plan, evaluate, stage_seconds
 from rlhf.planner.reshard_bytes import (hybridflow_fraction, hybridflow_ranks, padded_rows, parallel_bytes,
                                         received_bytes)
 from rlhf.planner.search import generation_order
@@ -55,11 +63,12 @@ PUBLISHED = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-34b"
 TRANSITIONS = (("1-2-2 -> 1-1-2-2", ParallelStrategy(dp=2, tp=2), ParallelStrategy(dp=4, tp=1)),
                ("1-4-2 -> 1-2-2-2", ParallelStrategy(dp=2, tp=4), ParallelStrategy(dp=4, tp=2)))
 
-CPU = Hardware("cpu-gloo-1-thread", gpu_flops=20e9, hbm_bandwidth=10e9, gpu_memory=8 * 2**30,
-               intra_node_bandwidth=2e9, inter_node_bandwidth=2e9)
-"""A first guess for one CPU core per rank; calibration replaces its efficiencies and overheads."""
+SHOWN = ("generation", "inference", "training", "reshard")
+"""Stages the table breaks down."""
 
 CPU_PLANS = {
+    "profiling: tp2 ref_inf, pp2 critic_train": {"ref_inf": {"tp": 2}, "critic_train": {"pp": 2}},
+    "built-in default": None,
     "dp4 everywhere": {},
     "tp2 everywhere": {t: {"tp": 2} for t in TASKS},
     "actor | critic+ref+reward": {"actor_gen": {"ranks": "0-1"}, "actor_train": {"ranks": "0-1"},
@@ -68,7 +77,10 @@ CPU_PLANS = {
     "pp2 training, tp2 generation": {"actor_train": {"pp": 2}, "critic_train": {"pp": 2},
                                      "actor_gen": {"tp": 2}},
 }
-"""Placements of the tiny default on 4 ranks; the first is the profiling run the planner is calibrated on."""
+"""Placements of the tiny default on 4 ranks (None: the job's built-in plan, examples/placement_4ranks.json).
+The first is the profiling run the planner is calibrated on, laid out so that each constant shows in a
+call of its own: data-parallel generation (per-step overhead), reward_inf and critic_inf (per-call
+overhead) and actor_train (per-update overhead), TP in ref_inf (collective latency), PP in critic_train."""
 
 
 def table1() -> int:
@@ -124,46 +136,125 @@ def hybridflow() -> int:
     return hits
 
 
-def cpu_runs(iterations: int, warmup: int) -> tuple[str, str]:
-    """Measure the CPU_PLANS, calibrate on the first, predict all: (rank agreement, max error)."""
-    from e2e import STAGES, WORLD_SIZE, check_job, summarize
+def measure(job_flags: list, iterations: int, warmup: int) -> list:
+    """This rank's ``time_<stage>_s``, ``time_iteration_s`` and ``time_<task>_s`` of each timed iteration
+    (collective: every rank runs it), read right after ``Trainer.step()``."""
+    import torch.distributed as dist
+
+    from rlhf.arguments import parse_args
+    from rlhf.job import build_trainer
+
+    config = parse_args(job_flags)
+    trainer = build_trainer(config, config.build_placement(dist.get_world_size()))
+    calls = time_calls(trainer)
+    for _ in range(warmup):
+        trainer.step()
+    records = []
+    for _ in range(iterations):
+        calls.clear()
+        trainer.step()
+        records.append(trainer.timer.metrics() | {f"time_{task}_s": s for task, s in calls.items()})
+    return records
+
+
+def time_calls(trainer) -> dict:
+    """Seconds of each task call on this rank, summed over an iteration (the dict returned, filled as the
+    trainer runs): the engine's ``generate``, ``Trainer._infer_on_device`` per task and the executor's
+    ``run_step`` per trained model, wrapped where the trainer looks them up."""
+    import rlhf.trainer
+
+    seconds: dict = {}
+
+    def timed(fn, name_of):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                name = name_of(*args)
+                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+        return wrapper
+
+    if trainer.engine is not None:
+        trainer.engine.generate = timed(trainer.engine.generate, lambda *_: "actor_gen")
+    trainer._infer_on_device = timed(trainer._infer_on_device, lambda task, *_: task)
+    rlhf.trainer.run_step = timed(rlhf.trainer.run_step, lambda _, runtimes: "+".join(f"{m}_train" for m in runtimes))
+    return seconds
+
+
+def median_stages(per_rank: list) -> dict:
+    """Seconds per stage and per iteration: the slowest rank's in each timed iteration (what the metrics
+    file's ``time_*_s`` report), then the median over the iterations."""
+    keys = sorted({k for rank in per_rank for record in rank for k in record})
+    slowest = [{k: max(rank[i].get(k, 0.0) for rank in per_rank) for k in keys} for i in range(len(per_rank[0]))]
+    return {k[len("time_"):-len("_s")]: statistics.median(row[k] for row in slowest) for k in keys}
+
+
+def run_placements(iterations: int, warmup: int) -> dict:
+    """Measure every CPU_PLANS entry on 4 gloo ranks: the recorded table (JSON-ready)."""
+    from e2e import WORLD_SIZE, check_job
 
     from rlhf.testing.distributed import launch
 
-    print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {iterations} timed iterations "
-          f"after {warmup} warm-up (median); machine {host.node()}, {os.cpu_count()} cores, load "
-          f"{os.getloadavg()[0]:.2f}")
-    rows, folder = [], tempfile.mkdtemp(prefix="planner_bench_")
-    for name, plan in CPU_PLANS.items():
-        path = Path(folder) / f"{len(rows)}.json"
-        path.write_text(json.dumps(plan))
-        flags = ["--placement", str(path)]
-        config = check_job(flags)
-        placement = config.build_placement(WORLD_SIZE)
-        res = summarize(launch(WORLD_SIZE, "e2e:measure", timeout_s=900, job_flags=flags, iterations=iterations,
-                               warmup=warmup))
-        measured = {stage: res[stage] for stage, _ in STAGES} | {"iteration": res["iteration"]}
-        rows.append((name, Plan(name, dict(placement.meshes)), measured, config))
-    config = rows[0][3]
+    folder, runs = Path(tempfile.mkdtemp(prefix="planner_bench_")), {}
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for i, (name, plan) in enumerate(CPU_PLANS.items()):
+        flags = []
+        if plan is not None:
+            (folder / f"{i}.json").write_text(json.dumps(plan))
+            flags = ["--placement", str(folder / f"{i}.json")]
+        check_job(flags)
+        load = os.getloadavg()[0]
+        per_rank = launch(WORLD_SIZE, "planner:measure", timeout_s=900, job_flags=flags, iterations=iterations,
+                          warmup=warmup)
+        runs[name] = {"plan": plan, "load_before": round(load, 2), "seconds": median_stages(per_rank)}
+        print(f"    measured '{name}': " + ", ".join(f"{k} {v:.3f}" for k, v in runs[name]["seconds"].items()),
+              flush=True)
+    return {"measured": started, "machine": host.node(), "cores": os.cpu_count(), "world_size": WORLD_SIZE,
+            "iterations": iterations, "warmup": warmup, "runs": runs}
+
+
+def cpu_table(table: dict) -> tuple[str, str]:
+    """Calibrate on the table's first run, predict every run's iteration: (rank agreement, the largest
+    relative error of any run, the profiling run's included)."""
+    from e2e import WORLD_SIZE, check_job
+
+    runs = list(table["runs"].items())
+    configs = {}
+    for name, run in runs:
+        path = Path(tempfile.mkdtemp(prefix="planner_bench_")) / "plan.json"
+        path.write_text(json.dumps(run["plan"]))
+        configs[name] = check_job([] if run["plan"] is None else ["--placement", str(path)])
+    config = configs[runs[0][0]]
     ppo, gen = config.ppo, config.generation
     wl = Workload(ppo.rollout_batch_size * ppo.n_samples_per_prompt, gen.max_prompt_len, gen.max_response_len,
                   ppo.minibatches, ppo.micro_batch_size, ppo.ppo_epochs)
     models = {m: config.models[m] for m in ("actor", "critic", "reference", "reward")}
     cluster = Cluster(1, WORLD_SIZE)
-    first_plan, first_measured = rows[0][1], rows[0][2]
-    hw = calibrate(CPU, observations(evaluate(first_plan, models, wl, CPU, cluster).costs, first_measured),
-                   host_seconds(first_measured))
-    print(f"    calibrated on '{rows[0][0]}': mfu {hw.mfu:.3g}, hbm_efficiency {hw.hbm_efficiency:.3g}, "
-          f"step_overhead_s {hw.step_overhead_s:.3g}, call_overhead_s {hw.call_overhead_s:.3g}, host_s {hw.host_s:.3g}")
-    print(f"    {'placement':32s} {'measured s':>10} {'predicted s':>11} {'error':>7}")
-    errors, predicted = [], []
-    for name, plan, measured, _ in rows:
-        p = evaluate(plan, models, wl, hw, cluster).seconds
-        predicted.append(p)
-        errors.append(abs(p / measured["iteration"] - 1))
-        print(f"    {name:32s} {measured['iteration']:10.3f} {p:11.3f} {p / measured['iteration'] - 1:+7.1%}")
+    plans = {name: Plan(name, dict(configs[name].build_placement(WORLD_SIZE).meshes)) for name, _ in runs}
+    profile, profiled = runs[0]
+    start = replace(HARDWARE["cpu"], shared_cores=table["cores"])  # the 4 ranks share the machine's cores
+    hw = calibrate(start, plans[profile], models, wl, cluster, profiled["seconds"], OVERHEAD_TERMS)
+    print(f"    calibrated on '{profile}' (its stage and task seconds): "
+          + ", ".join(f"{k} {getattr(hw, k):.3g}" for k in OVERHEAD_TERMS + ("host_s",))
+          + f" (mfu {hw.mfu:g} kept; {hw.shared_cores:g} cores shared)")
+    print(f"    {'placement':56s} {'measured s':>10} {'predicted s':>11} {'error':>7}   stages measured / predicted")
+    errors, predicted, measured = [], [], []
+    for name, run in runs:
+        ev = evaluate(plans[name], models, wl, hw, cluster)
+        stages = stage_seconds(ev)
+        got, want = ev.seconds, run["seconds"]["iteration"]
+        predicted.append(got)
+        measured.append(want)
+        errors.append(abs(got / want - 1))
+        detail = " ".join(f"{s[:3]} {run['seconds'].get(s, 0.0):.3f}/{stages[s]:.3f}" for s in SHOWN)
+        label = f"{name} (profiling run)" if name == profile else name
+        print(f"    {label:56s} {want:10.3f} {got:11.3f} {got / want - 1:+7.1%}   {detail}")
+        calls = " ".join(f"{t} {run['seconds'][t]:.3f}/{ev.timeline.end[t] - ev.timeline.start[t]:.3f}"
+                         for t in TASKS if t in run["seconds"])
+        print(f"    {'':56s} {'':10s} {'':11s} {'':7s}   calls measured / predicted: {calls}")
     order = lambda xs: sorted(range(len(xs)), key=xs.__getitem__)  # noqa: E731
-    agree = order(predicted) == order([m["iteration"] for _, _, m, _ in rows])
+    agree = order(predicted) == order(measured)
     return ("yes" if agree else "no"), f"{max(errors):.3f}"
 
 
@@ -171,13 +262,28 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--real-tables", type=Path, help="ReaL's per-call times and plans (JSON, format above)")
     ap.add_argument("--cpu-runs", action="store_true", help="run part (d): several minutes on 2 cores")
-    ap.add_argument("--iterations", type=int, default=3, help="timed iterations per placement in (d)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations before them in (d)")
+    ap.add_argument("--record", type=Path, help="with --cpu-runs: write the measured table here (JSON)")
+    ap.add_argument("--measured", type=Path, help="part (d) from a table --record wrote, without running")
+    ap.add_argument("--iterations", type=int, default=5, help="timed iterations per placement in (d)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before them in (d)")
     args = ap.parse_args(argv)
     t1, t6, hf = table1(), table6(args.real_tables), hybridflow()
-    agree, error = cpu_runs(args.iterations, args.warmup) if args.cpu_runs else ("n/a", "n/a")
-    if not args.cpu_runs:
-        print("(d) 4 CPU ranks: not run (pass --cpu-runs)")
+    agree, error = "n/a", "n/a"
+    if args.cpu_runs or args.measured:
+        if args.measured:
+            table = json.loads(args.measured.read_text())
+        else:
+            print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {args.iterations} timed "
+                  f"iterations after {args.warmup} warm-up; machine {host.node()}, {os.cpu_count()} cores, load "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+            table = run_placements(args.iterations, args.warmup)
+            if args.record:
+                args.record.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"(d) 4 CPU ranks, measured {table['measured']} on {table['machine']}, {table['cores']} cores (median of "
+              f"{table['iterations']} iterations after {table['warmup']} warm-up, slowest rank per stage):")
+        agree, error = cpu_table(table)
+    else:
+        print("(d) 4 CPU ranks: not run (pass --cpu-runs, or --measured FILE)")
     print(f"planner: table1={t1}/4 table6={t6}/4 hybridflow={hf}/2 cpu_rank_agreement={agree} max_cpu_error={error}")
 
 

@@ -9,6 +9,7 @@ timelines; written plans against pretrain_rlhf.py's own --dry-run checks.
 """
 
 import json
+import random
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -19,17 +20,18 @@ from rlhf.models.config import PRESETS as PRESETS_JOB
 from rlhf.models.config import ModelConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
-from rlhf.planner.calibrate import STAGE_TASKS, calibrate, host_seconds, observations
-from rlhf.planner.cost import Cluster, Workload, allreduce_s, decode_step_s, decode_terms, saturating_batch, task_cost
+from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
+from rlhf.planner.cost import (Cluster, Workload, allreduce_s, decode_step_s, decode_terms, pass_collectives,
+                               saturating_batch, task_cost)
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import PRESETS as HW
 from rlhf.planner.hardware import load_hardware, save_hardware
 from rlhf.planner.models import (PRESETS, forward_flops_per_token, kv_bytes_per_token, model_preset,
                                  parameter_count, schedule_shape, stage_parameters)
-from rlhf.planner.plan import Plan, evaluate
+from rlhf.planner.plan import Plan, evaluate, stage_seconds
 from rlhf.planner.search import PRESETS as PRESETS_APP
 from rlhf.planner.search import SearchConfig, allocations, generation_order, search, set_partitions, strategies
-from rlhf.planner.simulate import Call, schedule
+from rlhf.planner.simulate import Call, Sharing, schedule
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import serial_1f1b_makespan
 from rlhf.tasks import MODELS, TASKS
@@ -100,17 +102,31 @@ def test_hardware_file_round_trip_and_errors(tmp_path):
 
 
 def test_calibration_recovers_the_constants_of_a_measured_run():
-    truth = replace(HW["a100"], mfu=0.3, hbm_efficiency=0.8, step_overhead_s=0.002)
+    """Stage and call times made with known constants (ranks sharing 2 cores) are fitted back from the starting
+    file."""
+    start = replace(HW["a100"], shared_cores=2)
+    truth = replace(start, mfu=0.3, layer_overhead_s=0.002, collective_latency_s=3e-4)
     plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
-    measured_ev = evaluate(plan, MODELS_7B, WL, truth, Cluster(1, 8))
-    measured = {stage: sum(measured_ev.costs[t].seconds for t in tasks) for stage, tasks in STAGE_TASKS.items()}
-    measured["iteration"] = sum(measured.values()) + 0.5  # host time outside the stages
-    start = HW["a100"]
-    fitted = calibrate(start, observations(evaluate(plan, MODELS_7B, WL, start, Cluster(1, 8)).costs, measured),
-                       host_seconds(measured))
-    assert (fitted.mfu, fitted.hbm_efficiency, fitted.step_overhead_s, fitted.host_s) == pytest.approx(
-        (0.3, 0.8, 0.002, 0.5), rel=1e-6)
-    assert fitted.call_overhead_s == 0.0  # three stages fit three terms; the call overhead keeps its value
+    ev = evaluate(plan, MODELS_7B, WL, truth, Cluster(1, 8))
+    measured = stage_seconds(ev) | {t: ev.timeline.end[t] - ev.timeline.start[t] for t in TASKS}  # and each call's
+    measured["iteration"] = ev.seconds + 0.5  # host time beyond the calls, on 8 ranks sharing 2 cores
+    fitted = calibrate(start, plan, MODELS_7B, WL, Cluster(1, 8), measured)
+    assert (fitted.mfu, fitted.layer_overhead_s, fitted.collective_latency_s, fitted.host_s) == pytest.approx(
+        (0.3, 0.002, 3e-4, 0.5 * 2 / 8), rel=1e-6)
+    assert (fitted.hbm_efficiency, fitted.call_overhead_s) == (start.hbm_efficiency, 0.0)  # at most three terms
+
+
+def test_calibration_skips_a_term_the_run_does_not_exercise():
+    """A run without TP, PP or DP collectives says nothing about their latency: the next term is fitted."""
+    truth = replace(HW["a100"], mfu=0.2, layer_overhead_s=0.004, hbm_efficiency=0.3)
+    plan = Plan("one rank", {t: _mesh(t, ParallelStrategy()) for t in TASKS})
+    measured = stage_seconds(evaluate(plan, MODELS_7B, WL, truth, Cluster(1, 8)))
+    terms = ("mfu", "layer_overhead_s", "collective_latency_s", "hbm_efficiency")
+    fitted = calibrate(HW["a100"], plan, MODELS_7B, WL, Cluster(1, 8), measured, terms)
+    assert (fitted.mfu, fitted.layer_overhead_s, fitted.hbm_efficiency) == pytest.approx((0.2, 0.004, 0.3), rel=1e-6)
+    assert fitted.collective_latency_s == 0.0
+    with pytest.raises(PlannerError, match=r"^measured time\(s\) \['decode'\] unknown; give stages \(reshard"):
+        calibrate(HW["a100"], plan, MODELS_7B, WL, Cluster(1, 8), {"decode": 1.0})
 
 
 # --- cost model ----------------------------------------------------------------------------------------------------
@@ -142,6 +158,23 @@ def test_generation_is_memory_bound_below_the_saturating_batch():
     read, compute, _ = decode_terms(cfg, mesh, 8 * b_sat, 1, hw, cluster)
     assert compute > read
     assert decode_terms(cfg, mesh, 16 * b_sat, 1, hw, cluster)[1] == pytest.approx(2 * compute)
+
+
+def test_collectives_per_pass_hand_counted():
+    """Counted off rlhf/models (megatron's row/column-parallel layers, logprobs.py) for the 2-layer tiny model."""
+    lm, value = PRESETS_JOB["tiny"], PRESETS_JOB["tiny-critic"]
+    mesh = lambda **k: _mesh("t", ParallelStrategy(**k))  # noqa: E731
+    assert pass_collectives(lm, "lm", mesh(tp=2), "inference") == 2 * 2 + 1 + 3  # layers, embedding, log-softmax
+    assert pass_collectives(lm, "lm", mesh(tp=2), "training") == 2 * 2 + 1 + 3 + 2  # and the entropy metric
+    assert pass_collectives(lm, "lm", mesh(tp=2), "training", backward=True) == 2 * 2 + 1
+    assert pass_collectives(value, "value", mesh(tp=2), "inference") == 2 * 2 + 1  # the value head is replicated
+    assert pass_collectives(lm, "lm", mesh(tp=2, pp=2), "inference") == 2 + 3 + 1  # last stage, one message
+    assert pass_collectives(lm, "lm", mesh(dp=2, pp=2), "training", backward=True) == 1
+    assert pass_collectives(lm, "lm", mesh(dp=4), "inference") == 0
+    hw = replace(HW["a100"], collective_latency_s=1e-3)
+    gen = task_cost("actor_gen", lm, "lm", mesh(dp=2, tp=2), WL, hw, Cluster(1, 4))
+    assert gen.collectives == WL.response_len * (2 * 2 + 2)  # per engine step: embedding, layers, logits
+    assert gen.parts["latency"] == pytest.approx(gen.collectives * 1e-3)
 
 
 def test_training_bubble_matches_the_schedule_simulator():
@@ -188,6 +221,28 @@ def test_list_scheduling_hand_worked():
         schedule([Call("X", {0}, 1.0, [("Z", 0)])])
 
 
+def test_shared_cores_hand_worked():
+    """4 ranks on 2 cores: two calls on two ranks each run at half speed until one ends."""
+    calls = [Call("A", {0, 1}, 1.0), Call("B", {2, 3}, 2.0), Call("C", {0, 1, 2, 3}, 1.0, [("A", 0.0), ("B", 0.0)])]
+    t = schedule(calls, Sharing(ranks_per_node=4, cores=2))
+    # A, B at speed 1/2 until A's work of 1 s is done at 2; B alone at full speed ends at 3; C on 4 ranks at 1/2
+    assert (t.end["A"], t.end["B"], t.start["C"], t.end["C"]) == pytest.approx((2.0, 3.0, 3.0, 5.0))
+    assert schedule(calls, Sharing(ranks_per_node=2, cores=2)).seconds == pytest.approx(3.0)  # two nodes: no sharing
+
+
+def test_event_walk_at_full_speed_is_the_list_walk():
+    """Random call graphs: with a core per rank, the event-by-event walk gives the list scheduler's timeline."""
+    rng = random.Random(0)
+    for _ in range(200):
+        calls = []
+        for i in range(rng.randint(1, 8)):
+            ranks = set(rng.sample(range(4), rng.randint(1, 4)))
+            inputs = [(f"c{j}", rng.choice([0.0, rng.random()])) for j in range(i) if rng.random() < 0.3]
+            calls.append(Call(f"c{i}", ranks, rng.choice([0.0, rng.random()]), inputs))
+        listed, events = schedule(calls), schedule(calls, Sharing(ranks_per_node=1, cores=1))
+        assert events.start == pytest.approx(listed.start) and events.end == pytest.approx(listed.end)
+
+
 def test_iteration_from_given_call_times_overlaps_disjoint_meshes():
     """With per-call times given (as ReaL's Tables 2-5 give them), disjoint meshes run side by side."""
     s = ParallelStrategy(dp=4)
@@ -206,6 +261,45 @@ def test_iteration_from_given_call_times_overlaps_disjoint_meshes():
     assert ev.timeline.end["actor_train"] == pytest.approx(21.0)
     assert ev.timeline.start["reshard critic"] == pytest.approx(20.0)
     assert "reshard actor" not in ev.timeline.start  # actor_train and actor_gen share a layout: nothing moves
+
+
+# --- predicted against measured on 4 CPU ranks -----------------------------------------------------------------------
+
+PROFILING = {"ref_inf": {"tp": 2}, "critic_train": {"pp": 2}}
+PROFILED = {"actor_gen": 0.049, "actor_train": 0.105, "advantage": 0.001, "critic_inf": 0.019, "critic_train": 0.106,
+            "generation": 0.063, "inference": 0.234, "iteration": 0.533, "ref_inf": 0.18, "reshard": 0.011,
+            "reward_inf": 0.022, "training": 0.21}
+PREDICTED = {
+    "built-in default": {"plan": None, "iteration": 1.02},
+    "dp4 everywhere": {"plan": {}, "iteration": 0.384},
+    "tp2 everywhere": {"plan": {t: {"tp": 2} for t in TASKS}, "iteration": 1.136},
+    "actor | critic+ref+reward": {"plan": {t: {"ranks": "0-1" if t.startswith("actor") else "2-3"} for t in TASKS},
+                                  "iteration": 0.286},
+    "pp2 training, tp2 generation": {"plan": {"actor_train": {"pp": 2}, "critic_train": {"pp": 2},
+                                              "actor_gen": {"tp": 2}}, "iteration": 0.743},
+}
+"""Measured 2026-11-23 04:24 UTC on the 2-core VM by ``python benchmarks/planner.py --cpu-runs --record FILE`` (the
+tiny default on 4 gloo ranks, median of 5 iterations after 2 warm-up, slowest rank per stage): the profiling
+run's stage and task seconds, the other placements' iterations (docs/planner.md's table; None: the job's
+built-in plan)."""
+
+
+def test_four_cpu_ranks_predicted_from_one_profiling_run():
+    """Calibrated on the profiling run's times alone, the planner predicts the other placements' iterations
+    within 25%, in the measured order."""
+    from rlhf.config import DEFAULT_PLANS
+
+    models = {"actor": PRESETS_JOB["tiny"], "reference": PRESETS_JOB["tiny"], "critic": PRESETS_JOB["tiny-critic"],
+              "reward": PRESETS_JOB["tiny-critic"]}
+    wl = Workload(samples=16 * 4, prompt_len=16, response_len=16, minibatches=2, micro_batch_size=4)  # the job's
+    cluster = Cluster(1, 4)
+    plan = lambda p: Plan("p", dict(Placement.from_plan(DEFAULT_PLANS[4] if p is None else p, 4).meshes))  # noqa: E731
+    hw = calibrate(replace(HW["cpu"], shared_cores=2), plan(PROFILING), models, wl, cluster, PROFILED, OVERHEAD_TERMS)
+    predicted = {name: evaluate(plan(run["plan"]), models, wl, hw, cluster).seconds for name, run in PREDICTED.items()}
+    measured = {name: run["iteration"] for name, run in PREDICTED.items()}
+    errors = {name: abs(predicted[name] / measured[name] - 1) for name in PREDICTED}
+    assert max(errors.values()) <= 0.25, errors
+    assert sorted(PREDICTED, key=predicted.get) == sorted(PREDICTED, key=measured.get)
 
 
 # --- search --------------------------------------------------------------------------------------------------------
@@ -285,23 +379,22 @@ def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nod
 
 
 def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
-    """Stage times made with known constants (a slow 'GPU' with a large call overhead) are fitted back."""
+    """Stage times made with known constants (a slow 'GPU' with large overheads) are fitted back."""
     measured, hw_out = tmp_path / "stages.json", tmp_path / "cpu.json"
     placement = ROOT / "examples" / "placement_4ranks.json"
-    truth = replace(HW["a100"], mfu=0.001, hbm_efficiency=0.01, step_overhead_s=0.005)
+    truth = replace(HW["a100"], mfu=0.001, layer_overhead_s=0.005, collective_latency_s=0.001)
     models = {"actor": PRESETS_JOB["tiny"], "reference": PRESETS_JOB["tiny"], "critic": PRESETS_JOB["tiny-critic"],
               "reward": PRESETS_JOB["tiny-critic"]}
     plan = plan_placement.plan_from_file(placement, Cluster(1, 4))
-    costs = evaluate(plan, models, Workload(512, 512, 512, 4, 4), truth, Cluster(1, 4)).costs
-    measured.write_text(json.dumps({stage: sum(costs[t].seconds for t in tasks)
-                                    for stage, tasks in STAGE_TASKS.items()}))
+    measured.write_text(json.dumps(stage_seconds(evaluate(plan, models, Workload(512, 512, 512, 4, 4), truth,
+                                                          Cluster(1, 4)))))
     args = ["--actor", "tiny", "--critic", "tiny-critic", "--nodes", "1", "--gpus-per-node", "4", "--hardware", "a100",
             "--placement", str(placement), "--measured", str(measured), "--write-hardware", str(hw_out)]
     assert plan_placement.main(args) == 0
     assert "calibrated: mfu" in capsys.readouterr().out
     fitted = load_hardware(str(hw_out))
-    assert (fitted.mfu, fitted.hbm_efficiency, fitted.step_overhead_s) == pytest.approx((0.001, 0.01, 0.005),
-                                                                                      rel=1e-6)
+    assert (fitted.mfu, fitted.layer_overhead_s, fitted.collective_latency_s) == pytest.approx((0.001, 0.005, 0.001),
+                                                                                            rel=1e-6)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -316,6 +409,9 @@ def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
      r"^plan_placement.py: --placement BAD: actor_gen: pp\*tp = 1\*3 does not divide the mesh size 4"),
     (["--actor", "tiny", "--critic", "tiny", "--hardware", "nope.json"], r"^plan_placement.py: --hardware: hardware "
                                                                         r"file nope.json"),
+    (["--actor", "tiny", "--critic", "tiny", "--gpus-per-node", "4", "--placement",
+      str(ROOT / "examples" / "placement_4ranks.json"), "--measured", "BAD", "--fit", "mfu,speed"],
+     r"^plan_placement.py: --fit: cannot fit speed; give some of mfu, layer_overhead_s"),
     (["--actor", "tiny", "--critic", "tiny", "--ppo-mini-batch-size", "100"],
      r"^plan_placement.py: --ppo-mini-batch-size: 100 does not divide the 512 samples"),
 ])

@@ -22,8 +22,10 @@ ModelConfig fields, or a Hugging Face model directory (or its config.json).
 ``--placement`` predicts one given plan instead of searching; with
 ``--measured`` (a JSON object of the trainer's stage seconds, e.g.
 {"generation": 1.2, "inference": 0.4, "training": 2.0, "iteration": 3.8},
-its time_<stage>_s metrics) it first fits the hardware file's efficiencies
-and overheads to that run (calibration) and ``--write-hardware`` saves them.
+its time_<stage>_s metrics, and optionally each task call's seconds,
+{"ref_inf": 0.1, ...}) it first fits the hardware file's mfu, per-layer
+overhead and collective latency to that run (calibration) and
+``--write-hardware`` saves them.
 Bad input (a flag, a file, a plan that cannot fit) is refused with one line
 naming it and exit status 2.
 """
@@ -38,13 +40,13 @@ from rlhf.cli import HelpFormatter, UsageError, check_out_path, report
 from rlhf.models.config import PRESETS as JOB_PRESETS
 from rlhf.models.config import ModelConfig, ModelConfigError
 from rlhf.parallel import Placement, PlacementError
-from rlhf.planner.calibrate import OTHER_STAGES, STAGE_TASKS, calibrate, host_seconds, observations
+from rlhf.planner.calibrate import DEFAULT_TERMS, OVERHEAD_TERMS, TERMS, calibrate
 from rlhf.planner.cost import Cluster, Workload
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import PRESETS as HARDWARE
 from rlhf.planner.hardware import load_hardware, save_hardware
 from rlhf.planner.models import PRESETS
-from rlhf.planner.plan import Evaluation, Plan, evaluate
+from rlhf.planner.plan import STAGES, Plan, evaluate, stage_seconds
 from rlhf.planner.search import SearchConfig, search
 from rlhf.tasks import TASKS
 
@@ -96,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="predict this placement file (JSON/YAML, all six tasks placed) instead of searching")
     o.add_argument("--measured", type=Path,
                    help="with --placement: a JSON object of measured stage seconds "
-                        f"({', '.join(tuple(STAGE_TASKS) + OTHER_STAGES)}) to calibrate the hardware file against")
+                        f"({', '.join(STAGES)}, iteration) and optionally task seconds ({', '.join(TASKS)}) "
+                        "to calibrate the hardware file against")
+    o.add_argument("--fit", default=",".join(DEFAULT_TERMS),
+                   help=f"with --measured: the constants to fit, comma-separated, of {', '.join(TERMS)} (a tiny "
+                        f"model on CPU: {','.join(OVERHEAD_TERMS)}) (default %(default)s)")
     o.add_argument("--write-hardware", type=Path, help="with --measured: write the calibrated hardware file here")
     return ap
 
@@ -163,24 +169,6 @@ def plan_from_file(path: Path, cluster: Cluster, fuse_training: bool = False) ->
     return Plan(path.name, dict(placement.meshes), fuse_training=fuse_training)
 
 
-def stage_seconds(ev: Evaluation) -> dict:
-    """Seconds during which each stage of the trainer has a call running in the predicted timeline."""
-    spans: dict = {}
-    for name, start, end in ev.timeline.rows():
-        stage = ("reshard" if name.startswith("reshard") else
-                 next((s for s, tasks in STAGE_TASKS.items() if name.split("+")[0] in tasks), name))
-        spans.setdefault(stage, []).append((start, end))
-    out = {}
-    for stage, intervals in spans.items():  # rows come in start order: merge the overlapping ones
-        total, lo, hi = 0.0, *intervals[0]
-        for start, end in intervals[1:]:
-            if start > hi:
-                total, lo = total + hi - lo, start
-            hi = max(hi, end)
-        out[stage] = total + hi - lo
-    return out
-
-
 def print_table(ranked: list, top: int) -> None:
     print(f"{'#':>3} {'iter s':>9} {'reshard':>8} {'gen':>8} {'inf':>8} {'train':>8} {'GiB/GPU':>8}  plan")
     for i, ev in enumerate(ranked[:top], 1):
@@ -221,16 +209,18 @@ def run(args) -> None:
 
 def calibrated(args, plan, models, wl, hw, cluster):
     """The hardware file fitted to ``--measured`` on ``plan``; written to ``--write-hardware`` if given."""
+    terms = tuple(t.strip() for t in args.fit.split(","))
+    wrong = [t for t in terms if t not in TERMS]
+    if wrong:
+        raise UsageError(f"--fit: cannot fit {', '.join(wrong)}; give some of {', '.join(TERMS)}")
     try:
         measured = json.loads(args.measured.read_text())
         if not isinstance(measured, dict):
             raise ValueError("expected a JSON object of stage seconds")
-        obs = observations(evaluate(plan, models, wl, hw, cluster).costs, measured)
-        hw = calibrate(hw, obs, host_seconds(measured))
-    except (OSError, ValueError) as exc:
+        hw = calibrate(hw, plan, models, wl, cluster, measured, terms)
+    except (OSError, ValueError, PlannerError) as exc:
         raise UsageError(f"--measured {args.measured}: {' '.join(str(exc).split())}") from None
-    print(f"calibrated: mfu {hw.mfu:.4g}, hbm_efficiency {hw.hbm_efficiency:.4g}, call_overhead_s "
-          f"{hw.call_overhead_s:.4g}, step_overhead_s {hw.step_overhead_s:.4g}, host_s {hw.host_s:.4g}")
+    print("calibrated: " + ", ".join(f"{k} {getattr(hw, k):.4g}" for k in terms + ("host_s",)))
     if args.write_hardware:
         save_hardware(hw, args.write_hardware)
         print(f"hardware file written to {args.write_hardware}")

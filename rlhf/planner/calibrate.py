@@ -1,100 +1,118 @@
-"""Calibration: fit the hardware file's efficiencies and overheads to the stage times of a measured run.
+"""Calibration: fit the hardware file's efficiency and overheads to the times of one measured run.
 
 The trainer reports wall seconds per stage (``time_<stage>_s``: reshard,
-generation, inference, advantage, training; ``time_iteration_s``). For a plan
-the cost model splits each stage's predicted seconds into a part that scales
-with 1 / ``mfu`` (compute), one that scales with 1 / ``hbm_efficiency``
-(decode reads), a fixed part (communication), ``call_overhead_s`` per task
-call and ``step_overhead_s`` per sequential step. :func:`calibrate` solves for
-those four by linear least squares over the generation, inference and
-training stages (with fewer stages than unknowns it keeps the call overhead,
-then the read efficiency, as they were); ``host_s`` is the measured iteration
-less those stages and the reshards.
+generation, inference, advantage, training; ``time_iteration_s``); a
+profiling run may add each task call's seconds (``actor_gen``, ``ref_inf``,
+...). For the plan that run used, the cost model and the iteration simulator
+predict the same times (stage spans: rlhf.planner.plan.stage_seconds; calls:
+their span in the timeline). Each call's seconds are linear in the
+constants::
+
+    compute / mfu + reads / hbm_efficiency + layer passes x layer_overhead_s
+        + collectives x collective_latency_s + call_overhead_s
+
+and a simulated span is piecewise linear in the calls' seconds (a max over
+paths, and with shared cores a processor-sharing walk). So :func:`calibrate`
+fits them by Gauss-Newton: derivatives by finite differences, a
+least-squares step on the errors relative to the measured seconds, until the
+step is negligible. It fits at most ``MOST`` constants, and no more than there
+are measured times, in the order of ``TERMS`` (``mfu``, ``layer_overhead_s``,
+``collective_latency_s``, ``hbm_efficiency``), skipping one the run does not
+exercise (no collectives, say) and setting one that comes out negative to 0;
+the others keep the file's values. ``host_s`` is the measured rest of the
+iteration (the iteration less reshard, generation, inference and training),
+as work per rank when ranks share cores.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
+from rlhf.planner.cost import Cluster, Workload
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
+from rlhf.planner.plan import STAGES, Plan, evaluate, sharing, stage_seconds
+from rlhf.planner.simulate import Call
+from rlhf.tasks import TASKS
 
-STAGE_TASKS = {"generation": ("actor_gen",), "inference": ("ref_inf", "reward_inf", "critic_inf"),
-               "training": ("actor_train", "critic_train")}
-"""The trainer's timed stages that run task calls, and those calls (one after the other)."""
-OTHER_STAGES = ("reshard", "advantage", "iteration")
-COMPUTE_PARTS = ("compute", "bubble", "prefill", "decode_compute")
-MEMORY_PARTS = ("decode",)
-
-
-@dataclass(frozen=True)
-class Observation:
-    """One measured stage next to the cost model's terms for it (seconds): ``compute_s`` scales with
-    1 / mfu, ``memory_s`` with 1 / hbm_efficiency, ``fixed_s`` (communication) is not fitted, ``calls``
-    call overheads."""
-
-    compute_s: float
-    memory_s: float
-    fixed_s: float
-    calls: int
-    steps: int
-    measured_s: float
+FITTED_STAGES = ("generation", "inference", "training")
+"""The measured stages the fit matches (those that run task calls); task names match single calls."""
+TERMS = ("mfu", "layer_overhead_s", "collective_latency_s", "call_overhead_s", "update_overhead_s", "hbm_efficiency")
+"""The constants calibration can fit."""
+DEFAULT_TERMS = ("mfu", "layer_overhead_s", "collective_latency_s")
+"""Those it fits unless told (large models on GPUs: the FLOPs take the time)."""
+OVERHEAD_TERMS = ("layer_overhead_s", "collective_latency_s", "call_overhead_s", "update_overhead_s")
+"""Those to fit where overheads take the time (a tiny model on CPU: Python, launches, gloo's latency), mfu
+keeping the file's guess."""
+EFFICIENCIES = ("mfu", "hbm_efficiency")
+"""Terms that divide the seconds (fitted as their reciprocal, clipped to (0, 1])."""
 
 
-def observations(costs: dict, measured: dict) -> list[Observation]:
-    """One Observation per measured stage that runs task calls (``measured``: stage name -> seconds;
-    ``costs``: the plan's TaskCost per task)."""
-    unknown = set(measured) - set(STAGE_TASKS) - set(OTHER_STAGES)
+def calibrate(hw: Hardware, plan: Plan, models: dict, wl: Workload, cluster: Cluster, measured: dict,
+              terms: tuple = DEFAULT_TERMS, iterations: int = 30) -> Hardware:
+    """``hw`` with ``terms`` (up to one per measured time) fitted to ``measured`` (the run of ``plan``: stage
+    or task name -> seconds), and ``host_s`` from the iteration's rest."""
+    wrong = [t for t in terms if t not in TERMS]
+    if wrong:
+        raise PlannerError(f"cannot fit {wrong}; constants calibration fits: {', '.join(TERMS)}")
+    unknown = set(measured) - set(STAGES) - set(TASKS) - {"iteration"}
     if unknown:
-        raise PlannerError(f"measured stage(s) {sorted(unknown)} unknown; stages: "
-                           f"{', '.join(tuple(STAGE_TASKS) + OTHER_STAGES)}")
-    out = []
-    for stage in (s for s in STAGE_TASKS if s in measured):
-        tasks = [costs[t] for t in STAGE_TASKS[stage] if t in costs]
-        compute = sum(c.parts.get(k, 0.0) for c in tasks for k in COMPUTE_PARTS)
-        memory = sum(c.parts.get(k, 0.0) for c in tasks for k in MEMORY_PARTS)
-        fixed = sum(v for c in tasks for k, v in c.parts.items()
-                    if k not in COMPUTE_PARTS + MEMORY_PARTS + ("overhead",))
-        out.append(Observation(compute, memory, fixed, len(tasks), sum(c.steps for c in tasks),
-                               float(measured[stage])))
-    return out
+        raise PlannerError(f"measured time(s) {sorted(unknown)} unknown; give stages ({', '.join(STAGES)}, "
+                           f"iteration) or tasks ({', '.join(TASKS)})")
+    keys = [k for k in FITTED_STAGES + TASKS if float(measured.get(k, 0.0)) > 0]
+    if not keys:
+        raise PlannerError(f"calibration needs the seconds (> 0) of a stage ({', '.join(FITTED_STAGES)}) or a task")
+    target = [float(measured[k]) for k in keys]
+
+    def predict(x: dict) -> list[float]:
+        ev = evaluate(plan, models, wl, _with(hw, x), cluster)
+        times = stage_seconds(ev) | {c: ev.timeline.end[c] - ev.timeline.start[c] for c in ev.timeline.start}
+        return [times.get(k, 0.0) for k in keys]
+
+    x = {k: _value(hw, k) for k in TERMS}
+    free = [k for k in terms if any(_derivative(predict, x, k))][:len(keys)]
+    for _ in range(iterations):  # residuals relative to the measured seconds: each time counts alike
+        columns = {k: [d / t for d, t in zip(_derivative(predict, x, k), target)] for k in free}
+        step = _least_squares(columns, [1 - p / t for t, p in zip(target, predict(x))])
+        x = {k: max(0.0, x[k] + step.get(k, 0.0)) if k in free else x[k] for k in TERMS}
+        negative = [k for k in free if x[k] <= 0.0 and k not in EFFICIENCIES]
+        free = [k for k in free if k not in negative]
+        if all(abs(step[k]) <= 1e-9 * max(abs(x[k]), 1e-12) for k in step) and not negative:
+            break
+    fitted = _with(hw, x)
+    return replace(fitted, host_s=host_work(fitted, plan, models, wl, cluster, measured),
+                   name=hw.name if hw.name.endswith("(calibrated)") else f"{hw.name} (calibrated)")
 
 
-def host_seconds(measured: dict) -> float:
-    """Measured seconds outside the task calls: the iteration less the reshard and task stages (or the
-    advantage stage alone when the iteration is not given)."""
+def host_work(hw: Hardware, plan: Plan, models: dict, wl: Workload, cluster: Cluster, measured: dict) -> float:
+    """``host_s``: what the measured iteration has beyond the simulated one without host time (the
+    gathers between stages, advantages, metrics; the advantage stage when no iteration is given), as
+    work per rank: the host call runs on every rank at once."""
     if "iteration" not in measured:
-        return float(measured.get("advantage", 0.0))
-    inside = sum(float(measured.get(s, 0.0)) for s in tuple(STAGE_TASKS) + ("reshard",))
-    return max(0.0, float(measured["iteration"]) - inside)
+        seconds = float(measured.get("advantage", hw.host_s))
+    else:
+        bare = evaluate(plan, models, wl, replace(hw, host_s=0.0), cluster).seconds
+        seconds = max(0.0, float(measured["iteration"]) - bare)
+    share = sharing(hw, cluster)
+    everyone = [Call("host", set().union(*(m.ranks for m in plan.meshes.values())), 1.0)]
+    return seconds * (share.speeds(everyone)[0] if share else 1.0)
 
 
-def calibrate(hw: Hardware, obs: list[Observation], host_s: float | None = None) -> Hardware:
-    """``hw`` with ``mfu``, ``hbm_efficiency``, ``call_overhead_s`` and ``step_overhead_s`` fitted by least
-    squares (and ``host_s`` when given).
+def _value(hw: Hardware, term: str) -> float:
+    """The fitted unknown of ``term``: the reciprocal of an efficiency, else the constant itself."""
+    return 1.0 / getattr(hw, term) if term in EFFICIENCIES else getattr(hw, term)
 
-    Model: measured = compute_s a + memory_s b + fixed_s + calls x call_overhead + steps x step_overhead,
-    with a = old mfu / new mfu and b likewise for hbm_efficiency. A term no stage exercises, or one
-    beyond the number of stages, keeps its value; a fitted efficiency is clipped to (0, 1]; a negative
-    overhead is refitted without that term.
-    """
-    if not obs:
-        raise PlannerError("calibration needs at least one measured stage")
-    columns = {"compute": [o.compute_s for o in obs], "steps": [float(o.steps) for o in obs],
-               "memory": [o.memory_s for o in obs], "calls": [float(o.calls) for o in obs]}
-    names = [k for k, col in columns.items() if any(col)][:len(obs)]
-    target = [o.measured_s - o.fixed_s for o in obs]
-    x = _least_squares({k: columns[k] for k in names}, target)
-    while any(x[k] < 0 for k in ("steps", "calls") if k in x):
-        names = [k for k in names if not (k in ("steps", "calls") and x[k] < 0)]
-        x = _least_squares({k: columns[k] for k in names}, target)
-    eff = {"compute": hw.mfu, "memory": hw.hbm_efficiency}
-    new = {k: min(1.0, eff[k] / x[k]) if x.get(k, 0) > 0 else eff[k] for k in eff}
-    rest = {"call_overhead_s": x.get("calls", hw.call_overhead_s),
-            "step_overhead_s": x.get("steps", hw.step_overhead_s)}
-    return replace(hw, mfu=new["compute"], hbm_efficiency=new["memory"], host_s=hw.host_s if host_s is None
-                   else host_s, name=hw.name if hw.name.endswith("(calibrated)") else f"{hw.name} (calibrated)",
-                   **rest)
+
+def _with(hw: Hardware, x: dict) -> Hardware:
+    """``hw`` with the unknowns ``x`` (efficiencies clipped to (0, 1])."""
+    return replace(hw, **{k: min(1.0, 1.0 / max(v, 1.0)) if k in EFFICIENCIES else v for k, v in x.items()})
+
+
+def _derivative(predict, x: dict, term: str) -> list[float]:
+    """d stage seconds / d ``term`` at ``x`` (forward difference; the spans are piecewise linear)."""
+    h = 1e-4 * max(abs(x[term]), 1e-6)
+    up, base = predict({**x, term: x[term] + h}), predict(x)
+    return [(u - b) / h for u, b in zip(up, base)]
 
 
 def _least_squares(columns: dict, target: list[float]) -> dict:

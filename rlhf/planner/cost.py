@@ -6,7 +6,8 @@ Three kinds of call (``ROLE``), every time in seconds::
         f = fwd FLOPs of one micro-batch / (pp * tp * gpu_flops * mfu) + TP all-reduces + PP send
         b = 2 f;  per mini-batch (m + pp - 1) * (f + b) + DP gradient all-reduce
     inference  (ref_inf, reward_inf, critic_inf)   compute-bound, one pipelined pass: (m + pp - 1) * f
-    generation (actor_gen)   per DP replica of b samples: prefill (compute-bound), then R decode steps of
+    generation (actor_gen)   per DP replica of b samples: prefill (compute-bound; it samples the first
+        token), then R - 1 decode steps of
         max(weights + KV bytes read / (tp * hbm_bandwidth * hbm_efficiency),  FLOPs / (tp * gpu_flops * mfu))
         + TP all-reduces + PP sends; the KV read at the mean context P + R/2
 
@@ -14,9 +15,17 @@ with m micro-batches per DP replica. The batch that saturates a decode step
 (:func:`saturating_batch`) is where its two terms meet. An all-reduce of n
 bytes over g ranks takes 2 (g-1)/g n / bandwidth, the bandwidth of NVLink when
 the group sits in one node, of the network otherwise. Each call adds
-``call_overhead_s`` once and ``step_overhead_s`` per sequential step on its
-critical path (``TaskCost.steps``: decode steps and the prefill; forward-pass
-equivalents of the pipelined micro-batches, a backward counting two).
+``call_overhead_s`` once (a training call ``update_overhead_s`` per update
+too), ``layer_overhead_s`` per layer (and one more for the
+embedding and head) of each sequential step on its critical path
+(``TaskCost.steps``: decode steps and the prefill through the whole model;
+forward-pass equivalents of the pipelined micro-batches through one stage, a
+backward counting two) and
+``collective_latency_s`` per collective or pipeline message on that path
+(``TaskCost.collectives``: :func:`pass_collectives` per micro-batch pass, per
+update the executor's barrier, the DP gradient all-reduce and the gradient
+norm; per engine step 2 per layer, the embedding's and the logits'), which is
+what TP costs when the messages are small.
 
 Memory per GPU (bytes): a task's *static* part stays resident for the whole
 iteration (training: 18 bytes per parameter: bf16 weights and gradients, fp32
@@ -99,18 +108,20 @@ class Workload:
 
 @dataclass(frozen=True)
 class TaskCost:
-    """Predicted seconds of one call (``parts`` says where they go), its sequential steps and bytes per
-    GPU."""
+    """Predicted seconds of one call (``parts`` says where they go), its sequential steps and collectives
+    (on its critical path) and bytes per GPU."""
 
     seconds: float
     static_bytes: float
     transient_bytes: float
     parts: dict = field(default_factory=dict)
     steps: int = 0
+    collectives: int = 0
 
 
 def allreduce_s(nbytes: float, ranks, cluster: Cluster, hw: Hardware) -> float:
-    """Ring all-reduce of ``nbytes`` over ``ranks``."""
+    """Ring all-reduce of ``nbytes`` over ``ranks``: its bandwidth term (the latency is counted per
+    collective, ``TaskCost.collectives``)."""
     g = len(ranks)
     return 0.0 if g <= 1 else 2 * (g - 1) / g * nbytes / cluster.bandwidth(ranks, hw)
 
@@ -136,13 +147,37 @@ def _stage_bytes(cfg: ModelConfig, kind: str, mesh: TaskMesh, per_param: float) 
 
 
 def _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster) -> tuple[float, float]:
-    """(compute, communication) seconds of one micro-batch of ``tokens`` tokens through one stage."""
+    """(compute, bandwidth) seconds of one micro-batch of ``tokens`` tokens through one stage."""
     s = mesh.strategy
     compute = forward_flops_per_token(cfg, kind, wl.seq) * tokens / (s.pp * s.tp * hw.gpu_flops * hw.mfu)
     act = tokens * cfg.hidden_size * BYTES
     tp = allreduce_s(act, mesh.tp_ranks(0, 0), cluster, hw) * 2 * cfg.num_layers / s.pp
     pp = act / cluster.bandwidth(mesh.pp_ranks(0, 0), hw) if s.pp > 1 else 0.0
     return compute, tp + pp
+
+
+def _stage_units(cfg: ModelConfig, pp: int) -> int:
+    """Overhead units of one pass through a stage: its layers, and one for the embedding or head."""
+    return cfg.num_layers // pp + 1
+
+
+def pass_collectives(cfg: ModelConfig, kind: str, mesh: TaskMesh, role: str, backward: bool = False) -> int:
+    """Collectives and pipeline messages of one micro-batch's forward (or backward) through the busiest stage.
+
+    Forward, with tp > 1: 2 all-reduces per layer (attention and MLP outputs), 1 on the first stage (the
+    vocab-parallel embedding), on an LM's last stage the log-softmax's 3 (max, sum, target logit; in
+    training 2 more for the entropy metric). Backward: 2 per layer (the column-parallel inputs' gradients)
+    and 1 for an LM head's input. With pp > 1, one message to the next (previous) stage.
+    """
+    s = mesh.strategy
+    layers = 2 * (cfg.num_layers // s.pp)
+    if kind == "lm":
+        head = 1 if backward else (5 if role == "training" else 3)
+    else:
+        head = 0
+    ends = 0 if backward else 1  # the embedding
+    edge = max(ends, head) if s.pp > 1 else ends + head
+    return (layers + edge if s.tp > 1 else 0) + (s.pp > 1)
 
 
 def _training(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
@@ -153,14 +188,21 @@ def _training(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
     updates = wl.minibatches * wl.ppo_epochs
     grads = allreduce_s(_stage_bytes(cfg, kind, mesh, BYTES), mesh.dp_ranks(0, 0), cluster, hw)
     passes = updates * (m + s.pp - 1) * 3
+    # per update: the executor's barrier, the DP gradient all-reduce, the model-parallel gradient norm
+    per_update = (s.size > 1) + (s.dp > 1) + (s.pp * s.tp > 1)
+    collectives = updates * ((m + s.pp - 1) * (pass_collectives(cfg, kind, mesh, "training")
+                                                + pass_collectives(cfg, kind, mesh, "training", True))
+                             + per_update)
     parts = {"compute": updates * m * 3 * f, "bubble": updates * (s.pp - 1) * 3 * f,
              "tp_pp_comm": updates * (m + s.pp - 1) * 2 * comm, "dp_comm": updates * grads,
-             "overhead": hw.call_overhead_s + passes * hw.step_overhead_s}
+             "latency": collectives * hw.collective_latency_s,
+             "overhead": hw.call_overhead_s + updates * hw.update_overhead_s
+                         + passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
     layers = cfg.num_layers / s.pp
     act = min(m, s.pp) * layers * tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / s.tp
     logits = tokens * head_outputs(cfg, kind) * 4 / s.tp
     return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, TRAIN_BYTES_PER_PARAM), act + logits, parts,
-                    passes)
+                    passes, collectives)
 
 
 def _inference(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
@@ -169,11 +211,14 @@ def _inference(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
     tokens = wl.micro_batch_size * wl.seq
     f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
     passes = m + s.pp - 1
+    collectives = passes * pass_collectives(cfg, kind, mesh, "inference")
     parts = {"compute": m * f, "bubble": (s.pp - 1) * f, "tp_pp_comm": passes * comm,
-             "overhead": hw.call_overhead_s + passes * hw.step_overhead_s}
+             "latency": collectives * hw.collective_latency_s,
+             "overhead": hw.call_overhead_s + passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
     act = tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_hidden_size) * BYTES / s.tp
     logits = tokens * head_outputs(cfg, kind) * 4 / s.tp
-    return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, BYTES), act + logits, parts, passes)
+    return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, BYTES), act + logits, parts, passes,
+                    collectives)
 
 
 def decode_terms(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, hw: Hardware,
@@ -211,9 +256,13 @@ def _generation(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
         s.tp * hw.gpu_flops * hw.mfu)
     read, compute, comm = decode_terms(cfg, mesh, batch, wl.prompt_len + wl.response_len / 2, hw, cluster)
     bound = "decode" if read >= compute else "decode_compute"  # memory-bound (the usual case) or not
-    steps = wl.response_len + 1
-    parts = {"prefill": prefill, bound: wl.response_len * max(read, compute), "decode_comm": wl.response_len * comm,
-             "overhead": hw.call_overhead_s + steps * hw.step_overhead_s}
+    steps = wl.response_len  # the prefill step samples the first token, each decode step one more
+    # per engine step with tp > 1: the embedding's all-reduce, 2 per layer, the logits' all-gather
+    collectives = steps * (2 * cfg.num_layers + 2 if s.tp > 1 else 0)
+    parts = {"prefill": prefill, bound: (steps - 1) * max(read, compute), "decode_comm": steps * comm,
+             "latency": collectives * hw.collective_latency_s,
+             "overhead": hw.call_overhead_s + steps * _stage_units(cfg, 1) * hw.layer_overhead_s}
     kv = batch * wl.seq * kv_bytes_per_token(cfg) / (s.tp * s.pp)
     logits = batch * cfg.vocab_size * 4 / s.tp
-    return TaskCost(sum(parts.values()), _stage_bytes(cfg, "lm", mesh, BYTES), kv + logits, parts, steps)
+    return TaskCost(sum(parts.values()), _stage_bytes(cfg, "lm", mesh, BYTES), kv + logits, parts, steps,
+                    collectives)

@@ -33,7 +33,7 @@ from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.models import schedule_shape
 from rlhf.planner.reshard_bytes import received_bytes
-from rlhf.planner.simulate import Call, Timeline, schedule
+from rlhf.planner.simulate import Call, Sharing, Timeline, schedule
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import greedy_fused, serial_1f1b_makespan
 from rlhf.schedule.problem import ProblemError
@@ -133,7 +133,30 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
         trained = "critic_train"
     if "reshard critic" in reshards:
         calls.append(Call("reshard critic", *reshards["reshard critic"], [(trained, 0.0)]))
-    return Evaluation(plan, schedule(calls), costs, memory_per_rank(plan, costs), moved)
+    return Evaluation(plan, schedule(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved)
+
+
+def sharing(hw: Hardware, cluster: Cluster) -> Sharing | None:
+    """How the ranks of a node share its cores (None when each rank has its own device)."""
+    return Sharing(cluster.gpus_per_node, hw.shared_cores) if hw.shared_cores else None
+
+
+STAGES = {"reshard": ("reshard actor", "reshard critic"), "generation": ("actor_gen",), "inference": INFERENCE,
+          "advantage": ("advantage",), "training": ("actor_train", "critic_train", "actor_train+critic_train")}
+"""The trainer's timed stages (``time_<stage>_s``) and the calls of each."""
+
+
+def stage_seconds(ev: Evaluation) -> dict:
+    """Predicted seconds of each stage: from its first call's start to its last call's end (the stages
+    meet at all-rank gathers), the two reshards added; 0 for a stage without calls."""
+    t, out = ev.timeline, {}
+    for stage, names in STAGES.items():
+        names = [n for n in names if n in t.start]
+        if stage == "reshard":
+            out[stage] = sum(t.end[n] - t.start[n] for n in names)
+        else:
+            out[stage] = max((t.end[n] for n in names), default=0.0) - min((t.start[n] for n in names), default=0.0)
+    return out
 
 
 @lru_cache(maxsize=None)
