@@ -72,7 +72,7 @@ class InterStageFusion:
 
     def __init__(self, config, placement, inference: list[tuple[str, str]], b_sat: int):
         self.cfg, self.placement, self.inference, self.b_sat = config.fusion, placement, inference, b_sat
-        self.n = config.ppo.n_samples_per_prompt
+        self.n, self.micro_batch_size = config.ppo.n_samples_per_prompt, config.ppo.micro_batch_size
         self.batch_size = config.ppo.rollout_batch_size * self.n
         self.seed = config.run.seed
         self.lengths = LengthDistribution()
@@ -151,13 +151,18 @@ class InterStageFusion:
                     rows = infer_rows(task, batch.select(part), [index[k] for k in part])
                     early.rows.setdefault(name, {}).update(rows)
 
+        pending = []  # streamed samples wait for a micro-batch's worth: fewer, fuller forward passes
+
         def infer_streamed(samples: list) -> None:
-            self.streamed += len(samples)
-            infer(samples)
+            pending.extend(samples)
+            if len(pending) >= self.micro_batch_size:
+                self.streamed += len(pending)
+                infer(pending)
+                pending.clear()
 
         if fused.finished_at_migration:
             infer(fused.finished_at_migration)
-        receive(stream[1], infer_streamed)
+        receive(stream[1], infer_streamed)  # what is left pending goes to the last phase, on every replica
         self._window = (start - self._start, time.perf_counter() - self._start)
         return early
 
