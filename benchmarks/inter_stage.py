@@ -119,7 +119,8 @@ class SleepEngine:
         return done
 
     def exportable(self) -> list:
-        return sorted((rid, i, len(request.prompt) + len(tokens)) for (rid, i), (request, tokens) in self.running.items())
+        return sorted((rid, i, len(request.prompt) + len(tokens))
+                      for (rid, i), (request, tokens) in self.running.items())
 
     def export_sequence(self, request_id: str, index: int, with_kv: bool):
         import torch

@@ -6,6 +6,10 @@
             -> PPO epochs: actor_train and critic_train through the instruction executor
             -> reshard critic_train into critic_inf -> metrics
 
+With ``--inter-stage-fusion`` generation and inference overlap: the long
+tail migrates to a few instances and the ranks it frees infer finished
+samples while those generate (rlhf/fusion/inter_stage.py, docs/fusion.md).
+
 Every rank runs the same program and takes part in the tasks whose meshes
 hold it. Samples move between meshes as one ``Batch``: after generation and
 after inference every rank receives the whole batch (an object all-gather;
@@ -268,7 +272,7 @@ class Trainer:
         ids = {str(i): i for i in range(len(prompt_batch.prompts))}
         if self.inter_stage is None:
             samples = gather_to_all(mine)
-        else:  # the freed ranks infer the samples finished at the migration while the rest generate
+        else:  # the freed ranks infer what finished by the migration, then the streamed tail, while the rest generate
             early = self.inter_stage.infer_early(fused, lambda part: Batch.from_samples(
                 part, self.tokenizer.pad_id, ids).to(platform.device()), self._infer_on_device)
             samples, self._early = self.inter_stage.gather(mine, early, fused)

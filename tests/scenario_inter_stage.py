@@ -35,7 +35,8 @@ FIELDS = ("tokens", "old_logprobs", "ref_logprobs", "scores", "values")
 
 
 def _trainer(placement) -> Trainer:
-    config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=1, seed=7),
+    config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL),
+                       run=RunConfig(iterations=1, seed=7),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=20, temperature=1.0,
                                                    long_tail_median=4),
                        ppo=PPOConfig(rollout_batch_size=8, n_samples_per_prompt=2, ppo_mini_batch_size=16,
