@@ -3,9 +3,10 @@
 # tests/test_launch_examples.py, which dry-runs exactly what they launch. Sourced with ROOT set to the
 # repository root (docs/launch.md).
 #
-# An example is a directory beside this file: job.sh (model shapes and PPO flags), plan_<N>.json (the
-# placement on N ranks) and schedule_<N>.json (the fused actor/critic schedule for that plan, written by
-# search_schedules.sh; without one the trainer searches a schedule after the first iteration).
+# An example is a directory beside this file: job.sh (model shapes; PPO flags if not the defaults
+# below), plan_<N>.json (the placement on N ranks) and schedule_<N>.json (the fused actor/critic
+# schedule for that plan, written by search_schedules.sh; without one the trainer searches a schedule
+# after the first iteration).
 #
 # Environment, all optional:
 #   ACTOR_MODEL, CRITIC_MODEL  an HF model directory or our checkpoint root (default: the example's
@@ -21,6 +22,19 @@
 #                              (on any machine; PYTHON: its interpreter, default python)
 
 EXAMPLES="$ROOT/examples/cluster"
+
+# The examples' PPO flags (a job.sh may set its own PPO_FLAGS). The fused schedules (schedule_<N>.json)
+# depend on --ppo-mini-batch-size and --micro-batch-size: after changing them, run search_schedules.sh
+# (or delete the schedules).
+DEFAULT_PPO_FLAGS=(
+  --iterations 1000
+  --max-prompt-len 512 --max-response-len 512
+  --rollout-batch-size 64 --n-samples-per-prompt 4
+  --ppo-mini-batch-size 64 --micro-batch-size 4 --ppo-epochs 1
+  --lr 1e-6 --critic-lr 5e-6 --lr-warmup-iters 20 --clip-grad 1.0
+  --clip-eps 0.2 --value-clip 0.2 --kl-coef 0.05 --kl-estimator k1 --gamma 1.0 --lam 0.95
+  --temperature 1.0 --top-p 1.0
+)
 
 # example_flags EXAMPLE WORLD_SIZE: set FLAGS to the example's pretrain_rlhf.py flags on WORLD_SIZE ranks
 # and OUT to its output directory.
@@ -39,7 +53,7 @@ example_flags() {
     return 2
   fi
   local ACTOR_SHAPE CRITIC_SHAPE
-  local -a PPO_FLAGS
+  local -a PPO_FLAGS=("${DEFAULT_PPO_FLAGS[@]}")
   # shellcheck source=/dev/null
   source "$dir/job.sh"
   OUT=${OUT_DIR:-runs/$name}
