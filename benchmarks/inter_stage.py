@@ -32,6 +32,7 @@ import os
 import random
 import statistics
 import time
+from types import SimpleNamespace
 
 from rlhf.fusion.inter_stage import FIRST_THRESHOLD
 from rlhf.fusion.policy import (SWEEP, GenerationCost, LengthDistribution, choose_threshold, long_tailed_lengths,
@@ -94,7 +95,7 @@ class SleepEngine:
         from rlhf.engine.types import EngineConfig
 
         self.cost, self.config, self.stats = cost, EngineConfig(block_size=16), EngineStats()
-        self.kv = type("KV", (), {"pool": type("Pool", (), {"num_free": 1 << 20})()})()
+        self.kv = SimpleNamespace(pool=SimpleNamespace(num_free=1 << 20))  # KV never runs out
         self.running = {}  # (request id, sample index) -> [request, tokens so far]
 
     def add_request(self, request) -> None:

@@ -18,11 +18,10 @@ destinations run to the end. A refused message leaves the sample with its
 source, which imports it back and finishes it: no sample is lost.
 
 The same gather hands every rank the samples finished so far
-(``finished_at_migration``): the trainer (`rlhf.trainer`, with
+(``finished_at_migration``): the trainer (`rlhf.fusion.inter_stage`, with
 ``--inter-stage-fusion``) infers them on the freed ranks while the
-destinations generate. Not built: streaming each long-tail sample into
-inference as it finishes; the long tail is inferred once generation ends
-(docs/fusion.md).
+destinations generate, and `finish_tail` hands each sample a destination
+finishes on to them (`rlhf.fusion.stream`).
 """
 
 from __future__ import annotations
