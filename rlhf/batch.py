@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from rlhf.parts import part_sizes
+
 if TYPE_CHECKING:
     from rlhf.engine.types import SampleResult
 
@@ -68,19 +70,6 @@ def _check_tensor(name: str, t, dims: int, n: int, floating: bool) -> None:
 def _max(t: torch.Tensor) -> int:
     # Host tensors only (HOST_FIELDS): no device sync.
     return int(t.max()) if t.numel() else 0
-
-
-def _split_sizes(n: int, sizes: Union[int, Sequence[int]]) -> list[int]:
-    """Sizes of contiguous parts: ``sizes`` itself, or ``sizes`` near-equal parts
-    (the first ``n % sizes`` parts one sample longer)."""
-    if isinstance(sizes, int):
-        if sizes < 1:
-            raise ValueError(f"Batch.split: {sizes} parts; expected a count >= 1 or a list of sizes")
-        return [n // sizes + (i < n % sizes) for i in range(sizes)]
-    sizes = list(sizes)
-    if sum(sizes) != n or any(s < 0 for s in sizes):
-        raise ValueError(f"Batch.split: sizes {sizes}; expected sizes >= 0 summing to len(batch) = {n}")
-    return sizes
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,7 +254,7 @@ class Batch:
         count of near-equal parts (the first N % count one sample longer).
         Parts are views of this batch's tensors (no copy); T and R are kept."""
         parts, start = [], 0
-        for size in _split_sizes(len(self), sizes):
+        for size in part_sizes(len(self), sizes):
             rows = slice(start, start + size)
             parts.append(self._rows(rows, rows, self.finish_reasons[rows]))
             start += size

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from rlhf.batch import _split_sizes
+from rlhf.parts import part_sizes
 
 SWEEP = tuple(p / 100 for p in range(5, 100, 5))
 """The thresholds R tried by `choose_threshold`: 5%, 10%, ..., 95% of the batch."""
@@ -206,7 +206,7 @@ def _drain(arrivals: Sequence[float], frees: Sequence[float], infer_s: float) ->
 def split_batch(lengths: Sequence[int], instances: int) -> list[list[int]]:
     """Deal a batch to instances as `Batch.split(instances)` does (contiguous, its part sizes)."""
     out, at = [], 0
-    for size in _split_sizes(len(lengths), instances):
+    for size in part_sizes(len(lengths), instances):
         out.append(list(lengths[at:at + size]))
         at += size
     return out
