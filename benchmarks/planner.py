@@ -22,6 +22,10 @@
     the measured one, the largest relative error. ``--record FILE`` saves
     the measured table; ``--measured FILE`` reports from a saved one.
 
+(e) Inter-stage fusion in the search: Llama-2 7B actor and critic on 2 x 8
+    H100, 512 samples of 512 + up to 1024 tokens, long-tailed (median 128):
+    the best plan without and with ``fuse_generation`` (rlhf.planner.inter_stage).
+
 ``--real-tables`` JSON: a list of plans, each
 ``{"name": ..., "expected_s": 64.0, "calls": [{"name": "actor_gen", "ranks": [0, ...],
 "seconds": 12.3, "inputs": [["reshard actor", 0.0]]}, ...]}``.
@@ -52,7 +56,7 @@ from rlhf.planner.models import PRESETS, parameter_count
 from rlhf.planner.plan import Plan, evaluate, stage_seconds
 from rlhf.planner.reshard_bytes import (hybridflow_fraction, hybridflow_ranks, padded_rows, parallel_bytes,
                                         received_bytes)
-from rlhf.planner.search import generation_order
+from rlhf.planner.search import SearchConfig, generation_order, search
 from rlhf.planner.simulate import Call, schedule
 from rlhf.tasks import TASKS
 
@@ -134,6 +138,21 @@ def hybridflow() -> int:
               f"{got['hf'] / m:.3f} M (incl. {norms / 1e3:.0f} kB of norms), plain order {got['plain'] / m:.3f} M; "
               f"planner picks {'HybridFlow' if picked else 'plain'} order ({list(nested.ranks)})")
     return hits
+
+
+def inter_stage() -> None:
+    print("(e) inter-stage fusion in the search: 7B/7B on 2 x 8 H100, 512 samples of 512 + up to 1024 tokens, "
+          "lengths lognormal around 128")
+    models = {m: PRESETS["llama-7b"] for m in ("actor", "reference", "reward", "critic")}
+    wl = Workload(512, 512, 1024, 4, 4, long_tail_median=128)
+    best = {fused: search(models, wl, HARDWARE["h100"], Cluster(2, 8), SearchConfig(fuse_generation=fused)).best
+            for fused in (False, True)}
+    for fused, ev in best.items():
+        st = stage_seconds(ev)
+        r = f", R={ev.migration_threshold:g}" if ev.plan.fuse_generation else ""
+        print(f"    {'fused' if fused else 'plain':5s}: {ev.seconds:6.2f} s (generation {st['generation']:.2f} s, "
+              f"inference {st['inference']:.2f} s{r}), actor_gen {ev.plan.meshes['actor_gen'].strategy}")
+    print(f"    predicted speedup {best[False].seconds / best[True].seconds:.3f}x")
 
 
 def measure(job_flags: list, iterations: int, warmup: int) -> list:
@@ -268,6 +287,7 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before them in (d)")
     args = ap.parse_args(argv)
     t1, t6, hf = table1(), table6(args.real_tables), hybridflow()
+    inter_stage()
     agree, error = "n/a", "n/a"
     if args.cpu_runs or args.measured:
         if args.measured:

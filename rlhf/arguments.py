@@ -27,7 +27,7 @@ def _optional_float(text: str):
     return None if text.lower() in ("none", "off") else float(text)
 
 
-def _fraction_or_auto(text: str):
+def fraction_or_auto(text: str):
     """'auto' -> None (chosen at run time), else a float."""
     return None if text.lower() == "auto" else float(text)
 
@@ -107,7 +107,7 @@ SECTIONS = {
         ("inter_stage_fusion", bool, "migrate generation's long tail to a few instances once few samples are "
                                      "left, and infer the finished samples (reference, reward, critic) on the "
                                      "freed ranks while those generate (needs actor_gen dp >= 2; docs/fusion.md)"),
-        ("migration_threshold", _fraction_or_auto, "migrate when the unfinished samples are at most this fraction "
+        ("migration_threshold", fraction_or_auto, "migrate when the unfinished samples are at most this fraction "
                                                    "of the batch (0: never; 1: at the first count); auto: 0.2 "
                                                    "in the first iteration, then the fusion policy's simulated "
                                                    "best for the lengths and times measured so far"),

@@ -18,6 +18,9 @@ from __future__ import annotations
 TASKS = ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train")
 """In iteration order; every rank creates the tasks' process groups in this order."""
 
+INFERENCE_TASKS = ("ref_inf", "reward_inf", "critic_inf")
+"""The tasks that only score the generated batch (forward passes, no update)."""
+
 MODELS = ("actor", "reference", "reward", "critic")
 
 KINDS = ("lm", "value")

@@ -28,13 +28,15 @@ from rlhf.planner.hardware import PRESETS as HW
 from rlhf.planner.hardware import load_hardware, save_hardware
 from rlhf.planner.models import (PRESETS, forward_flops_per_token, kv_bytes_per_token, model_preset,
                                  parameter_count, schedule_shape, stage_parameters)
-from rlhf.planner.plan import Plan, evaluate, stage_seconds
+from rlhf.fusion import policy
+from rlhf.planner import inter_stage
+from rlhf.planner.plan import FUSED_GENERATION, Plan, evaluate, stage_seconds
 from rlhf.planner.search import PRESETS as PRESETS_APP
 from rlhf.planner.search import SearchConfig, allocations, generation_order, search, set_partitions, strategies
 from rlhf.planner.simulate import Call, Sharing, schedule
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import serial_1f1b_makespan
-from rlhf.tasks import MODELS, TASKS
+from rlhf.tasks import INFERENCE_TASKS, MODELS, TASKS
 from rlhf.testing.tools import load_tool
 
 plan_placement = load_tool("plan_placement")
@@ -206,6 +208,86 @@ def test_fused_training_is_no_slower_than_serial():
     assert together.peak_memory > serial.peak_memory  # both models' activations are live at once
 
 
+# --- inter-stage fusion ---------------------------------------------------------------------------------------------
+
+LONG_TAIL = replace(WL, samples=1024, response_len=1024, long_tail_median=128)  # 256 per instance > B_sat
+
+
+def _gen_and_inference_span(ev) -> float:
+    t = ev.timeline
+    return max(t.end[c] for c in INFERENCE_TASKS) - t.start["actor_gen"]
+
+
+def test_inter_stage_time_model_reproduces_the_unfused_plan():
+    """The fusion policy's model, set from the cost model, gives the unfused plan's generation + inference
+    time when every sample runs to full length (the planner's own assumption)."""
+    plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    unfused = evaluate(plan, MODELS_7B, LONG_TAIL, HW["h100"], Cluster(1, 8))
+    gen_s = unfused.costs["actor_gen"].seconds
+    span = _gen_and_inference_span(unfused)
+    cost = inter_stage.generation_cost(MODELS_7B["actor"], plan.meshes["actor_gen"], LONG_TAIL, HW["h100"],
+                                       Cluster(1, 8), gen_s, span - gen_s)
+    full = policy.simulate([LONG_TAIL.response_len] * LONG_TAIL.samples, cost, 0.0)
+    assert full.generation_s == pytest.approx(gen_s)
+    assert full.total_s == pytest.approx(span)
+
+
+def test_inter_stage_fusion_shortens_a_long_tail_by_the_policys_speedup():
+    plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    hw, cluster = HW["h100"], Cluster(1, 8)
+    unfused = evaluate(plan, MODELS_7B, LONG_TAIL, hw, cluster)
+    fused = evaluate(replace(plan, fuse_generation=True), MODELS_7B, LONG_TAIL, hw, cluster)
+    span = _gen_and_inference_span(unfused)
+    cost = inter_stage.generation_cost(MODELS_7B["actor"], plan.meshes["actor_gen"], LONG_TAIL, hw, cluster,
+                                       unfused.costs["actor_gen"].seconds, span - unfused.costs["actor_gen"].seconds)
+    lengths = policy.LengthDistribution(policy.long_tailed_lengths(4096, random.Random(0), 128, cap=1024))
+    choice = policy.choose_threshold(lengths, cost, LONG_TAIL.samples, trials=8)
+    call = fused.timeline.end[FUSED_GENERATION] - fused.timeline.start[FUSED_GENERATION]
+    assert call == pytest.approx(span / choice.speedup)
+    assert fused.migration_threshold == choice.threshold and choice.speedup > 1.1
+    # everything after inference moves up by what fusion saves
+    assert unfused.seconds - fused.seconds == pytest.approx(span - call)
+    assert stage_seconds(fused)["generation"] == pytest.approx(call) and stage_seconds(fused)["inference"] == 0
+    # a given R: the policy's own R gives the same time; R = 0 never migrates (the unfused time)
+    def at(r):
+        return evaluate(replace(plan, fuse_generation=True, migration_threshold=r), MODELS_7B, LONG_TAIL, hw, cluster)
+
+    assert at(choice.threshold).seconds == pytest.approx(fused.seconds, rel=1e-12)
+    assert at(0.0).seconds == pytest.approx(unfused.seconds, rel=1e-12)
+    assert at(0.95).seconds > fused.seconds
+
+
+def test_inter_stage_fusion_gains_nothing_without_a_tail_and_is_not_proposed():
+    plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    hw, cluster = HW["h100"], Cluster(1, 8)
+    uniform = replace(LONG_TAIL, long_tail_median=0)
+    fused = evaluate(replace(plan, fuse_generation=True), MODELS_7B, uniform, hw, cluster)
+    assert fused.seconds == pytest.approx(evaluate(plan, MODELS_7B, uniform, hw, cluster).seconds, rel=1e-12)
+    nodes = Cluster(2, 8)  # a batch this long fits one node only with every model's memory spread thin
+    small = SearchConfig(options=2, keep=3, fuse_generation=True)
+    assert not any(ev.plan.fuse_generation for ev in search(MODELS_7B, uniform, hw, nodes, small).ranked)
+    tailed = search(MODELS_7B, LONG_TAIL, hw, nodes, small)
+    plain = search(MODELS_7B, LONG_TAIL, hw, nodes, replace(small, fuse_generation=False))
+    assert tailed.best.plan.fuse_generation and tailed.best.seconds < plain.best.seconds
+
+
+@pytest.mark.parametrize("gen, inference_start, message", [
+    (ParallelStrategy(tp=8), 0, r"needs actor_gen dp >= 2"),
+    (ParallelStrategy(dp=2, tp=4), 8, r"needs the inference tasks on actor_gen's ranks; ref_inf, reward_inf, "
+                                      r"critic_inf are not"),
+])
+def test_inter_stage_fusion_refuses_plans_without_freed_ranks(gen, inference_start, message):
+    train, infer = ParallelStrategy(dp=2, pp=2, tp=2), ParallelStrategy(dp=8)
+    meshes = {t: _mesh(t, gen if t == "actor_gen" else infer if t in INFERENCE_TASKS else train,
+                       inference_start if t in INFERENCE_TASKS else 0) for t in TASKS}
+    with pytest.raises(PlannerError, match=message):
+        evaluate(Plan("p", meshes, fuse_generation=True), MODELS_7B, LONG_TAIL, HW["h100"], Cluster(2, 8))
+    plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    with pytest.raises(PlannerError, match=r"not modelled on cpu-gloo, whose ranks share cores"):
+        evaluate(replace(plan, fuse_generation=True), MODELS_7B, LONG_TAIL, replace(HW["cpu"], shared_cores=2),
+                 Cluster(1, 8))
+
+
 # --- iteration simulator -------------------------------------------------------------------------------------------
 
 def test_list_scheduling_hand_worked():
@@ -351,9 +433,12 @@ def test_search_plans_pass_placement_validation(actor, critic, nodes):
 
 # --- tools/plan_placement.py ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("actor, critic, nodes", [("llama-7b", "llama-7b", 2), ("llama-70b", "llama-7b", 16)])
-def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nodes):
-    """The written plan passes pretrain_rlhf.py's own pre-start checks (its --dry-run), fused schedule included."""
+@pytest.mark.parametrize("actor, critic, nodes, fusion", [
+    ("llama-7b", "llama-7b", 2, ["--intra-stage-fusion", "--inter-stage-fusion", "--long-tail-median", "64"]),
+    ("llama-70b", "llama-7b", 16, ["--intra-stage-fusion"])])
+def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nodes, fusion):
+    """The written plan, with the job flags the tool names (fusion included), passes pretrain_rlhf.py's own
+    pre-start checks (its --dry-run)."""
     from rlhf.arguments import parse_args
     from rlhf.launch import dry_run
 
@@ -361,14 +446,17 @@ def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nod
     batch = ["--rollout-batch-size", "64", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size", "64",
              "--micro-batch-size", "4", "--max-prompt-len", "512", "--max-response-len", "512"]
     assert plan_placement.main(["--actor", actor, "--critic", critic, "--nodes", str(nodes), "--gpus-per-node", "8",
-                                "--intra-stage-fusion", "--out", str(out), "--top", "3", *batch]) == 0
+                                *fusion, "--out", str(out), "--top", "3", *batch]) == 0
     text = capsys.readouterr().out
     assert "iter s" in text and "GiB/GPU" in text and "pruned:" in text and f"written to {out}" in text
     shapes = {}
     for model, preset in (("actor", actor), ("critic", critic)):
         shapes[model] = tmp_path / f"{model}.json"
         shapes[model].write_text(json.dumps(PRESETS[preset].to_dict()))
-    fused = ["--intra-stage-fusion"] if "--intra-stage-fusion" in text.splitlines()[-1] else []
+    fused = re.fullmatch(rf"best plan written to {out} \(pretrain_rlhf.py --placement {out}(.*)\)",
+                         text.splitlines()[-1]).group(1).split()
+    if "--long-tail-median" in fusion:
+        assert "--inter-stage-fusion" in fused and "--migration-threshold" in fused  # the long tail pays
     config = parse_args(["--actor-model", str(shapes["actor"]), "--critic-model", str(shapes["critic"]),
                          "--placement", str(out), *batch, *fused])
     assert dry_run(config, nodes * 8).startswith(f"dry run: {nodes * 8} ranks;")
@@ -412,6 +500,10 @@ def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
     (["--actor", "tiny", "--critic", "tiny", "--gpus-per-node", "4", "--placement",
       str(ROOT / "examples" / "placement_4ranks.json"), "--measured", "BAD", "--fit", "mfu,speed"],
      r"^plan_placement.py: --fit: cannot fit speed; give some of mfu, layer_overhead_s"),
+    (["--actor", "tiny", "--critic", "tiny", "--long-tail-median", "600"],
+     r"^plan_placement.py: --long-tail-median: 600 must be in \[0, --max-response-len 512\]"),
+    (["--actor", "tiny", "--critic", "tiny", "--migration-threshold", "0.3"],
+     r"^plan_placement.py: --migration-threshold: needs --placement and --inter-stage-fusion"),
     (["--actor", "tiny", "--critic", "tiny", "--ppo-mini-batch-size", "100"],
      r"^plan_placement.py: --ppo-mini-batch-size: 100 does not divide the 512 samples"),
 ])

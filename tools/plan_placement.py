@@ -36,6 +36,7 @@ import json
 import sys
 from pathlib import Path
 
+from rlhf.arguments import fraction_or_auto
 from rlhf.cli import HelpFormatter, UsageError, check_out_path, report
 from rlhf.models.config import PRESETS as JOB_PRESETS
 from rlhf.models.config import ModelConfig, ModelConfigError
@@ -76,10 +77,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppo-mini-batch-size", type=int, default=128, help="samples per PPO mini-batch")
     p.add_argument("--micro-batch-size", type=int, default=4, help="samples per micro-batch")
     p.add_argument("--ppo-epochs", type=int, default=1, help="passes over the samples per iteration")
+    p.add_argument("--long-tail-median", type=int, default=0,
+                   help="the long-tailed workload: response lengths lognormal around this median, capped at "
+                        "--max-response-len (0: every response runs to --max-response-len)")
     s = ap.add_argument_group("search")
     s.add_argument("--intra-stage-fusion", action="store_true",
                    help="also try fused actor/critic training where the two share their ranks (with "
                         "--placement: the given plan runs fused)")
+    s.add_argument("--inter-stage-fusion", action="store_true",
+                   help="also try migrating generation's long tail and inferring on the freed ranks where all four "
+                        "models share their ranks and actor_gen has dp >= 2 (with --placement: the given plan runs "
+                        "fused); it gains only with --long-tail-median")
+    s.add_argument("--migration-threshold", type=fraction_or_auto, default=None, metavar="R|auto",
+                   help="with --placement --inter-stage-fusion: the plan migrates at this fraction of unfinished "
+                        "samples (auto: the fusion policy's choice; a search picks R per plan and prints it)")
     s.add_argument("--options", type=int, default=SearchConfig.options,
                    help="fastest strategies kept per task (the leanest is kept too)")
     s.add_argument("--keep", type=int, default=SearchConfig.keep,
@@ -142,8 +153,11 @@ def check_inputs(args) -> tuple:
     if samples % args.ppo_mini_batch_size:
         raise UsageError(f"--ppo-mini-batch-size: {args.ppo_mini_batch_size} does not divide the {samples} samples "
                          "of an iteration (--rollout-batch-size x --n-samples-per-prompt)")
+    if not 0 <= args.long_tail_median <= args.max_response_len:
+        raise UsageError(f"--long-tail-median: {args.long_tail_median} must be in [0, --max-response-len "
+                         f"{args.max_response_len}] (0: off)")
     wl = Workload(samples, args.max_prompt_len, args.max_response_len, samples // args.ppo_mini_batch_size,
-                  args.micro_batch_size, args.ppo_epochs)
+                  args.micro_batch_size, args.ppo_epochs, args.long_tail_median)
     try:
         hw = load_hardware(args.hardware)
     except PlannerError as exc:
@@ -153,12 +167,19 @@ def check_inputs(args) -> tuple:
             check_out_path(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.measured and not args.placement:
         raise UsageError("--measured: needs --placement, the plan the measured run used")
+    if args.migration_threshold is not None and not (args.placement and args.inter_stage_fusion):
+        raise UsageError("--migration-threshold: needs --placement and --inter-stage-fusion (a search picks R per "
+                         "plan)")
+    if args.migration_threshold is not None and not 0 <= args.migration_threshold <= 1:
+        raise UsageError(f"--migration-threshold: {args.migration_threshold} must be a fraction in [0, 1] or auto")
     return models, wl, hw, Cluster(args.nodes, args.gpus_per_node)
 
 
-def plan_from_file(path: Path, cluster: Cluster, fuse_training: bool = False) -> Plan:
-    """The placement file's meshes as a Plan (every task must be placed); ``fuse_training``: the job runs
-    with --intra-stage-fusion."""
+def plan_from_file(path: Path, cluster: Cluster, fuse_training: bool = False, fuse_generation: bool = False,
+                   migration_threshold: float | None = None) -> Plan:
+    """The placement file's meshes as a Plan (every task must be placed); ``fuse_training``,
+    ``fuse_generation``, ``migration_threshold``: the job runs with --intra-stage-fusion,
+    --inter-stage-fusion, --migration-threshold."""
     try:
         placement = Placement.from_file(path, cluster.gpus)
     except PlacementError as exc:
@@ -166,7 +187,7 @@ def plan_from_file(path: Path, cluster: Cluster, fuse_training: bool = False) ->
     missing = [t for t in TASKS if t not in placement.meshes]
     if missing:
         raise UsageError(f"--placement {path}: task(s) {missing} are not placed; the planner needs all six")
-    return Plan(path.name, dict(placement.meshes), fuse_training=fuse_training)
+    return Plan(path.name, dict(placement.meshes), fuse_training, fuse_generation, migration_threshold)
 
 
 def print_table(ranked: list, top: int) -> None:
@@ -174,21 +195,24 @@ def print_table(ranked: list, top: int) -> None:
     for i, ev in enumerate(ranked[:top], 1):
         st = stage_seconds(ev)
         cells = " ".join(f"{st.get(s, 0.0):8.2f}" for s in ("reshard", "generation", "inference", "training"))
+        r = f" R={ev.migration_threshold:g}" if ev.plan.fuse_generation else ""
         print(f"{i:3d} {ev.seconds:9.2f} {cells} {ev.peak_memory / 2**30:8.1f}  {ev.plan.name}: "
-              f"{ev.plan.describe()}")
+              f"{ev.plan.describe()}{r}")
 
 
 def run(args) -> None:
     models, wl, hw, cluster = check_inputs(args)
     try:
         if args.placement:
-            plan = plan_from_file(args.placement, cluster, args.intra_stage_fusion)
+            plan = plan_from_file(args.placement, cluster, args.intra_stage_fusion, args.inter_stage_fusion,
+                                  args.migration_threshold)
             if args.measured:
                 hw = calibrated(args, plan, models, wl, hw, cluster)
             ranked, pruned, how = [evaluate(plan, models, wl, hw, cluster)], [], "the given placement"
         else:
             cfg = SearchConfig(options=args.options, keep=args.keep, brute_force_limit=args.brute_force_limit,
-                               proposals=args.proposals, seed=args.seed, fuse_training=args.intra_stage_fusion)
+                               proposals=args.proposals, seed=args.seed, fuse_training=args.intra_stage_fusion,
+                               fuse_generation=args.inter_stage_fusion)
             res = search(models, wl, hw, cluster, cfg)
             ranked, pruned = res.ranked, res.pruned
             how = f"{res.method}, {res.evaluations} plans evaluated"
@@ -203,8 +227,18 @@ def run(args) -> None:
             print(f"  {what}: {why}")
     if args.out:
         args.out.write_text(json.dumps(ranked[0].plan.placement(), indent=2) + "\n")
-        fused = " --intra-stage-fusion" if ranked[0].plan.fuse_training else ""
-        print(f"best plan written to {args.out} (pretrain_rlhf.py --placement {args.out}{fused})")
+        print(f"best plan written to {args.out} (pretrain_rlhf.py --placement {args.out}"
+              f"{''.join(' ' + f for f in job_flags(ranked[0], wl))})")
+
+
+def job_flags(ev, wl: Workload) -> list[str]:
+    """The pretrain_rlhf.py flags besides --placement that run ``ev``'s plan as predicted."""
+    flags = ["--intra-stage-fusion"] if ev.plan.fuse_training else []
+    if ev.plan.fuse_generation:
+        flags += ["--inter-stage-fusion", f"--migration-threshold {ev.migration_threshold:g}"]
+    if wl.long_tail_median:
+        flags.append(f"--long-tail-median {wl.long_tail_median}")
+    return flags
 
 
 def calibrated(args, plan, models, wl, hw, cluster):

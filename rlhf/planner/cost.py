@@ -83,7 +83,9 @@ class Cluster:
 class Workload:
     """PPO batch settings of one iteration: ``samples`` responses of up to ``response_len`` tokens after
     ``prompt_len`` prompt tokens; training in ``minibatches`` mini-batches of micro-batches of
-    ``micro_batch_size`` samples, ``ppo_epochs`` times."""
+    ``micro_batch_size`` samples, ``ppo_epochs`` times. ``long_tail_median`` > 0 declares the trainer's
+    long-tailed workload (response lengths lognormal around it, capped at ``response_len``); 0: every
+    response runs to ``response_len``."""
 
     samples: int
     prompt_len: int
@@ -91,6 +93,7 @@ class Workload:
     minibatches: int = 1
     micro_batch_size: int = 1
     ppo_epochs: int = 1
+    long_tail_median: int = 0
 
     def __post_init__(self):
         for name in ("samples", "prompt_len", "response_len", "minibatches", "micro_batch_size", "ppo_epochs"):
@@ -100,6 +103,9 @@ class Workload:
         if self.samples % self.minibatches:
             raise PlannerError(f"minibatches={self.minibatches} must divide the {self.samples} samples of an "
                                "iteration")
+        if not 0 <= self.long_tail_median <= self.response_len:
+            raise PlannerError(f"long_tail_median={self.long_tail_median!r} must be in [0, response_len="
+                               f"{self.response_len}] (0: off)")
 
     @property
     def seq(self) -> int:

@@ -17,7 +17,9 @@ the scores as 4-byte values per token). With ``fuse_training`` the two
 training calls are one call on their shared ranks whose time is the serial
 time scaled by the greedy fused schedule's makespan over serial 1F1B
 (rlhf.schedule; the annealed schedule of tools/search_schedule.py is at
-least as short). Memory per rank: the static bytes of every task on it plus
+least as short). With ``fuse_generation`` generation and the three
+inference calls are one call on actor_gen's ranks, timed by the fusion
+policy's simulation (rlhf.planner.inter_stage). Memory per rank: the static bytes of every task on it plus
 the largest transient bytes of one call (both training calls when fused).
 """
 
@@ -31,6 +33,7 @@ from rlhf.parallel.mesh import TaskMesh
 from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches, task_cost
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
+from rlhf.planner import inter_stage
 from rlhf.planner.models import schedule_shape
 from rlhf.planner.reshard_bytes import received_bytes
 from rlhf.planner.simulate import Call, Sharing, Timeline, schedule
@@ -38,9 +41,10 @@ from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import greedy_fused, serial_1f1b_makespan
 from rlhf.schedule.problem import ProblemError
 from rlhf.schedule.simulate import simulate as simulate_schedule
-from rlhf.tasks import MODEL_KIND, TASK_MODEL, TASKS
+from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, TASK_MODEL, TASKS
 
-INFERENCE = ("ref_inf", "reward_inf", "critic_inf")
+FUSED_GENERATION = "actor_gen+inference"
+"""The one call of generation and inference under inter-stage fusion."""
 RESHARDS = {"reshard actor": ("actor_train", "actor_gen"), "reshard critic": ("critic_train", "critic_inf")}
 BATCH_BYTES_PER_TOKEN = 16
 """Bytes per token of the batch moving between tasks: token id, log-probs, reference log-probs, values."""
@@ -48,11 +52,15 @@ BATCH_BYTES_PER_TOKEN = 16
 
 @dataclass(frozen=True)
 class Plan:
-    """Every task's mesh; ``fuse_training`` runs actor and critic training as one fused schedule."""
+    """Every task's mesh; ``fuse_training`` runs actor and critic training as one fused schedule,
+    ``fuse_generation`` generation and inference as one fused call (rlhf.planner.inter_stage)."""
 
     name: str
     meshes: dict
     fuse_training: bool = False
+    fuse_generation: bool = False
+    migration_threshold: float | None = None
+    """R of the fused generation; None: the fusion policy's choice."""
 
     def placement(self) -> dict:
         """The plan as ``pretrain_rlhf.py --placement`` reads it (rlhf.parallel.placement)."""
@@ -68,7 +76,8 @@ class Plan:
         """One line: each task's layout, tasks on the same ranks grouped."""
         parts = [f"{t.split('_')[0]}.{t.split('_')[1]}={rank_spec(m.ranks)}:{m.strategy}"
                  for t, m in self.meshes.items()]
-        return " ".join(parts) + (" +fused" if self.fuse_training else "")
+        return " ".join(parts) + (" +fused" if self.fuse_training else "") + (
+            " +inter-stage" if self.fuse_generation else "")
 
 
 def rank_spec(ranks) -> str | list:
@@ -86,6 +95,7 @@ class Evaluation:
     costs: dict
     memory: dict
     reshard_bytes: dict = field(default_factory=dict)
+    migration_threshold: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -112,18 +122,15 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
             reshards[name] = (ranks, moved[name] / cluster.bandwidth(ranks, hw))
     mesh = plan.meshes
     everyone = set().union(*(m.ranks for m in mesh.values()))
-
-    def edge(src: str, dst_ranks, tokens_share: float = 1.0) -> tuple:
-        nbytes = wl.samples * wl.seq * BATCH_BYTES_PER_TOKEN * tokens_share
-        return src, nbytes / cluster.bandwidth(set(mesh[src].ranks) | set(dst_ranks), hw)
-
     if "reshard actor" in reshards:
         calls.append(Call("reshard actor", *reshards["reshard actor"]))
-    calls.append(Call("actor_gen", mesh["actor_gen"].ranks, seconds["actor_gen"],
-                      [("reshard actor", 0.0)] if "reshard actor" in reshards else []))
-    calls += [Call(t, mesh[t].ranks, seconds[t], [edge("actor_gen", mesh[t].ranks)]) for t in INFERENCE]
-    # each inference call sends one value per token: a quarter of the batch's bytes
-    calls.append(Call("advantage", everyone, hw.host_s, [edge(t, everyone, 0.25) for t in INFERENCE]))
+    generated, threshold = _generation_calls(plan, models, wl, hw, cluster, seconds,
+                                             [("reshard actor", 0.0)] if "reshard actor" in reshards else [])
+    calls += generated
+    # each inference task sends one value per token, a quarter of the batch's bytes, from its own ranks
+    scored = generated[1:] or generated
+    calls.append(Call("advantage", everyone, hw.host_s,
+                      [_batch_edge(c.name, c.ranks, everyone, wl, hw, cluster, 0.25) for c in scored]))
     if plan.fuse_training:
         fused = fused_training_seconds(plan, models, wl, hw, seconds["actor_train"] + seconds["critic_train"])
         calls.append(Call("actor_train+critic_train", mesh["actor_train"].ranks, fused, [("advantage", 0.0)]))
@@ -133,7 +140,34 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
         trained = "critic_train"
     if "reshard critic" in reshards:
         calls.append(Call("reshard critic", *reshards["reshard critic"], [(trained, 0.0)]))
-    return Evaluation(plan, schedule(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved)
+    return Evaluation(plan, schedule(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved,
+                      threshold)
+
+
+def _batch_edge(src: str, src_ranks, dst_ranks, wl: Workload, hw: Hardware, cluster: Cluster,
+                tokens_share: float = 1.0) -> tuple:
+    """The input edge of data from call ``src``: ``tokens_share`` of the batch's bytes over the link."""
+    nbytes = wl.samples * wl.seq * BATCH_BYTES_PER_TOKEN * tokens_share
+    return src, nbytes / cluster.bandwidth(set(src_ranks) | set(dst_ranks), hw)
+
+
+def _generation_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Cluster, seconds: dict,
+                      inputs: list) -> tuple[list[Call], float | None]:
+    """actor_gen and the inference calls it feeds, or with ``fuse_generation`` one fused call (and its R)
+    lasting their span times the fusion policy's fused over unfused time."""
+    mesh, gen = plan.meshes, plan.meshes["actor_gen"]
+    inferring = [Call(t, mesh[t].ranks, seconds[t], [_batch_edge("actor_gen", gen.ranks, mesh[t].ranks, wl, hw,
+                                                                 cluster)]) for t in INFERENCE_TASKS]
+    if not plan.fuse_generation:
+        return [Call("actor_gen", gen.ranks, seconds["actor_gen"], inputs)] + inferring, None
+    why = inter_stage.refusal(mesh, hw)
+    if why:
+        raise PlannerError(why)
+    span = schedule([Call("actor_gen", gen.ranks, seconds["actor_gen"])] + inferring, sharing(hw, cluster)).seconds
+    cost = inter_stage.generation_cost(models["actor"], gen, wl, hw, cluster, seconds["actor_gen"],
+                                       span - seconds["actor_gen"])
+    fused, threshold = inter_stage.fused_seconds(cost, wl, span, plan.migration_threshold)
+    return [Call(FUSED_GENERATION, gen.ranks, fused, inputs)], threshold
 
 
 def sharing(hw: Hardware, cluster: Cluster) -> Sharing | None:
@@ -141,7 +175,7 @@ def sharing(hw: Hardware, cluster: Cluster) -> Sharing | None:
     return Sharing(cluster.gpus_per_node, hw.shared_cores) if hw.shared_cores else None
 
 
-STAGES = {"reshard": ("reshard actor", "reshard critic"), "generation": ("actor_gen",), "inference": INFERENCE,
+STAGES = {"reshard": ("reshard actor", "reshard critic"), "generation": ("actor_gen", FUSED_GENERATION), "inference": INFERENCE_TASKS,
           "advantage": ("advantage",), "training": ("actor_train", "critic_train", "actor_train+critic_train")}
 """The trainer's timed stages (``time_<stage>_s``) and the calls of each."""
 

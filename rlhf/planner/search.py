@@ -24,7 +24,9 @@ changed per proposal, ``proposals`` proposals per candidate, seeded: the same
 input gives the same plans). Infeasible plans (a rank over its memory) are
 kept out of the ranking and reported with their reason. Where actor and
 critic share a set, fused training (intra-stage fusion) is tried too when
-``fuse_training`` is set.
+``fuse_training`` is set; where all four models share one set, fused
+generation and inference (inter-stage fusion, rlhf.planner.inter_stage)
+when ``fuse_generation`` is set and actor_gen has dp >= 2.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.planner.cost import ROLE, Cluster, Workload
 from rlhf.planner.errors import PlannerError
+from rlhf.planner import inter_stage
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.plan import Evaluation, Plan, cached_cost, evaluate, most_received
 from rlhf.planner.reshard_bytes import hybridflow_ranks
@@ -59,6 +62,7 @@ class SearchConfig:
     proposals: int = 600
     seed: int = 0
     fuse_training: bool = False
+    fuse_generation: bool = False
 
 
 @dataclass
@@ -212,6 +216,7 @@ def search(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
             if key not in best or ev.seconds < best[key].seconds:
                 best[key] = ev
     result.ranked = sorted(best.values(), key=lambda e: e.seconds)
+    result.pruned = list(dict.fromkeys(result.pruned))  # a fused variant's twin is met twice
     if not result.ranked:
         raise PlannerError(_nothing_fits(result.pruned, cluster))
     return result
@@ -229,9 +234,12 @@ def _nothing_fits(pruned: list, cluster: Cluster) -> str:
             "that divides the heads and layers (a power of two) or change the batch sizes")
 
 
-def _fusions(sets: tuple, config: SearchConfig) -> tuple:
-    together = any("actor" in s and "critic" in s for s in sets)
-    return (False, True) if config.fuse_training and together else (False,)
+def _fusions(sets: tuple, config: SearchConfig) -> list[tuple[bool, bool]]:
+    """(fuse_training, fuse_generation) variants worth trying on this placement."""
+    training = (False, True) if config.fuse_training and any("actor" in s and "critic" in s for s in sets) \
+        else (False,)
+    generation = (False, True) if config.fuse_generation and len(sets) == 1 else (False,)
+    return list(itertools.product(training, generation))
 
 
 def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict | None:
@@ -252,16 +260,29 @@ def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict
 
 
 def _evaluate(name, choice, options, fuse, models, wl, hw, cluster, result) -> Evaluation | None:
+    """One option per task as a plan, predicted; None when it is pruned. A fused-generation variant that
+    cannot fuse or gains nothing (no long tail) stands as its unfused twin."""
     meshes = dict(zip(options, choice))
-    if fuse:
+    fuse_training, fuse_generation = fuse
+    if fuse_generation:
+        twin = _evaluate(name, choice, options, (fuse_training, False), models, wl, hw, cluster, result)
+        if twin is None or inter_stage.refusal(twin.plan.meshes, hw):
+            return twin
+        ev = _predict(replace(twin.plan, fuse_generation=True), models, wl, hw, cluster, result)
+        return ev if ev is not None and ev.seconds < twin.seconds else twin
+    if fuse_training:
         critic = meshes["critic_train"]
         meshes["critic_train"] = TaskMesh("critic_train", critic.ranks, critic.strategy, reverse_pp=True)
-    plan = Plan(name, generation_order(meshes, models), fuse_training=fuse)
+    return _predict(Plan(name, generation_order(meshes, models), fuse_training), models, wl, hw, cluster, result)
+
+
+def _predict(plan, models, wl, hw, cluster, result) -> Evaluation | None:
+    """``plan`` evaluated; None (and a pruned entry) when it is refused or over a GPU's memory."""
     result.evaluations += 1
     try:
         ev = evaluate(plan, models, wl, hw, cluster)
     except PlannerError as exc:
-        result.pruned.append((name, str(exc)))
+        result.pruned.append((plan.name, str(exc)))
         return None
     limit = hw.gpu_memory * hw.memory_headroom
     if ev.peak_memory > limit:
