@@ -208,6 +208,17 @@ def test_fused_training_is_no_slower_than_serial():
     assert together.peak_memory > serial.peak_memory  # both models' activations are live at once
 
 
+def test_the_planner_does_not_import_torch():
+    """The planner (the fusion policy it borrows included) runs where torch is not installed."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhf.planner.search, rlhf.planner.calibrate, rlhf.planner.inter_stage; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 # --- inter-stage fusion ---------------------------------------------------------------------------------------------
 
 LONG_TAIL = replace(WL, samples=1024, response_len=1024, long_tail_median=128)  # 256 per instance > B_sat
