@@ -36,7 +36,7 @@ from rlhf.planner.search import SearchConfig, allocations, generation_order, sea
 from rlhf.planner.simulate import Call, Sharing, schedule
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import serial_1f1b_makespan
-from rlhf.tasks import INFERENCE_TASKS, MODELS, TASKS
+from rlhf.tasks import INFERENCE_TASKS, MODELS, TASKS, task_kind
 from rlhf.testing.tools import load_tool
 
 plan_placement = load_tool("plan_placement")
@@ -411,6 +411,24 @@ def test_search_space_enumeration_and_pruning():
     assert "actor_gen dp4xpp2xtp1: generation decodes a whole model (pp=1)" in why
     _, why = strategies("critic_train", cfg, tuple(range(8)), Workload(48, 8, 8, 2, 4), Cluster(1, 8))
     assert "critic_train dp8xpp1xtp1: dp=8 x micro-batch 4 does not divide the mini-batch of 24 samples" in why
+
+
+def test_inference_tasks_may_take_half_a_set_and_then_run_side_by_side():
+    hw, cluster, wl = HW["h100"], Cluster(2, 8), replace(WL, samples=512)
+    res = search(MODELS_7B, wl, hw, cluster, SearchConfig(options=2, keep=2))
+    halves = [ev for ev in res.ranked if ev.plan.name.startswith("flatten")
+              and {ev.plan.meshes["ref_inf"].ranks, ev.plan.meshes["reward_inf"].ranks} == {tuple(range(8)),
+                                                                                           tuple(range(8, 16))}]
+    assert halves, "no flatten plan with ref_inf and reward_inf on the two halves"
+    t = halves[0].timeline
+    assert t.start["ref_inf"] == pytest.approx(t.start["reward_inf"])  # disjoint ranks: side by side
+    # each on its half costs what the cost model says of that half alone
+    for task in ("ref_inf", "reward_inf"):
+        mesh = halves[0].plan.meshes[task]
+        alone = task_cost(task, MODELS_7B["actor"], task_kind(task), mesh, wl, hw, cluster)
+        assert t.end[task] - t.start[task] == pytest.approx(alone.seconds)
+    for ev in halves[:3]:
+        _job_accepts(ev.plan.placement(), MODELS_7B, 16, wl)
 
 
 def test_generation_mesh_takes_hybridflow_order_when_it_moves_fewer_bytes():

@@ -3,7 +3,8 @@
 The space, pruned as it is built:
 
 * **placements** (HybridFlow section 6): the partitions of the four models
-  into colocated sets; all tasks of a model run on its set's ranks. APP's
+  into colocated sets; all tasks of a model run on its set's ranks (an
+  inference task possibly on half of them, below). APP's
   presets are named among them: ``flatten`` (one set: every model on every
   GPU), ``interleave`` ({actor, reference} and {critic, reward} on two
   halves, so the concurrent inference calls and the two training calls run
@@ -14,7 +15,10 @@ The space, pruned as it is built:
   tp does not divide the heads, KV heads or ffn, a TP group leaves its node,
   pp does not divide the layers, generation is pipelined (the engine decodes
   a whole model: pp = 1), or the task alone cannot fit one GPU; the
-  ``options`` fastest survivors (cost model) are kept.
+  ``options`` fastest survivors (cost model) are kept, and the leanest.
+* **sub-meshes** (ReaL's per-call meshes): an inference task may also run
+  on either half of its set's block (the fastest strategy there), so that
+  two inference calls of one set run side by side.
 
 Each (placement, allocation) is first scored with every task's fastest
 option; the ``keep`` best go on to a full search of their option products.
@@ -43,7 +47,7 @@ from rlhf.planner import inter_stage
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.plan import Evaluation, Plan, cached_cost, evaluate, most_received
 from rlhf.planner.reshard_bytes import hybridflow_ranks
-from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL, TASKS
+from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, MODELS, TASK_MODEL, TASKS
 
 PRESETS = {
     "flatten": (("actor", "reference", "reward", "critic"),),
@@ -251,10 +255,15 @@ def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict
         offset += size
     options = {}
     for task in TASKS:
-        kept, why = task_options(task, models, blocks[TASK_MODEL[task]], wl, hw, cluster, config.options)
+        block = blocks[TASK_MODEL[task]]
+        kept, why = task_options(task, models, block, wl, hw, cluster, config.options)
         if not kept:
             result.pruned.append((name, why[-1] if why else f"{task}: no strategy"))
             return None
+        if task in INFERENCE_TASKS and len(block) > 1:  # a half of the set: inference calls side by side
+            halves = (block[:len(block) // 2], block[len(block) // 2:])
+            # after the fastest, before the leanest (the first scoring takes the first and the last)
+            kept[1:1] = [m for h in halves for m in task_options(task, models, h, wl, hw, cluster, 1)[0][:1]]
         options[task] = kept
     return options
 
