@@ -15,9 +15,12 @@
 (d) With ``--cpu-runs``: the tiny default job on 4 gloo ranks (one torch
     thread each, as benchmarks/e2e.py runs it) under the placements of
     CPU_PLANS, each the median of ``--iterations`` timed iterations (the
-    slowest rank per stage). The planner is calibrated on one profiling run,
-    the first (the job's built-in plan: TP, PP and DP at once), from its
-    stage seconds alone, and predicts every run's iteration. Reported: the
+    slowest rank per stage; a task call from its last rank's start to its
+    last rank's end), measured in ``--rounds`` interleaved rounds (the
+    median over rounds reported, every round's iteration shown: the machine
+    drifts by tens of percent between launches). The planner is calibrated
+    on one profiling run, the first of CPU_PLANS, from its call seconds and
+    iteration alone, and predicts every run's iteration. Reported: the
     table (stages measured / predicted), whether the predicted order equals
     the measured one, the largest relative error. ``--record FILE`` saves
     the measured table; ``--measured FILE`` reports from a saved one.
@@ -30,7 +33,7 @@
 ``{"name": ..., "expected_s": 64.0, "calls": [{"name": "actor_gen", "ranks": [0, ...],
 "seconds": 12.3, "inputs": [["reshard actor", 0.0]]}, ...]}``.
 
-    python benchmarks/planner.py [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2]
+    python benchmarks/planner.py [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2] [--rounds 3]
                                  [--real-tables FILE]
 
 The last line is the summary:
@@ -156,8 +159,8 @@ def inter_stage() -> None:
 
 
 def measure(job_flags: list, iterations: int, warmup: int) -> list:
-    """This rank's ``time_<stage>_s``, ``time_iteration_s`` and ``time_<task>_s`` of each timed iteration
-    (collective: every rank runs it), read right after ``Trainer.step()``."""
+    """This rank's ``time_<stage>_s`` and ``time_iteration_s`` of each timed iteration, and the (start, end)
+    of each of its task calls (collective: every rank runs it), read right after ``Trainer.step()``."""
     import torch.distributed as dist
 
     from rlhf.arguments import parse_args
@@ -172,65 +175,81 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
     for _ in range(iterations):
         calls.clear()
         trainer.step()
-        records.append(trainer.timer.metrics() | {f"time_{task}_s": s for task, s in calls.items()})
+        records.append({"stages": trainer.timer.metrics(), "calls": {task: list(c) for task, c in calls.items()}})
     return records
 
 
 def time_calls(trainer) -> dict:
-    """Seconds of each task call on this rank, summed over an iteration (the dict returned, filled as the
-    trainer runs): the engine's ``generate``, ``Trainer._infer_on_device`` per task and the executor's
-    ``run_step`` per trained model, wrapped where the trainer looks them up."""
+    """The (start, end) of each task call on this rank, on the machine-wide monotonic clock, in call order
+    (the dict returned, filled as the trainer runs): the engine's ``generate``, ``Trainer._infer_on_device``
+    per task and the executor's ``run_step`` per trained model, wrapped where the trainer looks them up."""
     import rlhf.trainer
 
-    seconds: dict = {}
+    intervals: dict = {}
 
     def timed(fn, name_of):
         def wrapper(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.monotonic()
             try:
                 return fn(*args, **kwargs)
             finally:
-                name = name_of(*args)
-                seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+                intervals.setdefault(name_of(*args), []).append((start, time.monotonic()))
         return wrapper
 
     if trainer.engine is not None:
         trainer.engine.generate = timed(trainer.engine.generate, lambda *_: "actor_gen")
     trainer._infer_on_device = timed(trainer._infer_on_device, lambda task, *_: task)
     rlhf.trainer.run_step = timed(rlhf.trainer.run_step, lambda _, runtimes: "+".join(f"{m}_train" for m in runtimes))
-    return seconds
+    return intervals
+
+
+def call_seconds(ranks: list) -> float:
+    """A task's seconds in one iteration from each of its ranks' (start, end) list: per call, from the
+    last rank's start to the last rank's end (what the planner models: a call runs once all its ranks are
+    in; an early rank's wait for the others is the previous call's skew), summed over its calls."""
+    return sum(max(e for _, e in nth) - max(s for s, _ in nth) for nth in zip(*ranks))
 
 
 def median_stages(per_rank: list) -> dict:
-    """Seconds per stage and per iteration: the slowest rank's in each timed iteration (what the metrics
-    file's ``time_*_s`` report), then the median over the iterations."""
-    keys = sorted({k for rank in per_rank for record in rank for k in record})
-    slowest = [{k: max(rank[i].get(k, 0.0) for rank in per_rank) for k in keys} for i in range(len(per_rank[0]))]
-    return {k[len("time_"):-len("_s")]: statistics.median(row[k] for row in slowest) for k in keys}
+    """Seconds per stage and per iteration (the slowest rank's in each timed iteration, what the metrics
+    file's ``time_*_s`` report) and per task (``call_seconds``), each the median over the iterations."""
+    rows = []
+    for i in range(len(per_rank[0])):
+        stages = [rank[i]["stages"] for rank in per_rank]
+        row = {k[len("time_"):-len("_s")]: max(st.get(k, 0.0) for st in stages) for k in sorted(set().union(*stages))}
+        tasks = sorted({t for rank in per_rank for t in rank[i]["calls"]})
+        rows.append(row | {t: call_seconds([rank[i]["calls"][t] for rank in per_rank if t in rank[i]["calls"]])
+                           for t in tasks})
+    return {k: statistics.median(row.get(k, 0.0) for row in rows) for k in sorted(set().union(*rows))}
 
 
-def run_placements(iterations: int, warmup: int) -> dict:
-    """Measure every CPU_PLANS entry on 4 gloo ranks: the recorded table (JSON-ready)."""
+def run_placements(iterations: int, warmup: int, rounds: int) -> dict:
+    """Measure every CPU_PLANS entry on 4 gloo ranks ``rounds`` times, the placements interleaved (a slow
+    drift of the machine then hits them alike); per placement the median over rounds of each time, and
+    every round's iteration seconds: the recorded table (JSON-ready)."""
     from e2e import WORLD_SIZE, check_job
 
     from rlhf.testing.distributed import launch
 
-    folder, runs = Path(tempfile.mkdtemp(prefix="planner_bench_")), {}
+    folder, measured = Path(tempfile.mkdtemp(prefix="planner_bench_")), {name: [] for name in CPU_PLANS}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    for i, (name, plan) in enumerate(CPU_PLANS.items()):
-        flags = []
-        if plan is not None:
-            (folder / f"{i}.json").write_text(json.dumps(plan))
-            flags = ["--placement", str(folder / f"{i}.json")]
-        check_job(flags)
-        load = os.getloadavg()[0]
-        per_rank = launch(WORLD_SIZE, "planner:measure", timeout_s=900, job_flags=flags, iterations=iterations,
-                          warmup=warmup)
-        runs[name] = {"plan": plan, "load_before": round(load, 2), "seconds": median_stages(per_rank)}
-        print(f"    measured '{name}': " + ", ".join(f"{k} {v:.3f}" for k, v in runs[name]["seconds"].items()),
-              flush=True)
+    for r in range(rounds):
+        for i, (name, plan) in enumerate(CPU_PLANS.items()):
+            flags = []
+            if plan is not None:
+                (folder / f"{i}.json").write_text(json.dumps(plan))
+                flags = ["--placement", str(folder / f"{i}.json")]
+            check_job(flags)
+            per_rank = launch(WORLD_SIZE, "planner:measure", timeout_s=900, job_flags=flags, iterations=iterations,
+                              warmup=warmup)
+            measured[name].append(median_stages(per_rank))
+            print(f"    round {r + 1}/{rounds} '{name}': iteration {measured[name][-1]['iteration']:.3f} s (load "
+                  f"{os.getloadavg()[0]:.2f})", flush=True)
+    runs = {name: {"plan": plan, "rounds": [m["iteration"] for m in measured[name]],
+                   "seconds": {k: statistics.median(m.get(k, 0.0) for m in measured[name]) for k in measured[name][0]}}
+            for name, plan in CPU_PLANS.items()}
     return {"measured": started, "machine": host.node(), "cores": os.cpu_count(), "world_size": WORLD_SIZE,
-            "iterations": iterations, "warmup": warmup, "runs": runs}
+            "iterations": iterations, "warmup": warmup, "rounds": rounds, "runs": runs}
 
 
 def cpu_table(table: dict) -> tuple[str, str]:
@@ -254,7 +273,7 @@ def cpu_table(table: dict) -> tuple[str, str]:
     profile, profiled = runs[0]
     start = replace(HARDWARE["cpu"], shared_cores=table["cores"])  # the 4 ranks share the machine's cores
     hw = calibrate(start, plans[profile], models, wl, cluster, profiled["seconds"], OVERHEAD_TERMS)
-    print(f"    calibrated on '{profile}' (its stage and task seconds): "
+    print(f"    calibrated on '{profile}' (its call seconds; host_s from its iteration): "
           + ", ".join(f"{k} {getattr(hw, k):.3g}" for k in OVERHEAD_TERMS + ("host_s",))
           + f" (mfu {hw.mfu:g} kept; {hw.shared_cores:g} cores shared)")
     print(f"    {'placement':56s} {'measured s':>10} {'predicted s':>11} {'error':>7}   stages measured / predicted")
@@ -269,6 +288,9 @@ def cpu_table(table: dict) -> tuple[str, str]:
         detail = " ".join(f"{s[:3]} {run['seconds'].get(s, 0.0):.3f}/{stages[s]:.3f}" for s in SHOWN)
         label = f"{name} (profiling run)" if name == profile else name
         print(f"    {label:56s} {want:10.3f} {got:11.3f} {got / want - 1:+7.1%}   {detail}")
+        if len(run.get("rounds", ())) > 1:
+            print(f"    {'':56s} {'':10s} {'':11s} {'':7s}   rounds measured: "
+                  + " ".join(f"{x:.3f}" for x in run["rounds"]))
         calls = " ".join(f"{t} {run['seconds'][t]:.3f}/{ev.timeline.end[t] - ev.timeline.start[t]:.3f}"
                          for t in TASKS if t in run["seconds"])
         print(f"    {'':56s} {'':10s} {'':11s} {'':7s}   calls measured / predicted: {calls}")
@@ -285,6 +307,8 @@ def main(argv=None) -> None:
     ap.add_argument("--measured", type=Path, help="part (d) from a table --record wrote, without running")
     ap.add_argument("--iterations", type=int, default=5, help="timed iterations per placement in (d)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before them in (d)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="in (d), measure every placement this many times, interleaved; report the median")
     args = ap.parse_args(argv)
     t1, t6, hf = table1(), table6(args.real_tables), hybridflow()
     inter_stage()
@@ -293,14 +317,15 @@ def main(argv=None) -> None:
         if args.measured:
             table = json.loads(args.measured.read_text())
         else:
-            print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {args.iterations} timed "
-                  f"iterations after {args.warmup} warm-up; machine {host.node()}, {os.cpu_count()} cores, load "
+            print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {args.rounds} rounds of "
+                  f"{args.iterations} timed iterations after {args.warmup} warm-up; machine {host.node()}, {os.cpu_count()} cores, load "
                   f"{os.getloadavg()[0]:.2f}", flush=True)
-            table = run_placements(args.iterations, args.warmup)
+            table = run_placements(args.iterations, args.warmup, args.rounds)
             if args.record:
                 args.record.write_text(json.dumps(table, indent=1) + "\n")
         print(f"(d) 4 CPU ranks, measured {table['measured']} on {table['machine']}, {table['cores']} cores (median of "
-              f"{table['iterations']} iterations after {table['warmup']} warm-up, slowest rank per stage):")
+              f"{table['iterations']} iterations after {table['warmup']} warm-up, slowest rank per stage; median of "
+              f"{table.get('rounds', 1)} interleaved rounds):")
         agree, error = cpu_table(table)
     else:
         print("(d) 4 CPU ranks: not run (pass --cpu-runs, or --measured FILE)")

@@ -359,22 +359,23 @@ def test_iteration_from_given_call_times_overlaps_disjoint_meshes():
 # --- predicted against measured on 4 CPU ranks -----------------------------------------------------------------------
 
 PROFILING = {"ref_inf": {"tp": 2}, "critic_train": {"pp": 2}}
-PROFILED = {"actor_gen": 0.049, "actor_train": 0.105, "advantage": 0.001, "critic_inf": 0.019, "critic_train": 0.106,
-            "generation": 0.063, "inference": 0.234, "iteration": 0.533, "ref_inf": 0.18, "reshard": 0.011,
-            "reward_inf": 0.022, "training": 0.21}
+PROFILED = {"actor_gen": 0.042, "actor_train": 0.093, "advantage": 0.001, "critic_inf": 0.011, "critic_train": 0.094,
+            "generation": 0.062, "inference": 0.222, "iteration": 0.503, "ref_inf": 0.163, "reshard": 0.01,
+            "reward_inf": 0.017, "training": 0.196}
 PREDICTED = {
-    "built-in default": {"plan": None, "iteration": 1.02},
-    "dp4 everywhere": {"plan": {}, "iteration": 0.384},
-    "tp2 everywhere": {"plan": {t: {"tp": 2} for t in TASKS}, "iteration": 1.136},
+    "built-in default": {"plan": None, "iteration": 0.929},
+    "dp4 everywhere": {"plan": {}, "iteration": 0.375},
+    "tp2 everywhere": {"plan": {t: {"tp": 2} for t in TASKS}, "iteration": 1.321},
     "actor | critic+ref+reward": {"plan": {t: {"ranks": "0-1" if t.startswith("actor") else "2-3"} for t in TASKS},
-                                  "iteration": 0.286},
+                                  "iteration": 0.281},
     "pp2 training, tp2 generation": {"plan": {"actor_train": {"pp": 2}, "critic_train": {"pp": 2},
-                                              "actor_gen": {"tp": 2}}, "iteration": 0.743},
+                                              "actor_gen": {"tp": 2}}, "iteration": 0.595},
 }
-"""Measured 2026-11-23 04:24 UTC on the 2-core VM by ``python benchmarks/planner.py --cpu-runs --record FILE`` (the
-tiny default on 4 gloo ranks, median of 5 iterations after 2 warm-up, slowest rank per stage): the profiling
-run's stage and task seconds, the other placements' iterations (docs/planner.md's table; None: the job's
-built-in plan)."""
+"""Measured 2026-11-23 05:58 UTC on the 2-core VM by ``python benchmarks/planner.py --cpu-runs --record FILE`` (the
+tiny default on 4 gloo ranks; per placement the median of 3 interleaved rounds, each the median of 5 iterations
+after 2 warm-up, the slowest rank per stage, a call from its last rank's start to its last rank's end): the
+profiling run's stage and call seconds, the other placements' iterations (docs/planner.md's table; None: the
+job's built-in plan)."""
 
 
 def test_four_cpu_ranks_predicted_from_one_profiling_run():

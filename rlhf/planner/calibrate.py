@@ -5,8 +5,13 @@ generation, inference, advantage, training; ``time_iteration_s``); a
 profiling run may add each task call's seconds (``actor_gen``, ``ref_inf``,
 ...). For the plan that run used, the cost model and the iteration simulator
 predict the same times (stage spans: rlhf.planner.plan.stage_seconds; calls:
-their span in the timeline). Each call's seconds are linear in the
-constants::
+their span in the timeline). Given call seconds, the fit matches those
+alone: a stage's wall time also holds the host work between its calls
+(assembling batches, gathers), which belongs to ``host_s``, and matching the
+stages too would charge it to the per-call constants (on 4 CPU ranks this
+overpredicted TP-heavy placements by a fifth; docs/planner.md). Without
+call seconds it matches the generation, inference and training stages. Each
+call's seconds are linear in the constants::
 
     compute / mfu + reads / hbm_efficiency + layer passes x layer_overhead_s
         + collectives x collective_latency_s + call_overhead_s
@@ -36,7 +41,7 @@ from rlhf.planner.simulate import Call
 from rlhf.tasks import TASKS
 
 FITTED_STAGES = ("generation", "inference", "training")
-"""The measured stages the fit matches (those that run task calls); task names match single calls."""
+"""The measured stages the fit matches when no call seconds are given (the stages that run task calls)."""
 TERMS = ("mfu", "layer_overhead_s", "collective_latency_s", "call_overhead_s", "update_overhead_s", "hbm_efficiency")
 """The constants calibration can fit."""
 DEFAULT_TERMS = ("mfu", "layer_overhead_s", "collective_latency_s")
@@ -59,7 +64,9 @@ def calibrate(hw: Hardware, plan: Plan, models: dict, wl: Workload, cluster: Clu
     if unknown:
         raise PlannerError(f"measured time(s) {sorted(unknown)} unknown; give stages ({', '.join(STAGES)}, "
                            f"iteration) or tasks ({', '.join(TASKS)})")
-    keys = [k for k in FITTED_STAGES + TASKS if float(measured.get(k, 0.0)) > 0]
+    # call seconds when given (a stage also holds host work, which host_s takes), else the stages
+    keys = [k for k in TASKS if float(measured.get(k, 0.0)) > 0] or [
+        k for k in FITTED_STAGES if float(measured.get(k, 0.0)) > 0]
     if not keys:
         raise PlannerError(f"calibration needs the seconds (> 0) of a stage ({', '.join(FITTED_STAGES)}) or a task")
     target = [float(measured[k]) for k in keys]
