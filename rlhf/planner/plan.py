@@ -30,10 +30,10 @@ from functools import lru_cache
 
 from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import TaskMesh
+from rlhf.planner import inter_stage
 from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches, task_cost
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
-from rlhf.planner import inter_stage
 from rlhf.planner.models import schedule_shape
 from rlhf.planner.reshard_bytes import received_bytes
 from rlhf.planner.simulate import Call, Sharing, Timeline, schedule

@@ -41,9 +41,9 @@ import random
 from dataclasses import dataclass, field, replace
 
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
+from rlhf.planner import inter_stage
 from rlhf.planner.cost import ROLE, Cluster, Workload
 from rlhf.planner.errors import PlannerError
-from rlhf.planner import inter_stage
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.plan import Evaluation, Plan, cached_cost, evaluate, most_received
 from rlhf.planner.reshard_bytes import hybridflow_ranks
