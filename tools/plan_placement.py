@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also try migrating generation's long tail and inferring on the freed ranks where all four "
                         "models share their ranks and actor_gen has dp >= 2 (with --placement: the given plan runs "
                         "fused); it gains only with --long-tail-median")
-    s.add_argument("--migration-threshold", type=fraction_or_auto, default=None, metavar="R|auto",
+    s.add_argument("--migration-threshold", type=fraction_or_auto, default="auto", metavar="R|auto",
                    help="with --placement --inter-stage-fusion: the plan migrates at this fraction of unfinished "
                         "samples (auto: the fusion policy's choice; a search picks R per plan and prints it)")
     s.add_argument("--options", type=int, default=SearchConfig.options,
