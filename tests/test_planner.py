@@ -118,6 +118,24 @@ def test_calibration_recovers_the_constants_of_a_measured_run():
     assert (fitted.hbm_efficiency, fitted.call_overhead_s) == (start.hbm_efficiency, 0.0)  # at most three terms
 
 
+def test_calibration_leaves_the_host_work_inside_stages_to_host_s():
+    """A measured stage also holds host work between its calls (batches assembled, gathers): with the calls
+    measured, the fit matches them alone, so the constants come back exact and the gaps land in host_s."""
+    start = replace(HW["a100"], shared_cores=2)
+    truth = replace(start, mfu=0.3, layer_overhead_s=0.002, collective_latency_s=3e-4)
+    plan = _flat_plan(8, train=ParallelStrategy(dp=2, pp=2, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    ev = evaluate(plan, MODELS_7B, WL, truth, Cluster(1, 8))
+    measured = stage_seconds(ev) | {t: ev.timeline.end[t] - ev.timeline.start[t] for t in TASKS}
+    measured["inference"] += 0.3  # gaps between the inference calls
+    measured["iteration"] = ev.seconds + 0.3
+    fitted = calibrate(start, plan, MODELS_7B, WL, Cluster(1, 8), measured)
+    assert (fitted.mfu, fitted.layer_overhead_s, fitted.collective_latency_s, fitted.host_s) == pytest.approx(
+        (0.3, 0.002, 3e-4, 0.3 * 2 / 8), rel=1e-6)
+    # the stages alone (no call seconds) are matched as they are: the gaps then go to the constants
+    stages_only = {k: v for k, v in measured.items() if k not in TASKS}
+    assert calibrate(start, plan, MODELS_7B, WL, Cluster(1, 8), stages_only).mfu != pytest.approx(0.3, rel=1e-3)
+
+
 def test_calibration_skips_a_term_the_run_does_not_exercise():
     """A run without TP, PP or DP collectives says nothing about their latency: the next term is fitted."""
     truth = replace(HW["a100"], mfu=0.2, layer_overhead_s=0.004, hbm_efficiency=0.3)
