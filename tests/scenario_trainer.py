@@ -7,7 +7,10 @@ written here from the definitions: KL-penalised rewards, the recursive GAE
 loop, whitened advantages, the clipped surrogate and clipped value losses as
 token means over the mini-batch, gradient-norm clipping (set low enough that
 it clips) and torch AdamW. Both start from the same full
-weights; the scenario returns the largest parameter differences.
+weights; the scenario returns the largest parameter differences. The same
+iteration runs again on the placement the planner's search picks for this job
+on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
+train, not only to validate.
 """
 
 import torch
@@ -134,6 +137,7 @@ def run(root: str) -> dict:
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
     out = _against_textbook(placement)
+    out.update(_planned())
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
     out.update(_fusion(root))
@@ -165,6 +169,30 @@ def _against_textbook(placement) -> dict:
         for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
             out[f"{field}_max_diff"] = (getattr(result.batch, field) - ref[field]).abs().max().item()
     return out
+
+
+def _planned() -> dict:
+    """The placement tools/plan_placement.py would write for this job on 4 CPU ranks (the search with the
+    constants docs/planner.md's run 7 calibrated), against textbook PPO like PLAN."""
+    from dataclasses import replace
+
+    from rlhf.planner.cost import Cluster, Workload
+    from rlhf.planner.hardware import PRESETS as HARDWARE
+    from rlhf.planner.search import SearchConfig as PlanSearch
+    from rlhf.planner.search import search as plan_search
+
+    hw = replace(HARDWARE["cpu"], shared_cores=2, layer_overhead_s=3.35e-4, collective_latency_s=8.94e-4,
+                 call_overhead_s=1.17e-3, update_overhead_s=4.97e-3)
+    samples = PPO.rollout_batch_size * PPO.n_samples_per_prompt
+    workload = Workload(samples, max(PROMPTS), max(RESPONSES), samples // PPO.ppo_mini_batch_size,
+                        PPO.micro_batch_size, PPO.ppo_epochs)
+    models = {"actor": ACTOR, "reference": ACTOR, "critic": CRITIC, "reward": CRITIC}
+    plan = plan_search(models, workload, hw, Cluster(1, dist.get_world_size()), PlanSearch(fuse_training=True)).best
+    placement = Placement.from_plan(plan.plan.placement(), dist.get_world_size())
+    out = _against_textbook(placement)
+    return {f"planned_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved"))} | {
+        "planned_plan": plan.plan.describe(),
+        "planned_like_plan": placement.meshes == Placement.from_plan(PLAN, dist.get_world_size()).meshes}
 
 
 def trained_weights(trainer) -> dict:

@@ -1,7 +1,8 @@
 """The PPO trainer against textbook PPO (one iteration on given samples) and exact resume, 4 gloo ranks.
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
-subsets; two PPO epochs of one mini-batch each. Resume: 2 iterations, save, load
+subsets; two PPO epochs of one mini-batch each; the same against the placement the planner picks for
+this job (rlhf/planner on 4 CPU ranks). Resume: 2 iterations, save, load
 into a fresh trainer, 2 more, against 4 straight. Optimizer paths: 2 iterations with the
 distributed optimizer (and with overlapped gradient reduction) against the plain one. Fusion: 2 iterations with a searched fused
 actor/critic schedule against serial 1F1B. Memory: 2 iterations with the reference and reward offloaded
@@ -31,6 +32,17 @@ def test_parameters_match_textbook_ppo(results, model):
     assert results[0]["smallest_grad_norm"] > 0.05  # every step clipped (PPO.clip_grad)
     assert results[0][f"{model}_moved"] > 1e-4  # the iteration changed the weights
     assert results[0][f"{model}_max_diff"] < TOL
+
+
+def test_the_planners_placement_trains_like_textbook_ppo(results):
+    """tools/plan_placement.py's choice for this job (a layout unlike the scenario's own) runs in the trainer
+    and gives the same iteration."""
+    r = results[0]
+    assert not r["planned_like_plan"], r["planned_plan"]
+    for model in ("actor", "critic"):
+        assert r[f"planned_{model}_moved"] > 1e-4 and r[f"planned_{model}_max_diff"] < TOL
+    for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
+        assert r[f"planned_{field}_max_diff"] < TOL
 
 
 def test_resume_continues_exactly(results):
