@@ -33,8 +33,8 @@
 ``{"name": ..., "expected_s": 64.0, "calls": [{"name": "actor_gen", "ranks": [0, ...],
 "seconds": 12.3, "inputs": [["reshard actor", 0.0]]}, ...]}``.
 
-    python benchmarks/planner.py [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2] [--rounds 3]
-                                 [--real-tables FILE]
+    python benchmarks/planner.py [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2]
+                                 [--rounds 3] [--real-tables FILE]
 
 The last line is the summary:
 ``planner: table1=<k>/4 table6=<k>/4 hybridflow=<k>/2 cpu_rank_agreement=<yes|no|n/a> max_cpu_error=<x|n/a>``.
@@ -318,8 +318,8 @@ def main(argv=None) -> None:
             table = json.loads(args.measured.read_text())
         else:
             print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {args.rounds} rounds of "
-                  f"{args.iterations} timed iterations after {args.warmup} warm-up; machine {host.node()}, {os.cpu_count()} cores, load "
-                  f"{os.getloadavg()[0]:.2f}", flush=True)
+                  f"{args.iterations} timed iterations after {args.warmup} warm-up; machine {host.node()}, "
+                  f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}", flush=True)
             table = run_placements(args.iterations, args.warmup, args.rounds)
             if args.record:
                 args.record.write_text(json.dumps(table, indent=1) + "\n")

@@ -19,8 +19,9 @@ time scaled by the greedy fused schedule's makespan over serial 1F1B
 (rlhf.schedule; the annealed schedule of tools/search_schedule.py is at
 least as short). With ``fuse_generation`` generation and the three
 inference calls are one call on actor_gen's ranks, timed by the fusion
-policy's simulation (rlhf.planner.inter_stage). Memory per rank: the static bytes of every task on it plus
-the largest transient bytes of one call (both training calls when fused).
+policy's simulation (rlhf.planner.inter_stage). Memory per rank: the static
+bytes of every task on it plus the largest transient bytes of one call (both
+training calls when fused).
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def sharing(hw: Hardware, cluster: Cluster) -> Sharing | None:
     return Sharing(cluster.gpus_per_node, hw.shared_cores) if hw.shared_cores else None
 
 
-STAGES = {"reshard": ("reshard actor", "reshard critic"), "generation": ("actor_gen", FUSED_GENERATION), "inference": INFERENCE_TASKS,
-          "advantage": ("advantage",), "training": ("actor_train", "critic_train", "actor_train+critic_train")}
+STAGES = {"reshard": ("reshard actor", "reshard critic"), "generation": ("actor_gen", FUSED_GENERATION),
+          "inference": INFERENCE_TASKS, "advantage": ("advantage",),
+          "training": ("actor_train", "critic_train", "actor_train+critic_train")}
 """The trainer's timed stages (``time_<stage>_s``) and the calls of each."""
 
 

@@ -77,6 +77,8 @@ class SearchResult:
     pruned: list = field(default_factory=list)
     method: str = ""
     evaluations: int = 0
+    predicted: dict = field(default_factory=dict, repr=False)
+    """Every choice predicted so far, by (placement, choice, fusion): a fused variant's twin is met again."""
 
     @property
     def best(self) -> Evaluation:
@@ -220,7 +222,7 @@ def search(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
             if key not in best or ev.seconds < best[key].seconds:
                 best[key] = ev
     result.ranked = sorted(best.values(), key=lambda e: e.seconds)
-    result.pruned = list(dict.fromkeys(result.pruned))  # a fused variant's twin is met twice
+    result.pruned = list(dict.fromkeys(result.pruned))  # one plan can come from two choices (generation_order)
     if not result.ranked:
         raise PlannerError(_nothing_fits(result.pruned, cluster))
     return result
@@ -269,8 +271,15 @@ def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict
 
 
 def _evaluate(name, choice, options, fuse, models, wl, hw, cluster, result) -> Evaluation | None:
-    """One option per task as a plan, predicted; None when it is pruned. A fused-generation variant that
-    cannot fuse or gains nothing (no long tail) stands as its unfused twin."""
+    """One option per task as a plan, predicted (once); None when it is pruned. A fused-generation variant
+    that cannot fuse or gains nothing (no long tail) stands as its unfused twin."""
+    key = (name, tuple(choice), fuse)
+    if key not in result.predicted:
+        result.predicted[key] = _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result)
+    return result.predicted[key]
+
+
+def _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result) -> Evaluation | None:
     meshes = dict(zip(options, choice))
     fuse_training, fuse_generation = fuse
     if fuse_generation:
