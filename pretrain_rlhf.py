@@ -1,15 +1,15 @@
 """Entry point: ``torchrun --nproc-per-node=N pretrain_rlhf.py [flags]`` (see --help).
 
 ``python pretrain_rlhf.py --dry-run --world-size N [flags]`` checks a launch on N ranks without
-starting processes or building models, and describes it (rlhf/launch.py).
+starting processes or building models, and describes it (rlhf/ppo/dry_run.py).
 
 Bad input (a flag, the placement, a file the flags name, a checkpoint root)
 is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 """
 
-from rlhf.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
+from rlhf.ppo.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
 from rlhf.cli import built_and_resumed, exit_process, run_program, usage_errors
-from rlhf.launch import describe_placement, dry_run
+from rlhf.ppo.dry_run import describe_placement, dry_run
 
 PROGRAM = "pretrain_rlhf.py"
 
@@ -40,7 +40,7 @@ def run(config) -> None:
     if dist.get_rank() == 0:
         print(f"world size {world}; placement:")
         print("\n".join(describe_placement(placement)))
-    from rlhf.job import build_trainer
+    from rlhf.ppo.job import build_trainer
 
     with usage_errors(flag_of):
         load = config.checkpoint.load

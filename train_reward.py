@@ -9,7 +9,7 @@ is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 """
 
 from rlhf.cli import built_and_resumed, exit_process, run_program, usage_errors
-from rlhf.reward_arguments import parse_args, reward_flag_of
+from rlhf.reward_model.arguments import parse_args, reward_flag_of
 
 PROGRAM = "train_reward.py"
 
@@ -22,7 +22,7 @@ def run(config) -> None:
     """Place the reward model, build the trainer (and resume it), train, export; bad input raises UsageError."""
     import torch.distributed as dist
 
-    from rlhf.reward_config import TASK
+    from rlhf.reward_model.config import TASK
 
     world = dist.get_world_size()
     with usage_errors(reward_flag_of):
@@ -31,7 +31,7 @@ def run(config) -> None:
         mesh = placement[TASK]
         reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
         print(f"world size {world}; the reward model trains on ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
-    from rlhf.reward_job import build_reward_trainer, export_reward_model, save_tokenizer
+    from rlhf.reward_model.job import build_reward_trainer, export_reward_model, save_tokenizer
 
     with usage_errors(reward_flag_of):
         load = config.checkpoint.load

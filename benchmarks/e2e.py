@@ -3,7 +3,7 @@
 Runs the job ``pretrain_rlhf.py`` runs (the built-in tiny default unless job
 flags follow ``--``) in-process on 4 gloo ranks (``rlhf.testing.distributed.launch``,
 one torch thread per rank, as ``OMP_NUM_THREADS=1 torchrun`` gives): the
-reward-model fit and the trainer as ``rlhf.job.build_trainer`` builds them,
+reward-model fit and the trainer as ``rlhf.ppo.job.build_trainer`` builds them,
 ``--warmup`` iterations, then ``--iterations`` timed ones. Each iteration is
 seen as its slowest rank saw it (what the job waited for): that rank's own
 stage timers and the rest of its iteration (fetching prompts, batch metrics,
@@ -49,8 +49,8 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
     the metrics reduction), the trainer's reduced metrics, and the side-by-side generation."""
     import torch.distributed as dist
 
-    from rlhf.arguments import parse_args
-    from rlhf.job import build_trainer
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.job import build_trainer
 
     config = parse_args(job_flags)
     trainer = build_trainer(config, config.build_placement(dist.get_world_size()))
@@ -186,7 +186,7 @@ def parse(argv=None) -> tuple[argparse.Namespace, object]:
 def check_job(job_flags: list):
     """The JobConfig of ``job_flags`` after the checks pretrain_rlhf.py makes before it starts
     (exits with the job's message on a bad flag or a placement the 4 ranks cannot run)."""
-    from rlhf.arguments import flag_of, parse_args
+    from rlhf.ppo.arguments import flag_of, parse_args
     from rlhf.cli import UsageError
     from rlhf.config import ConfigError
     from rlhf.parallel import PlacementError

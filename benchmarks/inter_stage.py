@@ -253,7 +253,7 @@ def real_rank(thresholds: list, repeats: int) -> dict:
     from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
     from rlhf.models.config import preset
     from rlhf.parallel import Placement
-    from rlhf.trainer import Trainer
+    from rlhf.ppo.trainer import Trainer
 
     config = JobConfig(models=ModelsConfig(actor=preset("tiny"), critic=preset("tiny-critic")), run=RunConfig(seed=3),
                        generation=GenerationConfig(max_prompt_len=16, max_response_len=96, long_tail_median=12),

@@ -163,8 +163,8 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
     of each of its task calls (collective: every rank runs it), read right after ``Trainer.step()``."""
     import torch.distributed as dist
 
-    from rlhf.arguments import parse_args
-    from rlhf.job import build_trainer
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.job import build_trainer
 
     config = parse_args(job_flags)
     trainer = build_trainer(config, config.build_placement(dist.get_world_size()))
@@ -183,7 +183,7 @@ def time_calls(trainer) -> dict:
     """The (start, end) of each task call on this rank, on the machine-wide monotonic clock, in call order
     (the dict returned, filled as the trainer runs): the engine's ``generate``, ``Trainer._infer_on_device``
     per task and the executor's ``run_step`` per trained model, wrapped where the trainer looks them up."""
-    import rlhf.trainer
+    import rlhf.ppo.trainer
 
     intervals: dict = {}
 
@@ -199,7 +199,7 @@ def time_calls(trainer) -> dict:
     if trainer.engine is not None:
         trainer.engine.generate = timed(trainer.engine.generate, lambda *_: "actor_gen")
     trainer._infer_on_device = timed(trainer._infer_on_device, lambda task, *_: task)
-    rlhf.trainer.run_step = timed(rlhf.trainer.run_step, lambda _, runtimes: "+".join(f"{m}_train" for m in runtimes))
+    rlhf.ppo.trainer.run_step = timed(rlhf.ppo.trainer.run_step, lambda _, runtimes: "+".join(f"{m}_train" for m in runtimes))
     return intervals
 
 

@@ -1,4 +1,4 @@
-"""The job's configuration: frozen dataclasses that rlhf/arguments.py fills from the flags.
+"""The job's configuration: frozen dataclasses that rlhf/ppo/arguments.py fills from the flags.
 
 Configs hold plain values and validate themselves; live objects (process
 groups, models) are built from them by the job. A ``ConfigError`` names the
@@ -88,7 +88,7 @@ def _check_range(section: str, name: str, value, low: float, high: float, what: 
 
 
 MAX_SEED = 2**28 - 1
-"""Largest run seed: the per-sample seeds derived from it (rlhf/trainer.py) must fit torch's 64-bit generator."""
+"""Largest run seed: the per-sample seeds derived from it (rlhf/ppo/trainer.py) must fit torch's 64-bit generator."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from rlhf.memory import module_tensors, storage_bytes
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.tasks import TASKS
-from rlhf.trainer import OFFLOADED_TASKS
+from rlhf.ppo.trainer import OFFLOADED_TASKS
 from scenario_trainer import learn_fixed_samples, synthetic_trainer, synthetic_weights, trained_weights
 
 FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logprobs")

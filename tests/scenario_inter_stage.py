@@ -15,7 +15,7 @@ from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
-from rlhf.trainer import Trainer
+from rlhf.ppo.trainer import Trainer
 
 from scenario_trainer import RESUME_MODEL, synthetic_weights
 

@@ -7,7 +7,7 @@
 2. Resume: 4 steps straight against 2, save, load into a fresh trainer, 2 more (PP2xDP2 reversed,
    the distributed optimizer, a warm-up + cosine LR schedule, held-out scoring every 2 steps).
 3. The saved checkpoint as pretrain_rlhf.py's reward model: the PPO Trainer, given ``--reward-model
-   <root>`` as rlhf/job.py reads it, scores the pairs on reward_inf TP2 as the trained model does.
+   <root>`` as rlhf/ppo/job.py reads it, scores the pairs on reward_inf TP2 as the trained model does.
 4. The HF export of the checkpoint: written here, scored by transformers in the test process.
 """
 
@@ -19,15 +19,15 @@ import torch.distributed as dist
 
 from rlhf.config import GenerationConfig, JobConfig, LoggingConfig, ModelsConfig, PlacementConfig, PPOConfig, RunConfig
 from rlhf.data import ByteTokenizer, PreferenceDataset
-from rlhf.job import directory_weights
+from rlhf.ppo.job import directory_weights
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import stage_forward
 from rlhf.parallel.groups import build_task_groups
-from rlhf.reward_config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
-from rlhf.reward_job import export_reward_model
-from rlhf.reward_trainer import RewardTrainer, pair_batch
+from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
+from rlhf.reward_model.job import export_reward_model
+from rlhf.reward_model.trainer import RewardTrainer, pair_batch
 from rlhf.testing.models import full_weights, unsharded
-from rlhf.trainer import Trainer
+from rlhf.ppo.trainer import Trainer
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     vocab_size=320, max_seq_len=64)  # holds the byte tokenizer's 259 ids

@@ -36,7 +36,7 @@ from rlhf.schedule.search import SearchConfig, search
 from rlhf.testing.models import full_weights, plain_logprobs, unsharded
 from rlhf.testing.reference import gae_loop
 from rlhf.checkpoint.megatron import open_megatron, read_megatron_state
-from rlhf.trainer import MEGATRON_EXPORT_DIR, OFFLOADED_TASKS, Trainer
+from rlhf.ppo.trainer import MEGATRON_EXPORT_DIR, OFFLOADED_TASKS, Trainer
 
 ACTOR = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     vocab_size=64, max_seq_len=32)

@@ -30,7 +30,7 @@ from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, g
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.testing.models import full_weights, plain_logprobs, unsharded
-from rlhf.trainer import Trainer
+from rlhf.ppo.trainer import Trainer
 
 MODELS = ModelsConfig()  # the tiny presets
 GENERATION = GenerationConfig(max_response_len=8)

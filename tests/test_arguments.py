@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.arguments import build_parser, flag_of, parse_args
+from rlhf.ppo.arguments import build_parser, flag_of, parse_args
 from rlhf.cli import UsageError, usage_errors
 from rlhf.config import ConfigError, FusionConfig, JobConfig, PlacementConfig, PPOConfig, RunConfig
 from rlhf.models.config import preset
 from rlhf.parallel import Placement, PlacementError
-from rlhf.reward_arguments import reward_flag_of
-from rlhf.reward_config import RewardTrainingConfig
+from rlhf.reward_model.arguments import reward_flag_of
+from rlhf.reward_model.config import RewardTrainingConfig
 
 
 def test_defaults_are_the_tiny_job():

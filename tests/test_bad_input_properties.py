@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from rlhf import config as job_config
-from rlhf import reward_config
-from rlhf.arguments import SECTIONS
-from rlhf.arguments import parse_args as parse_pretrain
+from rlhf.reward_model import config as reward_config
+from rlhf.ppo.arguments import SECTIONS
+from rlhf.ppo.arguments import parse_args as parse_pretrain
 from rlhf.cli import UsageError
 from rlhf.config import ConfigError, PlacementConfig
 from rlhf.models.config import ModelConfig
 from rlhf.parallel import Placement, PlacementError
-from rlhf.reward_arguments import REWARD_SECTIONS
-from rlhf.reward_arguments import parse_args as parse_reward
+from rlhf.reward_model.arguments import REWARD_SECTIONS
+from rlhf.reward_model.arguments import parse_args as parse_reward
 from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.io import schedule_from_dict, schedule_to_dict
 from rlhf.schedule.problem import ModelSpec, Problem, ProblemError

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf.arguments import flag_of, parse_args
+from rlhf.ppo.arguments import flag_of, parse_args
 from rlhf.checkpoint.hf import read_hf_config, read_hf_state
 from rlhf.checkpoint.sources import open_source, read_weights
 from rlhf.cli import UsageError
@@ -299,7 +299,7 @@ def test_data_and_reward_flags_refuse_bad_values(files, argv, message):
 
 
 def test_tokenizer_beyond_the_actors_vocabulary_is_refused(tmp_path):
-    from rlhf.job import job_tokenizer
+    from rlhf.ppo.job import job_tokenizer
 
     shape = tmp_path / "actor.json"
     shape.write_text(json.dumps({"vocab_size": 256}))
@@ -311,7 +311,7 @@ def test_tokenizer_beyond_the_actors_vocabulary_is_refused(tmp_path):
 
 
 def test_default_tokenizer_comes_with_the_actor(files, tmp_path):
-    from rlhf.job import default_tokenizer
+    from rlhf.ppo.job import default_tokenizer
 
     with_data = ["--prompt-data", files["prompts"], "--reward-fn", "m:f"]
     assert default_tokenizer(parse_args(["--actor-model", files["actor_dir"], *with_data])) == files["actor_dir"]
@@ -353,7 +353,7 @@ def test_both_formats_give_the_same_reward_model(files, tmp_path):
 
 def test_load_reward_fn_names_what_is_missing():
     from rlhf.data.synthetic import gold_reward
-    from rlhf.job import load_reward_fn
+    from rlhf.ppo.job import load_reward_fn
 
     assert load_reward_fn("rlhf.data.synthetic:gold_reward") is gold_reward
     for spec, message in [("no_such_module_xyz:f", "no_such_module_xyz:f: cannot import module 'no_such_module_xyz' "
@@ -377,7 +377,7 @@ def _boom(prompts, responses):
     (lambda p, r: [1.0, math.nan], "test_job_sources:<lambda> returned nan for sample 1"),
 ])
 def test_checked_scores_refuse_what_is_not_one_number_per_sample(fn, message):
-    from rlhf.trainer import checked_scores
+    from rlhf.ppo.trainer import checked_scores
 
     with pytest.raises(ConfigError) as exc:
         checked_scores(fn, [[1], [2]], [[3], [4]])
@@ -385,7 +385,7 @@ def test_checked_scores_refuse_what_is_not_one_number_per_sample(fn, message):
 
 
 def test_checked_scores_take_lists_and_arrays():
-    from rlhf.trainer import checked_scores
+    from rlhf.ppo.trainer import checked_scores
 
     assert checked_scores(lambda p, r: np.array([0.5, 2]), [[1], [2]], [[3], [4]]) == [0.5, 2.0]
     assert checked_scores(lambda p, r: (1, 0.25), [[1], [2]], [[3], [4]]) == [1.0, 0.25]

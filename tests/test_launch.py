@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 
 import pretrain_rlhf
 from rlhf.checkpoint.hf import hf_config_dict
-from rlhf.launch import parameter_count, stage_parameter_counts
+from rlhf.ppo.dry_run import parameter_count, stage_parameter_counts
 from rlhf.models.config import ModelConfig
 from rlhf.testing.tools import load_tool
 

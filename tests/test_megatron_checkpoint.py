@@ -22,7 +22,7 @@ import shutil
 import pytest
 import torch
 
-from rlhf.arguments import parse_args
+from rlhf.ppo.arguments import parse_args
 from rlhf.checkpoint.megatron import MegatronCheckpointError, open_megatron, read_megatron_state
 from rlhf.checkpoint.rlhf_state import read_full_state
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights

@@ -71,7 +71,7 @@ def test_counts_match_transformers_llama(name):
 
 
 def test_counts_match_the_dry_run_per_stage_and_kind():
-    from rlhf.launch import stage_parameter_counts
+    from rlhf.ppo.dry_run import stage_parameter_counts
 
     qwen = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
                        vocab_size=300, qkv_bias=True)
@@ -487,8 +487,8 @@ def test_search_plans_pass_placement_validation(actor, critic, nodes):
 def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nodes, fusion):
     """The written plan, with the job flags the tool names (fusion included), passes pretrain_rlhf.py's own
     pre-start checks (its --dry-run)."""
-    from rlhf.arguments import parse_args
-    from rlhf.launch import dry_run
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.dry_run import dry_run
 
     out = tmp_path / "plan.json"
     batch = ["--rollout-batch-size", "64", "--n-samples-per-prompt", "4", "--ppo-mini-batch-size", "64",

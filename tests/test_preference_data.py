@@ -16,9 +16,9 @@ from rlhf.data import ByteTokenizer, PreferenceDataset, PreferenceDatasetConfig,
 from rlhf.data.prompts import PromptDataError, PromptFormatError
 from rlhf.models.config import preset
 from rlhf.parallel import PlacementError
-from rlhf.reward_arguments import parse_args, reward_flag_of
-from rlhf.reward_config import TASK, RewardJobConfig
-from rlhf.reward_job import preference_data
+from rlhf.reward_model.arguments import parse_args, reward_flag_of
+from rlhf.reward_model.config import TASK, RewardJobConfig
+from rlhf.reward_model.job import preference_data
 
 TOK = ByteTokenizer()
 BOS, EOS = TOK.BOS, TOK.EOS

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from rlhf.arguments import build_parser, parse_args
+from rlhf.ppo.arguments import build_parser, parse_args
 from rlhf.cli import UsageError
 from rlhf.config import JobConfig, ModelsConfig
 from rlhf.models.config import ModelConfig

@@ -11,9 +11,9 @@ import difflib
 import sys
 from pathlib import Path
 
-from rlhf.arguments import build_parser
+from rlhf.ppo.arguments import build_parser
 from rlhf.cli import markdown_reference
-from rlhf.reward_arguments import build_parser as build_reward_parser
+from rlhf.reward_model.arguments import build_parser as build_reward_parser
 
 DEFAULT_FILE = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 HEADER = """# Flag reference

@@ -36,7 +36,7 @@ import json
 import sys
 from pathlib import Path
 
-from rlhf.arguments import fraction_or_auto
+from rlhf.ppo.arguments import fraction_or_auto
 from rlhf.cli import HelpFormatter, UsageError, check_out_path, report
 from rlhf.models.config import PRESETS as JOB_PRESETS
 from rlhf.models.config import ModelConfig, ModelConfigError

@@ -2,7 +2,7 @@
 
 This module owns reading preference files, checking every record, rendering
 chat conversations, and the pair policy (identical answers, pairs longer than
-the context) for reward-model training (rlhf/reward_trainer.py).
+the context) for reward-model training (rlhf/reward_model/trainer.py).
 
 Record layouts (one JSON object per JSONL line, or one Parquet row)
     text      ``{"prompt": str, "chosen": str, "rejected": str}``: the prompt is

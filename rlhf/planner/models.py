@@ -68,7 +68,7 @@ def head_outputs(cfg: ModelConfig, kind: str) -> int:
 
 def stage_parameters(cfg: ModelConfig, kind: str, pp: int) -> list[int]:
     """Parameters of each of ``pp`` pipeline stages (layers split evenly, the embedding on the first
-    stage, the final norm and head on the last), as rlhf.launch.stage_parameter_counts splits them."""
+    stage, the final norm and head on the last), as rlhf.ppo.dry_run.stage_parameter_counts splits them."""
     h = cfg.hidden_size
     counts = [cfg.num_layers // pp * layer_parameters(cfg) for _ in range(pp)]
     counts[0] += cfg.vocab_size * h

@@ -5,7 +5,7 @@
     reshard actor -> actor_gen -> ref_inf, reward_inf, critic_inf -> advantage -> actor_train
                                                                               -> critic_train -> reshard critic
 
-as the trainer runs it (rlhf/trainer.py: the actor's weights move into the
+as the trainer runs it (rlhf/ppo/trainer.py: the actor's weights move into the
 generation layout before generation, the critic's into the inference layout
 after training). ``advantage`` is host time on every rank (the hardware
 file's ``host_s``: advantages, metrics), and a point where all ranks meet:

@@ -11,7 +11,7 @@ then the Trainer (docs/training.md, "Models, tokenizer, prompts and rewards").
   stage each rank holds, one model at a time. Other models start from seeded
   random weights; the reference as a copy of the actor's start; a reward model
   without weights is trained at start-up on the synthetic task's preference
-  pairs (rlhf/reward_trainer.py, the pairwise Bradley-Terry loss, on the
+  pairs (rlhf/reward_model/trainer.py, the pairwise Bradley-Terry loss, on the
   reward_inf mesh; its full weights are then on every rank). With ``--load``
   none of this is read or trained: the checkpoint holds every model.
 - rewards: the reward model, ``--reward-fn`` or both (JobConfig.has_reward_model);
@@ -35,9 +35,9 @@ from rlhf.config import ConfigError, JobConfig, LoggingConfig, RunConfig
 from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
                        PromptDataset, Tokenizer, TokenizerError, build_tokenizer)
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
-from rlhf.reward_config import RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
-from rlhf.reward_trainer import RewardTrainer
-from rlhf.trainer import MODEL_SEEDS, RewardFn, Trainer
+from rlhf.reward_model.config import RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
+from rlhf.reward_model.trainer import RewardTrainer
+from rlhf.ppo.trainer import MODEL_SEEDS, RewardFn, Trainer
 
 SYNTHETIC_RULE = "rlhf.data.synthetic:gold_reward"
 
@@ -170,7 +170,7 @@ SYNTHETIC_HELD_OUT = 512
 
 def trained_reward_weights(config: JobConfig, dataset, tokenizer, placement) -> dict:
     """Full weights of a reward model trained on the synthetic task's preference pairs, on every rank
-    (collective): rlhf/reward_trainer.py on the placement's reward_inf mesh, where PPO serves it; one
+    (collective): rlhf/reward_model/trainer.py on the placement's reward_inf mesh, where PPO serves it; one
     micro-batch per DP replica and step, AdamW with a cosine decay to 0, the held-out pairs scored last."""
     dp, steps = placement["reward_inf"].strategy.dp, SYNTHETIC_REWARD_STEPS
     micro = -(-SYNTHETIC_REWARD.global_batch_size // dp)  # about 64 pairs a step whatever the dp

@@ -9,7 +9,7 @@
       -> megatron DDP gradient reduction, AdamW, clipping, LR schedule (rlhf.optim.ModelOptimizer)
       -> metrics (rlhf.metrics), held-out pairs every eval_interval, checkpoint
 
-The model trains on the mesh of the task table's reward_inf (rlhf/reward_config.py);
+The model trains on the mesh of the task table's reward_inf (rlhf/reward_model/config.py);
 every rank builds the trainer and takes part where that mesh holds it.
 A micro-batch keeps both answers of each pair (rlhf/batch.py's layout: prompt
 left-aligned, the answer right after it, padding to the right)::
@@ -43,7 +43,7 @@ from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
 from rlhf.pipeline.microbatch import pipeline_forward
-from rlhf.reward_config import TASK, RewardJobConfig
+from rlhf.reward_model.config import TASK, RewardJobConfig
 
 MODEL = "reward"
 """The model's name in the executor's runtimes and in checkpoints (``pretrain_rlhf.py --reward-model`` reads it)."""

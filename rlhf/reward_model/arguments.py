@@ -1,6 +1,6 @@
 """All command-line flags of train_reward.py, grouped, parsed into a frozen RewardJobConfig.
 
-The same mechanism as rlhf/arguments.py (pretrain_rlhf.py's flags): each
+The same mechanism as rlhf/ppo/arguments.py (pretrain_rlhf.py's flags): each
 section's flags are listed once (field, type, help), the flag is the field's
 name with dashes, its default is the dataclass default, and a ConfigError on
 that field is reported against that flag. The logging flags are
@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlhf.arguments import SECTIONS, add_section_flags, flag_of, load_model_config, parse_task_spec, section_configs
+from rlhf.ppo.arguments import SECTIONS, add_section_flags, flag_of, load_model_config, parse_task_spec, section_configs
 from rlhf.checkpoint.sources import ModelSourceError, open_source
 from rlhf.cli import UsageError, usage_errors
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import PRESETS, ModelConfig
-from rlhf.reward_config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
+from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 
 TINY = "tiny-critic"
 """``--model tiny``: the tiny RLHF default's reward-model shape (the byte tokenizer's ids fit it)."""

@@ -1,4 +1,4 @@
-"""train_reward.py's configuration: frozen dataclasses that rlhf/reward_arguments.py fills from the flags.
+"""train_reward.py's configuration: frozen dataclasses that rlhf/reward_model/arguments.py fills from the flags.
 
 The run, logging, checkpoint and placement sections are rlhf/config.py's; the
 optimizer section is rlhf.optim.OptimizerConfig with a reward-model learning

@@ -30,10 +30,10 @@ from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
 from rlhf.config import ConfigError
 from rlhf.data import PreferenceDataset, PromptDataError, Tokenizer, copy_tokenizer_files
-from rlhf.job import checked_tokenizer
-from rlhf.reward_config import RewardJobConfig
-from rlhf.reward_trainer import MODEL, RewardTrainer
-from rlhf.trainer import MODEL_SEEDS
+from rlhf.ppo.job import checked_tokenizer
+from rlhf.reward_model.config import RewardJobConfig
+from rlhf.reward_model.trainer import MODEL, RewardTrainer
+from rlhf.ppo.trainer import MODEL_SEEDS
 
 HF_EXPORT = "hf"
 """``<save>/hf``: the HF export of the last checkpoint."""
