@@ -1,5 +1,5 @@
 """LLaMA-style megatron-core models: LM (actor, reference) and value (critic, reward)."""
 
-from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
+from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError, preset
 
-__all__ = ["PRESETS", "ModelConfig", "ModelConfigError", "preset"]
+__all__ = ["MODEL_PRESETS", "ModelConfig", "ModelConfigError", "preset"]

@@ -62,7 +62,8 @@ class ModelConfig:
         return cls(**d)
 
 
-PRESETS = {
+MODEL_PRESETS = {
+    # name -> ModelConfig: the shapes a flag may name instead of a JSON file or a model directory
     # The built-in tiny default: runs on two CPU cores in seconds.
     "tiny": ModelConfig(),
     "tiny-critic": ModelConfig(num_layers=2, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4,
@@ -73,6 +74,6 @@ PRESETS = {
 def preset(name: str) -> ModelConfig:
     """A named model shape; the error lists the presets that exist."""
     try:
-        return PRESETS[name]
+        return MODEL_PRESETS[name]
     except KeyError:
-        raise ModelConfigError(f"unknown model preset {name!r}; available: {', '.join(sorted(PRESETS))}") from None
+        raise ModelConfigError(f"unknown model preset {name!r}; available: {', '.join(sorted(MODEL_PRESETS))}") from None

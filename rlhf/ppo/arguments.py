@@ -18,7 +18,7 @@ from rlhf.cli import UsageError, usage_errors
 from rlhf.config import (CheckpointConfig, DataConfig, FusionConfig, GenerationConfig, JobConfig,
                          LoggingConfig, MemoryConfig, ModelsConfig, PlacementConfig, PPOConfig, RewardConfig,
                          RunConfig)
-from rlhf.models.config import PRESETS, ModelConfig, ModelConfigError, preset
+from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError, preset
 from rlhf.tasks import MODELS, TASKS
 
 
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and weights from it)")
     pairs = {name: model.add_mutually_exclusive_group() for name in MODELS}  # --<model>-model or -load-megatron
     pairs["actor"].add_argument("--actor-model", default="tiny", metavar="PRESET|JSON|DIR",
-                       help=f"the actor: a preset ({', '.join(sorted(PRESETS))}) or a JSON file of ModelConfig "
+                       help=f"the actor: a preset ({', '.join(sorted(MODEL_PRESETS))}) or a JSON file of ModelConfig "
                             "fields (a shape: seeded random weights), or a DIR with a *ForCausalLM or our "
                             "model 'actor' (default: tiny)")
     pairs["critic"].add_argument("--critic-model", default="tiny-critic", metavar="PRESET|JSON|DIR",
@@ -272,11 +272,11 @@ def parse_task_spec(task: str, spec: str) -> dict | None:
 def load_model_config(value: str, flag: str) -> ModelConfig:
     """A preset name or a JSON file of ModelConfig fields."""
     try:
-        if value in PRESETS:
+        if value in MODEL_PRESETS:
             return preset(value)
         return ModelConfig.from_dict(json.loads(Path(value).read_text()))
     except (OSError, ValueError, ModelConfigError) as exc:
-        raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(PRESETS))}, "
+        raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(MODEL_PRESETS))}, "
                          "a JSON file of model fields, an HF model directory or our checkpoint root)") from None
 
 
@@ -290,7 +290,7 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
             value, flag = megatron, f"--{model}-load-megatron"
         if value is None:
             continue
-        if megatron is not None or (Path(value).is_dir() and value not in PRESETS):
+        if megatron is not None or (Path(value).is_dir() and value not in MODEL_PRESETS):
             try:
                 shapes[model], weights[model] = open_source(value, model, megatron=megatron is not None).config, value
             except ModelSourceError as exc:

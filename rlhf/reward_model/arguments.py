@@ -17,7 +17,7 @@ from rlhf.ppo.arguments import SECTIONS, add_section_flags, flag_of, load_model_
 from rlhf.checkpoint.sources import ModelSourceError, open_source
 from rlhf.cli import UsageError, usage_errors
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
-from rlhf.models.config import PRESETS, ModelConfig
+from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 
 TINY = "tiny-critic"
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "file's entry (default: every rank, data parallel)")
     parser.add_argument("--model", default="tiny", metavar="PRESET|JSON|DIR",
                         help=f"the model to train: 'tiny' (the tiny RLHF default's reward model, preset {TINY}), a "
-                             f"preset ({', '.join(sorted(PRESETS))}) or a JSON file of ModelConfig fields (seeded "
+                             f"preset ({', '.join(sorted(MODEL_PRESETS))}) or a JSON file of ModelConfig fields (seeded "
                              "random weights), or a DIR: an HF *ForSequenceClassification (head from score.weight) or "
                              "*ForCausalLM (a new value head), or our checkpoint's model 'reward' (default: tiny)")
     add_section_flags(parser, REWARD_SECTIONS)
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def model_source(value: str) -> tuple[ModelConfig, str | None]:
     """(shape, weights directory or None) of ``--model``."""
-    if Path(value).is_dir() and value not in PRESETS:
+    if Path(value).is_dir() and value not in MODEL_PRESETS:
         try:
             return open_source(value, "reward", trained=True).config, value
         except ModelSourceError as exc:
