@@ -21,7 +21,7 @@ from typing import Mapping
 from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators
 from rlhf.checks import finite_float, is_int
 from rlhf.models.config import ModelConfig, preset
-from rlhf.models.vocab import padded_vocab_size
+from rlhf.models.config import padded_vocab_size
 from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
 
 

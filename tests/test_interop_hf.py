@@ -22,7 +22,7 @@ from rlhf.checkpoint.hf import (HFConversionError, export_hf, fuse_qkv, hf_sourc
 from rlhf.checkpoint.rlhf_state import read_full_state
 from rlhf.models import ModelConfig
 from rlhf.models.naming import owning_stage
-from rlhf.models.vocab import padded_vocab_size
+from rlhf.models.config import padded_vocab_size
 from rlhf.testing.distributed import launch
 from rlhf.testing.tools import load_tool
 

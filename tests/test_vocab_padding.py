@@ -13,7 +13,8 @@ from rlhf.ppo.arguments import build_parser, parse_args
 from rlhf.cli import UsageError
 from rlhf.config import JobConfig, ModelsConfig
 from rlhf.models.config import ModelConfig
-from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows, mask_vocab_padding, padded_vocab_size
+from rlhf.models.config import padded_vocab_size
+from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows, mask_vocab_padding
 from rlhf.parallel import Placement
 
 EMBED, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"

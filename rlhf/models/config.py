@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
+from typing import Iterable
 
 
 class ModelConfigError(ValueError):
@@ -77,3 +79,16 @@ def preset(name: str) -> ModelConfig:
         return MODEL_PRESETS[name]
     except KeyError:
         raise ModelConfigError(f"unknown model preset {name!r}; available: {', '.join(sorted(MODEL_PRESETS))}") from None
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tps: Iterable[int]) -> int:
+    """``vocab_size`` rounded up to a multiple of ``divisible_by`` x lcm(``tps``).
+
+    The lcm of the tps of every layout a model's weights move between (the
+    largest, for powers of two) keeps one padded size for all of them, so
+    resharding maps rows one to one. ``divisible_by=1`` pads only what tp needs.
+    """
+    if divisible_by < 1:
+        raise ValueError(f"make_vocab_size_divisible_by must be >= 1, got {divisible_by}")
+    multiple = divisible_by * math.lcm(1, *tps)
+    return -(-vocab_size // multiple) * multiple

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from rlhf import platform
-from rlhf.models.config import ModelConfig
-from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding, padded_vocab_size
+from rlhf.models.config import ModelConfig, padded_vocab_size
+from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding
 from rlhf.tasks import KINDS
 
 
@@ -143,7 +143,7 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     padded_vocab = padded_vocab or padded_vocab_size(cfg.vocab_size, 1, [tp])
     if padded_vocab < cfg.vocab_size or padded_vocab % tp:
         raise ValueError(f"padded_vocab={padded_vocab} must be a multiple of tp={tp} and at least "
-                         f"vocab_size={cfg.vocab_size} (rlhf.models.vocab.padded_vocab_size gives one)")
+                         f"vocab_size={cfg.vocab_size} (rlhf.models.config.padded_vocab_size gives one)")
     platform.setup_megatron()
     platform.seed_model_parallel_rng(seed + 1000 * stage.index)
     model = GPTModel(

@@ -2,7 +2,8 @@
 
 megatron gives every TP rank an equal, contiguous slice of the vocabulary, so
 the number of rows must be a multiple of tp. A model whose ``vocab_size`` is
-not is built with ``padded`` rows (Megatron-LM's ``--make-vocab-size-divisible-by``)::
+not is built with ``padded`` rows (Megatron-LM's ``--make-vocab-size-divisible-by``; the size is
+``rlhf.models.config.padded_vocab_size``, torch-free so the planner counts the same rows)::
 
     ids:   0 ............. vocab_size-1 | vocab_size .. padded-1
            real tokens                  | padding: zero rows, logits -inf
@@ -17,26 +18,10 @@ so no padded id is ever drawn and both sides normalise over the same ids.
 
 from __future__ import annotations
 
-import math
-from typing import Iterable
-
 import torch
 
 VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
 """Global names of the parameters with one row per vocabulary id (an LM's; a value head has one row)."""
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tps: Iterable[int]) -> int:
-    """``vocab_size`` rounded up to a multiple of ``divisible_by`` x lcm(``tps``).
-
-    The lcm of the tps of every layout a model's weights move between (the
-    largest, for powers of two) keeps one padded size for all of them, so
-    resharding maps rows one to one. ``divisible_by=1`` pads only what tp needs.
-    """
-    if divisible_by < 1:
-        raise ValueError(f"make_vocab_size_divisible_by must be >= 1, got {divisible_by}")
-    multiple = divisible_by * math.lcm(1, *tps)
-    return -(-vocab_size // multiple) * multiple
 
 
 def mask_vocab_padding(logits: torch.Tensor, vocab_size: int, start: int = 0) -> torch.Tensor:
