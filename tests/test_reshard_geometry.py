@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.models.naming import owning_stage
-from rlhf.parallel.reshard import ShardSpec, _overlaps, full_to_shard, shards_to_full
+from rlhf.parallel.reshard import ShardSpec, full_to_shard, shard_overlaps, shards_to_full
 
 
 @pytest.mark.parametrize("stride, dim", [(1, 0), (2, 0), (1, 1)])
@@ -31,7 +31,7 @@ def test_overlaps_rebuild_every_destination_shard(stride):
             rebuilt = torch.full_like(full_to_shard(full, dst, d), float("nan"))
             for s in range(src_tp):
                 local = full_to_shard(full, src, s)
-                for s_loc, d_loc, n in _overlaps(src, s, dst, d, 16):
+                for s_loc, d_loc, n in shard_overlaps(src, s, dst, d, 16):
                     rebuilt[d_loc:d_loc + n] = local[s_loc:s_loc + n]
             assert torch.equal(rebuilt, full_to_shard(full, dst, d)), (src_tp, dst_tp, d)
 
@@ -40,7 +40,7 @@ def test_replicated_parameters_are_copied_whole():
     spec = ShardSpec(tp=4, parallel=False)
     full = torch.randn(6)
     assert torch.equal(full_to_shard(full, spec, 3), full)
-    assert _overlaps(spec, 0, ShardSpec(tp=2, parallel=False), 1, 6) == [(0, 0, 6)]
+    assert shard_overlaps(spec, 0, ShardSpec(tp=2, parallel=False), 1, 6) == [(0, 0, 6)]
 
 
 def test_owning_stage():

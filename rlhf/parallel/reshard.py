@@ -80,7 +80,7 @@ def shards_to_full(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     return torch.cat([blocks[t][j] for j in range(k) for t in range(len(shards))], dim=spec.dim)
 
 
-def _overlaps(src: ShardSpec, src_rank: int, dst: ShardSpec, dst_rank: int, full_size: int):
+def shard_overlaps(src: ShardSpec, src_rank: int, dst: ShardSpec, dst_rank: int, full_size: int):
     """Pieces (src local start, dst local start, length) that src shard sends to dst shard."""
     out = []
     for s_full, s_loc, s_len in shard_ranges(src, full_size, src_rank):
@@ -131,8 +131,8 @@ def _sends(lay: _Layouts, params: dict, my_tp: int, me: int) -> list:
                 continue
             if lay.src_rank(name, my_tp, dst_rank) != me:
                 continue
-            ranges = _overlaps(spec, my_tp, spec.with_tp(d_tp), lay.dst_mesh.coord(dst_rank).tp,
-                               spec.full_size(param))
+            ranges = shard_overlaps(spec, my_tp, spec.with_tp(d_tp), lay.dst_mesh.coord(dst_rank).tp,
+                                    spec.full_size(param))
             if ranges:
                 payload = torch.cat([param.data.narrow(spec.dim, s, n) for s, _, n in ranges], dim=spec.dim)
                 ops.append(dist.P2POp(dist.isend, payload.contiguous(), dst_rank, tag=_tag(name)))
@@ -146,7 +146,7 @@ def _recvs(lay: _Layouts, params: dict, local_src: dict, my_tp: int, me: int) ->
     for name, param in params.items():
         spec = ShardSpec.of(param, d_tp)
         for src_tp in lay.src_tp_serving(spec, me):
-            ranges = _overlaps(spec.with_tp(s_tp), src_tp, spec, my_tp, spec.full_size(param))
+            ranges = shard_overlaps(spec.with_tp(s_tp), src_tp, spec, my_tp, spec.full_size(param))
             if not ranges:
                 continue
             src_rank = lay.src_rank(name, src_tp, me)
