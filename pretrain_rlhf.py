@@ -10,6 +10,7 @@ is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 from rlhf.ppo.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
 from rlhf.cli import built_and_resumed, exit_process, run_program, usage_errors
 from rlhf.ppo.dry_run import describe_placement, dry_run
+from rlhf.ppo.layout import build_placement
 
 PROGRAM = "pretrain_rlhf.py"
 
@@ -36,7 +37,7 @@ def run(config) -> None:
 
     world = dist.get_world_size()
     with usage_errors(flag_of):
-        placement = config.build_placement(world)
+        placement = build_placement(config, world)
     if dist.get_rank() == 0:
         print(f"world size {world}; placement:")
         print("\n".join(describe_placement(placement)))

@@ -23,16 +23,15 @@ def run(config) -> None:
     import torch.distributed as dist
 
     from rlhf.reward_model.config import TASK
+    from rlhf.reward_model.job import build_placement, build_reward_trainer, export_reward_model, save_tokenizer
 
     world = dist.get_world_size()
     with usage_errors(reward_flag_of):
-        placement = config.build_placement(world)
+        placement = build_placement(config, world)
     if dist.get_rank() == 0:
         mesh = placement[TASK]
         reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
         print(f"world size {world}; the reward model trains on ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
-    from rlhf.reward_model.job import build_reward_trainer, export_reward_model, save_tokenizer
-
     with usage_errors(reward_flag_of):
         load = config.checkpoint.load
         trainer, tokenizer = built_and_resumed(load, lambda: build_reward_trainer(config, placement),

@@ -51,9 +51,10 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
 
     from rlhf.ppo.arguments import parse_args
     from rlhf.ppo.job import build_trainer
+    from rlhf.ppo.layout import build_placement
 
     config = parse_args(job_flags)
-    trainer = build_trainer(config, config.build_placement(dist.get_world_size()))
+    trainer = build_trainer(config, build_placement(config, dist.get_world_size()))
     reference = one_sample_at_a_time(trainer)
     for _ in range(warmup):
         trainer.step()
@@ -190,13 +191,14 @@ def check_job(job_flags: list):
     from rlhf.cli import UsageError
     from rlhf.config import ConfigError
     from rlhf.parallel import PlacementError
+    from rlhf.ppo.layout import build_placement
 
     try:
         config = parse_args(job_flags)
     except UsageError as exc:
         raise SystemExit(f"e2e.py: {exc}") from None
     try:
-        config.build_placement(WORLD_SIZE)
+        build_placement(config, WORLD_SIZE)
     except PlacementError as exc:
         raise SystemExit(f"e2e.py: invalid placement: {exc}") from None
     except ConfigError as exc:

@@ -156,7 +156,7 @@ def sleep_rank(lengths: list, threshold: float, repeats: int) -> dict:
     """One rank of (b): unfused and fused generation + inference wall times (runs alternate)."""
     import torch.distributed as dist
 
-    from rlhf.config import FusionConfig, JobConfig, PPOConfig
+    from rlhf.ppo.config import FusionConfig, JobConfig, PPOConfig
     from rlhf.engine.types import Request, SamplingParams
     from rlhf.fusion.inter_stage import InterStageFusion
     from rlhf.parallel import Placement
@@ -248,7 +248,8 @@ def real_rank(thresholds: list, repeats: int) -> dict:
     (median seconds)."""
     import torch.distributed as dist
 
-    from rlhf.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+    from rlhf.config import RunConfig
+    from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig
     from rlhf.data import ByteTokenizer, PromptBatchIterator
     from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
     from rlhf.models.config import preset

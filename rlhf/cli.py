@@ -7,20 +7,30 @@ every rank checks the same input and would print the same line) and returns 2.
 The checks every entry point needs live here too: numbers in range
 (:func:`check_range`), output paths writable before the work starts
 (:func:`check_out_path`), and the job's own config and placement errors
-turned into usage errors naming the flag (:func:`usage_errors`).
+turned into usage errors naming the flag (:func:`usage_errors`). So does the
+flag-table mechanism of both programs (:func:`add_section_flags`,
+:func:`section_configs`, :func:`section_flag`; tables in
+rlhf/ppo/arguments.py and rlhf/reward_model/arguments.py), and their shared
+flag parsers (a task's mesh, a model shape, the logging flags).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
+import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 from rlhf.checks import finite_float
+from rlhf.config import ConfigError, LoggingConfig
+from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError, preset
+from rlhf.parallel import PlacementError
 
 
 class UsageError(Exception):
@@ -179,15 +189,105 @@ def exit_process(status: int) -> NoReturn:
 def usage_errors(flag_of):
     """Turn a job's own input errors into UsageErrors: a PlacementError as ``invalid placement: ...``, a
     ConfigError as ``<flag>: ...`` with ``flag_of(error.field_name)`` the flag that set the field."""
-    from rlhf.config import ConfigError
-    from rlhf.parallel import PlacementError
-
     try:
         yield
     except PlacementError as exc:
         raise UsageError(f"invalid placement: {exc}") from None
     except ConfigError as exc:  # flags, a model directory, tokenizer, a data file or a reward function
         raise UsageError(f"{flag_of(exc.field_name)}: {exc}") from None
+
+
+# ---- the flag-table mechanism both programs use ----------------------------------------------
+# A program lists each config section's flags once, as a table
+#     {section: (config class, argument-group title, [(field, type, help), ...])}
+# The flag is the field's name with dashes (``ppo.clip_eps`` -> ``--clip-eps``), its default the
+# dataclass default, and a ConfigError naming ``<section>.<field>`` is reported against that flag.
+
+
+def flag_name(field_name: str) -> str:
+    """``clip_eps`` -> ``--clip-eps``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def section_flag(field_name: str, sections: dict) -> str:
+    """The flag that sets a dotted field of a section in the table ``sections`` (``ppo.clip_eps`` ->
+    ``--clip-eps``); other fields are returned as they are."""
+    section, _, name = field_name.partition(".")
+    return flag_name(name) if section in sections else field_name
+
+
+def fraction_or_auto(text: str):
+    """'auto' -> None (chosen at run time), else a float."""
+    return None if text.lower() == "auto" else float(text)
+
+
+def add_section_flags(parser: argparse.ArgumentParser, sections: dict) -> None:
+    """One argument group per config section of the flag table ``sections``, one flag per listed field,
+    defaulting to the dataclass's default."""
+    for cls, title, fields in sections.values():
+        group = parser.add_argument_group(title)
+        for name, kind, text in fields:
+            default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
+            if kind is bool and default:
+                group.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
+                                   help=f"do not: {text} (default: do)")
+            elif kind is bool:
+                group.add_argument(flag_name(name), action="store_true", help=f"{text} (default: off)")
+            else:
+                group.add_argument(flag_name(name), type=kind, default=default,
+                                   help=f"{text} (default: {default})")
+
+
+def section_configs(args: argparse.Namespace, sections: dict) -> dict:
+    """{section: its config} from parsed flags (a bad value raises ConfigError naming its field)."""
+    return {key: cls(**{name: getattr(args, name) for name, _, _ in fields})
+            for key, (cls, _, fields) in sections.items()}
+
+
+def parse_task_spec(task: str, spec: str) -> dict | None:
+    """'tp=2,pp=2,ranks=0-3,reverse_pp' -> plan entry ('none': the task is not placed); errors name the flag."""
+    if spec.strip().lower() == "none":
+        return None
+    entry: dict = {}
+    ranks: list[str] = []
+    for item in spec.split(","):
+        key, eq, value = item.strip().partition("=")
+        if key == "reverse_pp" and not eq:
+            entry["reverse_pp"] = True
+        elif key in ("dp", "pp", "tp") and value.isdigit():
+            entry[key] = int(value)
+        elif key == "ranks" and value:
+            ranks.append(value)
+        elif not eq and key and ranks:  # continuation of a rank list: ranks=0,2,4-5
+            ranks.append(key)
+        else:
+            raise UsageError(f"{flag_name(task)}: cannot parse {item!r} in {spec!r}; "
+                             "expected e.g. 'tp=2,pp=2,ranks=0-3,reverse_pp'")
+    if ranks:
+        entry["ranks"] = ",".join(ranks)
+    return entry
+
+
+def load_model_config(value: str, flag: str) -> ModelConfig:
+    """A preset name or a JSON file of ModelConfig fields."""
+    try:
+        if value in MODEL_PRESETS:
+            return preset(value)
+        return ModelConfig.from_dict(json.loads(Path(value).read_text()))
+    except (OSError, ValueError, ModelConfigError) as exc:
+        raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(MODEL_PRESETS))}, "
+                         "a JSON file of model fields, an HF model directory or our checkpoint root)") from None
+
+
+LOGGING_FLAGS = (LoggingConfig, "logging", [
+    ("metrics_file", str, "append one JSON object of metrics per iteration to this file"),
+    ("tensorboard_dir", str, "write TensorBoard event files here"),
+    ("trace_iteration", int, "write a Perfetto (Chrome trace) file of every rank for this iteration "
+                             "(counting from 1)"),
+    ("trace_file", str, "where --trace-iteration writes its trace"),
+    ("progress", bool, "show the progress bar on rank 0"),
+])
+"""The logging section's flags, the same in both programs."""
 
 
 def markdown_reference(parser: argparse.ArgumentParser) -> str:

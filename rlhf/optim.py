@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf import platform
+from rlhf.config import ConfigError
 
 OPTIMIZERS = ("adam", "sgd")
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -50,7 +51,7 @@ DECAY_STYLES = ("constant", "linear", "cosine")
 
 def _require(ok: bool, name: str, value, rule: str) -> None:
     if not ok:
-        raise ValueError(f"OptimizerConfig.{name}={value!r}: {rule}")
+        raise ConfigError(f"OptimizerConfig.{name}={value!r}: {rule}", name)
 
 
 @dataclass(frozen=True)

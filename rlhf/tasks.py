@@ -10,7 +10,9 @@
 
 A model's *kind* is its head: ``lm`` (vocab-parallel logits) or ``value`` (one
 scalar per token). Tasks of one model share its shape and, through
-resharding, its weights.
+resharding, its weights. Everything the programs need to know about a task
+or a model (which task trains it, where its weights live, its seed, what an
+inference pass adds to the batch) is a table here.
 """
 
 from __future__ import annotations
@@ -46,3 +48,16 @@ WEIGHTS_TASK = {**TRAIN_TASK, "reference": "ref_inf", "reward": "reward_inf"}
 def task_kind(task: str) -> str:
     """``lm`` or ``value``: the head of the model that ``task`` runs."""
     return MODEL_KIND[TASK_MODEL[task]]
+
+FROZEN_TASKS = tuple(task for model, task in WEIGHTS_TASK.items() if model not in TRAIN_TASK)
+"""The frozen models' tasks (reference and reward inference): they only ever run forward passes."""
+
+MODEL_SEEDS = {"actor": 11, "critic": 23, "reward": 37, "reference": 11}
+"""Offsets from the run seed of each model's random initial weights (reference = actor: they start equal;
+a value head drawn for a model that has none uses its model's too)."""
+
+INFERENCE_FIELDS = {"ref_inf": "ref_logprobs", "reward_inf": "scores", "critic_inf": "values",
+                    "actor_train": "old_logprobs"}
+"""The batch field each inference pass adds (rlhf/batch.py), in the order the trainer runs them: per
+response token for the log-probs and values, one per sample for ``scores`` (the reward model's value at
+the last token); actor_train infers only to recompute the old log-probs."""

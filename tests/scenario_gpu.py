@@ -6,7 +6,7 @@ computations on 4 gloo ranks equal textbook PPO and unsharded models
 """
 
 from rlhf import platform
-from rlhf.config import MemoryConfig
+from rlhf.ppo.config import MemoryConfig
 from rlhf.memory import module_tensors, storage_bytes
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups

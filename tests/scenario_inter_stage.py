@@ -10,7 +10,8 @@ reference log-probs, scores, values) is returned with what the fusion did.
 import torch.distributed as dist
 
 from rlhf import platform
-from rlhf.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.config import RunConfig
+from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.parallel import Placement

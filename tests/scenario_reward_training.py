@@ -17,7 +17,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlhf.config import GenerationConfig, JobConfig, LoggingConfig, ModelsConfig, PlacementConfig, PPOConfig, RunConfig
+from rlhf.config import LoggingConfig, PlacementConfig, RunConfig
+from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
 from rlhf.data import ByteTokenizer, PreferenceDataset
 from rlhf.ppo.job import directory_weights
 from rlhf.models import ModelConfig
@@ -25,6 +26,7 @@ from rlhf.models.gpt import stage_forward
 from rlhf.parallel.groups import build_task_groups
 from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 from rlhf.reward_model.job import export_reward_model
+from rlhf.reward_model.job import build_placement
 from rlhf.reward_model.trainer import RewardTrainer, pair_batch
 from rlhf.testing.models import full_weights, unsharded
 from rlhf.ppo.trainer import Trainer
@@ -98,7 +100,7 @@ def _exactness(data, full: dict) -> dict:
     out = {}
     for layout in LAYOUTS:
         config = _config(layout)
-        trainer = RewardTrainer(config, config.build_placement(dist.get_world_size()), data, PAD, data, full)
+        trainer = RewardTrainer(config, build_placement(config, dist.get_world_size()), data, PAD, data, full)
         metrics = trainer.step()
         after = trainer.full_weights()
         if dist.get_rank() == 0:
@@ -116,7 +118,7 @@ RESUME_OPTIMIZER = dict(use_distributed_optimizer=True, lr_warmup_iters=1, lr_de
 def _resume(data, full: dict, root: str) -> tuple[dict, dict]:
     """4 steps straight vs 2, save, 2 more in a fresh trainer that loads; returns results and trained weights."""
     config = _config("pp2dp2", iterations=4, eval_interval=2, global_batch=4, **RESUME_OPTIMIZER)
-    placement = config.build_placement(dist.get_world_size())
+    placement = build_placement(config, dist.get_world_size())
     fresh = lambda: RewardTrainer(config, placement, data, PAD, data, full)  # noqa: E731
     straight = fresh()
     metrics = [straight.step() for _ in range(4)]
@@ -143,7 +145,7 @@ def _as_ppo_reward_model(data, trained: dict, root: str) -> dict:
                                      micro_batch_size=2, advantage_estimator="grpo"),
                        placement=PlacementConfig(overrides={"reward_inf": {"ranks": "0-3", "tp": 2},
                                                             "critic_inf": None, "critic_train": None}))
-    placement = config.build_placement(dist.get_world_size())
+    placement = build_placement(config, dist.get_world_size())
     trainer = Trainer(config, placement, prompts=None, tokenizer=ByteTokenizer(),
                       initial_weights={"reward": directory_weights(config, "reward")})
     batch = pair_batch(list(data), 0, PAD)  # as PPO samples: the engine's log-probs fix the response width
@@ -160,7 +162,7 @@ def _as_ppo_reward_model(data, trained: dict, root: str) -> dict:
 
 
 def run(root: str) -> dict:
-    build_task_groups(_config("tp2pp2").build_placement(dist.get_world_size()))  # the one-rank groups of testing.models
+    build_task_groups(build_placement(_config("tp2pp2"), dist.get_world_size()))  # the one-rank groups of testing.models
     data = _data(root)
     out = {"exactness": _exactness(data, full_weights("value", MODEL, 101))}
     resume, trained = _resume(data, full_weights("value", MODEL, 202), os.path.join(root, "ckpt"))

@@ -24,7 +24,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from rlhf.config import DEFAULT_PLANS, GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RunConfig
+from rlhf.config import RunConfig
+from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
+from rlhf.ppo.layout import DEFAULT_PLANS
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.parallel import Placement

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.ppo.arguments import build_parser, flag_of, parse_args
 from rlhf.cli import UsageError, usage_errors
-from rlhf.config import ConfigError, FusionConfig, JobConfig, PlacementConfig, PPOConfig, RunConfig
+from rlhf.config import ConfigError, PlacementConfig, RunConfig
 from rlhf.models.config import preset
 from rlhf.parallel import Placement, PlacementError
+from rlhf.ppo import layout
+from rlhf.ppo.arguments import build_parser, flag_of, parse_args
+from rlhf.ppo.config import FusionConfig, JobConfig, PPOConfig
 from rlhf.reward_model.arguments import reward_flag_of
 from rlhf.reward_model.config import RewardTrainingConfig
 
@@ -96,10 +98,10 @@ def test_usage_errors_turn_job_errors_into_flag_errors(tmp_path):
     """The one mapping both entry points use (pretrain_rlhf.py with flag_of, train_reward.py with reward_flag_of)."""
     job = JobConfig(placement=PlacementConfig(overrides={"actor_train": {"tp": "two"}}))
     with pytest.raises(UsageError) as exc, usage_errors(flag_of):
-        job.build_placement(4)
+        layout.build_placement(job, 4)
     assert str(exc.value) == "invalid placement: actor_train: tp='two' must be a positive integer (e.g. tp=2)"
     with pytest.raises(UsageError) as exc, usage_errors(flag_of):
-        JobConfig().build_placement(3)  # every task dp 3: the mini-batch of 32 does not split
+        layout.build_placement(JobConfig(), 3)  # every task dp 3: the mini-batch of 32 does not split
     assert str(exc.value).startswith("--ppo-mini-batch-size: ppo_mini_batch_size 32 must be a multiple of")
     with pytest.raises(UsageError) as exc, usage_errors(reward_flag_of):
         RewardTrainingConfig(micro_batch_size=0)
@@ -112,11 +114,11 @@ def test_usage_errors_turn_job_errors_into_flag_errors(tmp_path):
 def test_batch_sizes_checked_against_the_placement():
     cfg = JobConfig(ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=4,
                                   micro_batch_size=2))
-    cfg.check_placement(Placement.from_plan({"actor_train": {"dp": 2, "ranks": "0-1"},
-                                             "critic_train": {"ranks": "0-1", "pp": 2}}, 2))
+    layout.check_placement(cfg, Placement.from_plan({"actor_train": {"dp": 2, "ranks": "0-1"},
+                                                     "critic_train": {"ranks": "0-1", "pp": 2}}, 2))
     with pytest.raises(ConfigError, match="ppo_mini_batch_size 4 must be a multiple of actor_train's dp 4 x "
                                           "micro_batch_size 2") as exc:
-        cfg.check_placement(Placement.from_plan({}, 4))
+        layout.check_placement(cfg, Placement.from_plan({}, 4))
     assert exc.value.field_name == "ppo.ppo_mini_batch_size"
 
 
@@ -142,14 +144,16 @@ def test_help_explains_every_flag():
 
 
 def test_built_in_four_rank_plan_is_the_example_file():
-    from rlhf.config import DEFAULT_PLANS
+    from rlhf.ppo.layout import DEFAULT_PLANS
     from rlhf.parallel.placement import load_plan
 
-    assert PlacementConfig().plan(4) == DEFAULT_PLANS[4] == load_plan(Path(__file__).resolve().parents[1] / "examples" / "placement_4ranks.json")
-    assert PlacementConfig().plan(2) == {}  # other world sizes: every task data parallel on all ranks
-    assert PlacementConfig(overrides={"ref_inf": {"ranks": "0-3"}}).plan(4)["ref_inf"] == {"ranks": "0-3"}
+    example = Path(__file__).resolve().parents[1] / "examples" / "placement_4ranks.json"
+    assert layout.job_plan(JobConfig(), 4) == DEFAULT_PLANS[4] == load_plan(example)
+    assert layout.job_plan(JobConfig(), 2) == {}  # other world sizes: every task data parallel on all ranks
+    placed = JobConfig(placement=PlacementConfig(overrides={"ref_inf": {"ranks": "0-3"}}))
+    assert layout.job_plan(placed, 4)["ref_inf"] == {"ranks": "0-3"}
     # e.g. --ref-inf tp=2 keeps the built-in entry's ranks
-    assert PlacementConfig(overrides={"ref_inf": {"tp": 2}}).plan(4)["ref_inf"] == {"ranks": "2-3", "tp": 2}
+    assert PlacementConfig(overrides={"ref_inf": {"tp": 2}}).plan(DEFAULT_PLANS[4])["ref_inf"] == {"ranks": "2-3", "tp": 2}
 
 
 def test_fused_schedule_checked_against_the_placement(tmp_path):
@@ -166,17 +170,17 @@ def test_fused_schedule_checked_against_the_placement(tmp_path):
                       "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8", "--micro-batch-size", "2"])
     fits = Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
                                 "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True}}, 4)
-    assert cfg.fused_schedule(fits).problem.stages == 2
+    assert layout.fused_schedule(cfg, fits).problem.stages == 2
     with pytest.raises(ConfigError, match=f"{path}: model 'actor': schedule pp=2 but placement pp=1") as exc:
-        cfg.check_placement(Placement.from_plan({}, 2))  # dp2: the micro-batch counts agree, pp does not
+        layout.check_placement(cfg, Placement.from_plan({}, 2))  # dp2: the micro-batch counts agree, pp does not
     assert exc.value.field_name == "fusion.schedule"
     with pytest.raises(ConfigError, match="check 'direction' in the schedule against reverse_pp"):
-        cfg.check_placement(Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
-                                                 "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2}}, 4))
+        layout.check_placement(cfg, Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
+                                                         "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2}}, 4))
     with pytest.raises(ConfigError, match="schedule has 2 micro-batches per pipeline but the executor was given 4"):
-        parse_args(["--intra-stage-fusion", "--schedule", str(path), "--rollout-batch-size", "8",
+        layout.check_placement(parse_args(["--intra-stage-fusion", "--schedule", str(path), "--rollout-batch-size", "8",
                     "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "16",
-                    "--micro-batch-size", "2"]).check_placement(fits)
+                    "--micro-batch-size", "2"]), fits)
 
 
 
@@ -185,35 +189,35 @@ def test_inter_stage_fusion_needs_two_generation_instances():
     plan = {"actor_train": {"ranks": "0-1", "tp": 2}, "actor_gen": {"ranks": "0-1", "tp": 2}}
     with pytest.raises(ConfigError, match="inter-stage fusion migrates samples between generation instances, but "
                                           "actor_gen has dp 1; place actor_gen with dp >= 2"):
-        cfg.check_placement(Placement.from_plan(plan, 2))
-    cfg.check_placement(Placement.from_plan({"actor_train": {"ranks": "0-1", "tp": 2}}, 2))  # actor_gen dp 2
+        layout.check_placement(cfg, Placement.from_plan(plan, 2))
+    layout.check_placement(cfg, Placement.from_plan({"actor_train": {"ranks": "0-1", "tp": 2}}, 2))  # actor_gen dp 2
 
 
 def test_unplaced_tasks():
     grpo = parse_args(["--advantage-estimator", "grpo", "--critic-train", "none", "--critic-inf", "none"])
-    placement = Placement.from_plan(grpo.placement.plan(4), 4)
+    placement = Placement.from_plan(layout.job_plan(grpo, 4), 4)
     assert set(placement.meshes) == {"actor_gen", "ref_inf", "reward_inf", "actor_train"}
-    grpo.check_placement(placement)  # grpo runs no critic tasks
+    layout.check_placement(grpo, placement)  # grpo runs no critic tasks
     with pytest.raises(PlacementError, match="critic_inf is not placed"):
         placement["critic_inf"]
     gae = parse_args(["--critic-inf", "none"])
     with pytest.raises(ConfigError, match="advantage estimator 'gae' needs a critic, but critic_inf is not placed") as exc:
-        gae.check_placement(Placement.from_plan(gae.placement.plan(4), 4))
+        layout.check_placement(gae, Placement.from_plan(layout.job_plan(gae, 4), 4))
     assert exc.value.field_name == "ppo.advantage_estimator"
     no_gen = parse_args(["--actor-gen", "none"])
     with pytest.raises(PlacementError, match="actor_gen must be placed"):
-        no_gen.check_placement(Placement.from_plan(no_gen.placement.plan(4), 4))
+        layout.check_placement(no_gen, Placement.from_plan(layout.job_plan(no_gen, 4), 4))
 
 
 def test_searched_fusion_checks_the_placement_first():
     cfg = parse_args(["--intra-stage-fusion"])
     with pytest.raises(ConfigError, match="^intra_stage_fusion: .*'critic'") as exc:
-        cfg.check_placement(Placement.from_plan(cfg.placement.plan(4), 4))  # actor TP2xPP2, critic TP1
+        layout.check_placement(cfg, Placement.from_plan(layout.job_plan(cfg, 4), 4))  # actor TP2xPP2, critic TP1
     assert exc.value.field_name == "fusion.intra_stage_fusion"
     fused = Placement.from_plan({"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
                                  "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True}}, 4)
-    assert cfg.fused_schedule(fused) is None  # fits: searched after the first iteration
-    problem = cfg.fusion_problem(fused, {"actor": ([1.0, 1.5], [2.0, 3.0]), "critic": None})
+    assert layout.fused_schedule(cfg, fused) is None  # fits: searched after the first iteration
+    problem = layout.fusion_problem(cfg, fused, {"actor": ([1.0, 1.5], [2.0, 3.0]), "critic": None})
     assert [(m.name, m.pp, m.pipelines, m.microbatches, m.direction, m.fwd) for m in problem.models] == [
         ("actor", 2, 1, 4, "down", (1.0, 1.5)), ("critic", 2, 1, 4, "up", (1.0, 1.0))]
 

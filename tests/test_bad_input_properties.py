@@ -15,14 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from rlhf import config as job_config
-from rlhf.reward_model import config as reward_config
-from rlhf.ppo.arguments import SECTIONS
-from rlhf.ppo.arguments import parse_args as parse_pretrain
+from rlhf import config as shared_config
 from rlhf.cli import UsageError
 from rlhf.config import ConfigError, PlacementConfig
 from rlhf.models.config import ModelConfig
 from rlhf.parallel import Placement, PlacementError
+from rlhf.ppo import config as ppo_config
+from rlhf.ppo import layout
+from rlhf.ppo.arguments import SECTIONS
+from rlhf.ppo.arguments import parse_args as parse_pretrain
+from rlhf.reward_model import config as reward_config
 from rlhf.reward_model.arguments import REWARD_SECTIONS
 from rlhf.reward_model.arguments import parse_args as parse_reward
 from rlhf.schedule.generators import serial_1f1b
@@ -116,7 +118,7 @@ def test_placement_overrides_answer_with_config_or_placement_errors():
         if rng.random() < 0.2:
             overrides = malformed(rng)
         try:
-            job_config.JobConfig(placement=PlacementConfig(overrides=overrides)).build_placement(4)
+            layout.build_placement(ppo_config.JobConfig(placement=PlacementConfig(overrides=overrides)), 4)
         except (ConfigError, PlacementError):
             pass
 
@@ -271,9 +273,9 @@ def test_pretrain_and_reward_numbers(tmp_path, capsys):
 
 # --- config dataclasses ------------------------------------------------------------------------
 
-CONFIGS = [job_config.RunConfig, job_config.GenerationConfig, job_config.PPOConfig, job_config.ModelsConfig,
-           job_config.DataConfig, job_config.RewardConfig, job_config.PlacementConfig, job_config.LoggingConfig,
-           job_config.FusionConfig, job_config.CheckpointConfig, job_config.JobConfig,
+CONFIGS = [shared_config.RunConfig, ppo_config.GenerationConfig, ppo_config.PPOConfig, ppo_config.ModelsConfig,
+           ppo_config.DataConfig, ppo_config.RewardConfig, shared_config.PlacementConfig, shared_config.LoggingConfig,
+           ppo_config.FusionConfig, shared_config.CheckpointConfig, ppo_config.JobConfig,
            reward_config.RewardTrainingConfig, reward_config.RewardOptimizerConfig, reward_config.RewardDataConfig]
 
 

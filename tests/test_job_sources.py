@@ -31,6 +31,7 @@ from rlhf.checkpoint.sources import open_source, read_weights
 from rlhf.cli import UsageError
 from rlhf.config import ConfigError
 from rlhf.parallel import Placement
+from rlhf.ppo import layout
 from rlhf.tasks import MODELS
 from rlhf.testing.tools import load_tool
 
@@ -267,9 +268,9 @@ def test_shapes_come_from_the_directories(files, tmp_path):
     odd = str(tmp_path / "odd")
     LlamaConfig(**dict(SHAPE, vocab_size=321), architectures=["LlamaForCausalLM"]).save_pretrained(odd)
     cfg = parse_args(["--actor-model", odd])
-    placement = Placement.from_plan(cfg.placement.plan(4), 4)
+    placement = Placement.from_plan(layout.job_plan(cfg, 4), 4)
     placement.validate_models({m: cfg.models[m] for m in MODELS})  # tp 2 need not divide 321: rows are padded
-    assert cfg.padded_vocab_size("actor", placement) == 322
+    assert layout.padded_vocab_size(cfg, "actor", placement) == 322
 
 
 def test_smaller_vocabulary_than_the_actor_is_refused(tmp_path):

@@ -18,6 +18,7 @@ from rlhf.models.config import preset
 from rlhf.parallel import PlacementError
 from rlhf.reward_model.arguments import parse_args, reward_flag_of
 from rlhf.reward_model.config import TASK, RewardJobConfig
+from rlhf.reward_model.job import build_placement
 from rlhf.reward_model.job import preference_data
 
 TOK = ByteTokenizer()
@@ -179,14 +180,14 @@ def test_defaults_and_flags(tmp_path):
     cfg = parse_args(["--train-data", path])
     assert cfg.model == preset("tiny-critic") and cfg.model_dir is None
     assert (cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.optimizer.lr) == (64, 4, 1e-5)
-    assert cfg.max_length == 256 and cfg.build_placement(4)[TASK].strategy.dp == 4  # every rank, data parallel
+    assert cfg.max_length == 256 and build_placement(cfg, 4)[TASK].strategy.dp == 4  # every rank, data parallel
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"reward_inf": {"ranks": "0-3", "tp": 2}, "actor_train": {"pp": 2}}))
     cfg = parse_args(["--train-data", path, "--placement", str(plan), "--reward-inf", "pp=2", "--model", "tiny",
                       "--global-batch-size", "8", "--micro-batch-size", "1", "--center-rewards-coef", "0.01",
                       "--lr", "2e-5", "--lr-decay-style", "cosine", "--lr-decay-iters", "10", "--max-len", "64",
                       "--overlong", "truncate_prompt", "--margin-field", "m", "--train-iters", "10"])
-    mesh = cfg.build_placement(4)[TASK]  # the file's entry, the flag merged in; the other entries ignored
+    mesh = build_placement(cfg, 4)[TASK]  # the file's entry, the flag merged in; the other entries ignored
     assert (mesh.strategy.tp, mesh.strategy.pp, mesh.strategy.dp) == (2, 2, 1)
     assert cfg.run.iterations == 10 and cfg.max_length == 64 and cfg.training.center_rewards_coef == 0.01
     assert cfg.dataset_config(path) == PreferenceDatasetConfig(paths=path, max_length=64, margin_field="m",
@@ -219,7 +220,7 @@ def test_bad_flags_are_refused_naming_them(tmp_path, argv, message):
 def test_placements_the_model_or_batch_cannot_use_are_refused(tmp_path, argv, error, message):
     cfg = parse_args(["--train-data", _write(tmp_path, [GOOD])] + argv)
     with pytest.raises(error, match=message):
-        cfg.build_placement(4)
+        build_placement(cfg, 4)
 
 
 def test_model_directories(tmp_path):

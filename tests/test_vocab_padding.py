@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from rlhf.ppo.arguments import build_parser, parse_args
 from rlhf.cli import UsageError
-from rlhf.config import JobConfig, ModelsConfig
-from rlhf.models.config import ModelConfig
-from rlhf.models.config import padded_vocab_size
+from rlhf.models.config import ModelConfig, padded_vocab_size
 from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows, mask_vocab_padding
 from rlhf.parallel import Placement
+from rlhf.ppo import layout
+from rlhf.ppo.arguments import build_parser, parse_args
+from rlhf.ppo.config import JobConfig, ModelsConfig
 
 EMBED, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
 
@@ -74,20 +74,20 @@ def odd_vocab_job(tmp_path):
 def test_flag_sets_the_padding_per_model(odd_vocab_job):
     default = parse_args(odd_vocab_job)
     assert default.models.make_vocab_size_divisible_by == 1
-    placement = default.build_placement(8)  # tp 2 and 4 on a 67-id model: no longer refused
+    placement = layout.build_placement(default, 8)  # tp 2 and 4 on a 67-id model: no longer refused
     # the reference shares the actor's size: it starts as a reshard of actor_train
-    sizes = {m: default.padded_vocab_size(m, placement) for m in ("actor", "reference", "critic", "reward")}
+    sizes = {m: layout.padded_vocab_size(default, m, placement) for m in ("actor", "reference", "critic", "reward")}
     assert sizes == {"actor": 68, "reference": 68, "critic": 67, "reward": 68}
     wide = parse_args(odd_vocab_job + ["--make-vocab-size-divisible-by", "32"])
     assert wide.models.make_vocab_size_divisible_by == 32
-    assert {m: wide.padded_vocab_size(m, placement) for m in sizes} == {
+    assert {m: layout.padded_vocab_size(wide, m, placement) for m in sizes} == {
         "actor": 128, "reference": 128, "critic": 96, "reward": 128}
 
 
 def test_default_keeps_the_tiny_job_unpadded():
     job = JobConfig()
-    placement = job.build_placement(4)  # the built-in 4-rank plan: actor tp 2, vocab 512
-    assert all(job.padded_vocab_size(m, placement) == job.models[m].vocab_size
+    placement = layout.build_placement(job, 4)  # the built-in 4-rank plan: actor tp 2, vocab 512
+    assert all(layout.padded_vocab_size(job, m, placement) == job.models[m].vocab_size
                for m in ("actor", "reference", "critic", "reward"))
 
 

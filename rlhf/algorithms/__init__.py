@@ -13,6 +13,7 @@ from rlhf.algorithms.estimators import (
     AdvantageInputs,
     advantage_estimators,
     compute_advantages,
+    estimator_needs_critic,
     get_advantage_estimator,
     register_advantage_estimator,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "aggregate_loss",
     "balanced_minibatches",
     "compute_advantages",
+    "estimator_needs_critic",
     "compute_gae",
     "discounted_returns",
     "discounted_suffix_sum",

@@ -15,6 +15,7 @@ import torch
 
 from rlhf.algorithms.gae import compute_gae, discounted_returns
 from rlhf.algorithms.losses import masked_whiten
+from rlhf.config import ConfigError
 
 if TYPE_CHECKING:
     from rlhf.batch import Batch
@@ -43,9 +44,9 @@ class AdvantageConfig:
         for name in ("gamma", "lam"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
-                raise ValueError(f"AdvantageConfig.{name}={value} must lie in [0, 1]")
+                raise ConfigError(f"AdvantageConfig.{name}={value} must lie in [0, 1]", name)
         if self.eps <= 0:
-            raise ValueError(f"AdvantageConfig.eps={self.eps} must be > 0")
+            raise ConfigError(f"AdvantageConfig.eps={self.eps} must be > 0", "eps")
 
 
 @dataclass(frozen=True)
@@ -85,26 +86,46 @@ class AdvantageInputs:
 
 
 Estimator = Callable[[AdvantageInputs, AdvantageConfig], Tuple[torch.Tensor, torch.Tensor]]
-_ESTIMATORS: Dict[str, Estimator] = {}
 
 
-def register_advantage_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator registering ``fn(inputs, config) -> (advantages, returns)`` as ``name``."""
+@dataclass(frozen=True)
+class RegisteredEstimator:
+    """A registry entry: the function and whether it reads critic values (then the job places a critic)."""
+
+    fn: Estimator
+    needs_critic: bool
+
+
+_ESTIMATORS: Dict[str, RegisteredEstimator] = {}
+
+
+def register_advantage_estimator(name: str, *, needs_critic: bool = False) -> Callable[[Estimator], Estimator]:
+    """Decorator registering ``fn(inputs, config) -> (advantages, returns)`` as ``name``; ``needs_critic``:
+    it reads ``inputs.values``, so the job runs the critic's tasks."""
 
     def wrap(fn: Estimator) -> Estimator:
         if name in _ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ESTIMATORS[name] = fn
+        _ESTIMATORS[name] = RegisteredEstimator(fn, needs_critic)
         return fn
 
     return wrap
 
 
-def get_advantage_estimator(name: str) -> Estimator:
-    """Registered estimator; KeyError lists the names that exist."""
+def _entry(name: str) -> RegisteredEstimator:
     if name not in _ESTIMATORS:
         raise KeyError(f"unknown advantage estimator {name!r}; registered: {sorted(_ESTIMATORS)}")
     return _ESTIMATORS[name]
+
+
+def get_advantage_estimator(name: str) -> Estimator:
+    """Registered estimator; KeyError lists the names that exist."""
+    return _entry(name).fn
+
+
+def estimator_needs_critic(name: str) -> bool:
+    """Whether estimator ``name`` reads critic values; KeyError lists the names that exist."""
+    return _entry(name).needs_critic
 
 
 def advantage_estimators() -> Tuple[str, ...]:
@@ -117,7 +138,7 @@ def compute_advantages(inputs: AdvantageInputs, config: AdvantageConfig) -> Tupl
     return get_advantage_estimator(config.estimator)(inputs, config)
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs_critic=True)
 def gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """GAE (matrix form) on the critic's values; returns are the critic targets."""
     inputs.require("gae", "values")

@@ -15,6 +15,8 @@ from typing import Callable, Dict, Optional, Union
 
 import torch
 
+from rlhf.config import ConfigError
+
 KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": lambda log_ratio: log_ratio,
     "k2": lambda log_ratio: 0.5 * log_ratio.square(),
@@ -54,13 +56,15 @@ class KLConfig:
 
     def __post_init__(self) -> None:
         if self.coef < 0:
-            raise ValueError(f"KLConfig.coef={self.coef} must be >= 0; use 0 to disable the penalty")
+            raise ConfigError(f"KLConfig.coef={self.coef} must be >= 0; use 0 to disable the penalty", "coef")
         if self.estimator not in KL_ESTIMATORS:
-            raise ValueError(f"KLConfig.estimator={self.estimator!r} must be one of {sorted(KL_ESTIMATORS)}")
+            raise ConfigError(f"KLConfig.estimator={self.estimator!r} must be one of {sorted(KL_ESTIMATORS)}",
+                              "estimator")
         if self.target is not None and self.target <= 0:
-            raise ValueError(f"KLConfig.target={self.target} must be > 0, or None for a fixed coefficient")
+            raise ConfigError(f"KLConfig.target={self.target} must be > 0, or None for a fixed coefficient",
+                              "target")
         if self.horizon <= 0:
-            raise ValueError(f"KLConfig.horizon={self.horizon} must be > 0 (samples)")
+            raise ConfigError(f"KLConfig.horizon={self.horizon} must be > 0 (samples)", "horizon")
 
 
 class FixedKLController:

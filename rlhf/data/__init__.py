@@ -31,6 +31,7 @@ from .tokenizer import (
     Tokenizer,
     TokenizerError,
     build_tokenizer,
+    checked_tokenizer,
     copy_tokenizer_files,
     validate_messages,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "build_tokenizer",
+    "checked_tokenizer",
     "copy_tokenizer_files",
     "encode_prompt",
     "gold_reward",

@@ -51,6 +51,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+from rlhf.config import ConfigError
+
 from .prompts import PromptDataError, PromptFormatError, encode_prompt, load_prompt_records
 from .tokenizer import Tokenizer, validate_messages
 
@@ -68,8 +70,8 @@ _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 
-def _config_error(name: str, value: Any, constraint: str, fix: str) -> ValueError:
-    return ValueError(f"PreferenceDatasetConfig.{name}={value!r}: {constraint}; {fix}")
+def _config_error(name: str, value: Any, constraint: str, fix: str) -> ConfigError:
+    return ConfigError(f"PreferenceDatasetConfig.{name}={value!r}: {constraint}; {fix}", name)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
+from rlhf.config import ConfigError
+
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -84,8 +86,8 @@ class PromptFormatError(PromptDataError):
         super().__init__(f"{path}:{line}: {reason}")
 
 
-def _config_error(name: str, value: Any, constraint: str, fix: str) -> ValueError:
-    return ValueError(f"PromptDatasetConfig.{name}={value!r}: {constraint}; {fix}")
+def _config_error(name: str, value: Any, constraint: str, fix: str) -> ConfigError:
+    return ConfigError(f"PromptDatasetConfig.{name}={value!r}: {constraint}; {fix}", name)
 
 
 @dataclass(frozen=True)

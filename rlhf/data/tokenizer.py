@@ -23,12 +23,15 @@ import os
 import shutil
 from typing import Any, Mapping, Optional, Sequence, Union
 
+from rlhf.config import ConfigError
+
 __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "HFTokenizer",
     "TOKENIZER_FILES",
     "TokenizerError",
+    "checked_tokenizer",
     "build_tokenizer",
     "copy_tokenizer_files",
     "is_tokenizer_dir",
@@ -379,3 +382,18 @@ def build_tokenizer(name_or_path: Union[str, os.PathLike], *, backend: str = "au
     if isinstance(name_or_path, str) and name_or_path == "byte":
         return ByteTokenizer()
     return HFTokenizer(name_or_path, backend=backend)
+
+
+def checked_tokenizer(name: str, vocab: int, model: str, model_flag: str) -> Tokenizer:
+    """``build_tokenizer(name)``, refused when it cannot be built or has more ids than ``model``'s vocabulary
+    ``vocab`` (set by ``model_flag``): a ConfigError naming ``data.tokenizer``, the field of both programs'
+    data sections that names the tokenizer."""
+    try:
+        tokenizer = build_tokenizer(name)
+    except TokenizerError as exc:
+        raise ConfigError(str(exc), "data.tokenizer") from None
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than {model}'s vocab_size="
+                          f"{vocab} ({model_flag}); give a tokenizer of {model}'s vocabulary (--tokenizer) or "
+                          f"a model whose vocabulary covers it ({model_flag})", "data.tokenizer")
+    return tokenizer

@@ -1,35 +1,30 @@
 """All command-line flags of pretrain_rlhf.py, grouped, parsed into a frozen JobConfig.
 
-Each config section's flags are listed once (field, type, help); the flag is
-the field's name with dashes (``ppo.clip_eps`` -> ``--clip-eps``), its
-default is the dataclass default, and a ConfigError on that field is
-reported against that flag.
+Each config section's flags are listed once in ``SECTIONS`` (field, type,
+help), read by rlhf/cli.py's flag-table mechanism: the flag is the field's
+name with dashes (``ppo.clip_eps`` -> ``--clip-eps``), its default is the
+dataclass default, and a ConfigError on that field is reported against that
+flag. The placement and model flags are built here.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import UsageError, usage_errors
-from rlhf.config import (CheckpointConfig, DataConfig, FusionConfig, GenerationConfig, JobConfig,
-                         LoggingConfig, MemoryConfig, ModelsConfig, PlacementConfig, PPOConfig, RewardConfig,
-                         RunConfig)
-from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError, preset
+from rlhf.cli import (LOGGING_FLAGS, UsageError, add_section_flags, flag_name, fraction_or_auto, load_model_config,
+                      parse_task_spec, section_configs, section_flag, usage_errors)
+from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
+from rlhf.models.config import MODEL_PRESETS
+from rlhf.ppo.config import (DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
+                             PPOConfig, RewardConfig)
 from rlhf.tasks import MODELS, TASKS
 
 
 def _optional_float(text: str):
     """A float, or 'none' / 'off' for None."""
     return None if text.lower() in ("none", "off") else float(text)
-
-
-def fraction_or_auto(text: str):
-    """'auto' -> None (chosen at run time), else a float."""
-    return None if text.lower() == "auto" else float(text)
 
 
 def _auto_switch(text: str):
@@ -88,14 +83,7 @@ SECTIONS = {
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
                                      "engine's"),
     ]),
-    "logging": (LoggingConfig, "logging", [
-        ("metrics_file", str, "append one JSON object of metrics per iteration to this file"),
-        ("tensorboard_dir", str, "write TensorBoard event files here"),
-        ("trace_iteration", int, "write a Perfetto (Chrome trace) file of every rank for this iteration "
-                                 "(counting from 1)"),
-        ("trace_file", str, "where --trace-iteration writes its trace"),
-        ("progress", bool, "show the progress bar on rank 0"),
-    ]),
+    "logging": LOGGING_FLAGS,
     "fusion": (FusionConfig, "fusion", [
         ("intra_stage_fusion", bool, "run actor and critic training as one fused pipeline schedule (they must "
                                      "be placed on the same ranks in opposite directions)"),
@@ -158,10 +146,6 @@ SECTIONS = {
 }
 
 
-def _flag(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pretrain_rlhf.py",
@@ -176,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "field by field (default: that file's plan on 4 ranks, else every task data "
                             "parallel on all ranks)")
     for task in TASKS:
-        place.add_argument(_flag(task), metavar="SPEC", default=None,
+        place.add_argument(flag_name(task), metavar="SPEC", default=None,
                            help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]', or 'none' "
                                 "(default: the plan's entry, else all ranks, data parallel only)")
 
@@ -204,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  help=f"the {name}: a Megatron-LM checkpoint directory (torch_dist, any tp/pp; "
                                       f"its --save: latest_checkpointed_iteration.txt, iter_NNNNNNN/), shape from "
                                       f"its args; instead of --{name}-model (docs/megatron_checkpoints.md)")
-    model.add_argument(_flag("make_vocab_size_divisible_by"), type=int, default=1, metavar="N",
+    model.add_argument(flag_name("make_vocab_size_divisible_by"), type=int, default=1, metavar="N",
                        help="pad each model's embedding and output layer to a multiple of N x the tp of its "
                             "layouts (the lcm of the tps its weights move between), as Megatron-LM does, so any "
                             "tp can split any vocabulary; the padded ids are never sampled and never saved. "
@@ -221,63 +205,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the ranks --dry-run plans for: nodes x GPUs per node (default: none; a real run "
                             "takes the world size from torchrun)")
     return parser
-
-
-def add_section_flags(parser: argparse.ArgumentParser, sections: dict) -> None:
-    """One argument group per config section of ``sections`` (a table like SECTIONS), one flag per
-    listed field, defaulting to the dataclass's default (shared with train_reward.py)."""
-    for cls, title, fields in sections.values():
-        group = parser.add_argument_group(title)
-        for name, kind, text in fields:
-            default = next(f.default for f in dataclasses.fields(cls) if f.name == name)
-            if kind is bool and default:
-                group.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
-                                   help=f"do not: {text} (default: do)")
-            elif kind is bool:
-                group.add_argument(_flag(name), action="store_true", help=f"{text} (default: off)")
-            else:
-                group.add_argument(_flag(name), type=kind, default=default, help=f"{text} (default: {default})")
-
-
-def section_configs(args: argparse.Namespace, sections: dict) -> dict:
-    """{section: its config} from parsed flags (a bad value raises ConfigError naming its field)."""
-    return {key: cls(**{name: getattr(args, name) for name, _, _ in fields})
-            for key, (cls, _, fields) in sections.items()}
-
-
-def parse_task_spec(task: str, spec: str) -> dict | None:
-    """'tp=2,pp=2,ranks=0-3,reverse_pp' -> plan entry ('none': the task is not placed); errors name the flag."""
-    if spec.strip().lower() == "none":
-        return None
-    entry: dict = {}
-    ranks: list[str] = []
-    for item in spec.split(","):
-        key, eq, value = item.strip().partition("=")
-        if key == "reverse_pp" and not eq:
-            entry["reverse_pp"] = True
-        elif key in ("dp", "pp", "tp") and value.isdigit():
-            entry[key] = int(value)
-        elif key == "ranks" and value:
-            ranks.append(value)
-        elif not eq and key and ranks:  # continuation of a rank list: ranks=0,2,4-5
-            ranks.append(key)
-        else:
-            raise UsageError(f"{_flag(task)}: cannot parse {item!r} in {spec!r}; "
-                             "expected e.g. 'tp=2,pp=2,ranks=0-3,reverse_pp'")
-    if ranks:
-        entry["ranks"] = ",".join(ranks)
-    return entry
-
-
-def load_model_config(value: str, flag: str) -> ModelConfig:
-    """A preset name or a JSON file of ModelConfig fields."""
-    try:
-        if value in MODEL_PRESETS:
-            return preset(value)
-        return ModelConfig.from_dict(json.loads(Path(value).read_text()))
-    except (OSError, ValueError, ModelConfigError) as exc:
-        raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(MODEL_PRESETS))}, "
-                         "a JSON file of model fields, an HF model directory or our checkpoint root)") from None
 
 
 def models_config(args: argparse.Namespace) -> ModelsConfig:
@@ -302,15 +229,15 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
     return ModelsConfig(**shapes, weights=weights, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
 
-def flag_of(field_name: str, sections: dict = SECTIONS) -> str:
-    """The flag that sets a dotted config field (``ppo.clip_eps`` -> ``--clip-eps``, ``models.critic`` ->
-    ``--critic-model``) of a job whose flag table is ``sections``."""
+def flag_of(field_name: str) -> str:
+    """The flag that sets a dotted JobConfig field (``ppo.clip_eps`` -> ``--clip-eps``, ``models.critic`` ->
+    ``--critic-model``)."""
     section, _, name = field_name.partition(".")
     if section == "models" and name in MODELS:
         return f"--{name}-model"
     if field_name == "models.make_vocab_size_divisible_by":
-        return _flag(name)
-    return _flag(name) if section in sections else field_name
+        return flag_name(name)
+    return section_flag(field_name, SECTIONS)
 
 
 def config_from_args(args: argparse.Namespace) -> JobConfig:

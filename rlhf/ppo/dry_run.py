@@ -3,7 +3,7 @@
 ``pretrain_rlhf.py --dry-run --world-size N [flags]`` runs every check the
 job makes before it builds a model (the flags, the placement on N ranks
 against the models' shapes and the batch sizes, the fused schedule against
-the training placements: ``JobConfig.build_placement``) and describes the
+the training placements: ``rlhf.ppo.layout.build_placement``) and describes the
 result: each model's size, each task's ranks and layout. It starts no
 process, opens no process group and builds no model: shapes come from
 presets, JSON files or the config files of model directories, parameters are
@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 
 from rlhf.checkpoint.hf import hf_shapes, hf_sources
-from rlhf.config import JobConfig
+from rlhf.ppo import layout
+from rlhf.ppo.config import JobConfig
 from rlhf.models.config import ModelConfig
 from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
 
@@ -64,7 +65,7 @@ def describe_placement(placement) -> list[str]:
 def dry_run(config: JobConfig, world_size: int) -> str:
     """Check ``config`` on ``world_size`` ranks as the job does before building models, and describe the
     launch (raises the job's PlacementError / ConfigError on bad input; builds nothing)."""
-    placement = config.build_placement(world_size)
+    placement = layout.build_placement(config, world_size)
     needed = config.needed_tasks()
     lines = [f"dry run: {world_size} ranks; the flags, the placement, the model shapes and the fused schedule "
              "are valid (no process started, no model built)", "models (parameters, untied embeddings):"]
@@ -83,7 +84,7 @@ def dry_run(config: JobConfig, world_size: int) -> str:
         stages = stage_parameter_counts(config.models[model], MODEL_KIND[model], mesh.strategy.pp)
         line += f"; {short_count(max(stages) / mesh.strategy.tp)}/rank"
         if task in trained:
-            line += f"; {config.microbatches(placement, task)} micro-batches per mini-batch and DP replica"
+            line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
     lines += [_describe_batches(config), _describe_generation(config, placement), _describe_training(config, placement)]
     return "\n".join(lines)
@@ -113,7 +114,7 @@ def _describe_batches(config: JobConfig) -> str:
 def _describe_training(config: JobConfig, placement) -> str:
     if not config.fusion.intra_stage_fusion:
         return "training: actor and critic one after the other, serial 1F1B each (no --intra-stage-fusion)"
-    schedule = config.fused_schedule(placement)
+    schedule = layout.fused_schedule(config, placement)
     if schedule is None:
         return ("training: fused (--intra-stage-fusion) without a schedule file: the first iteration runs serial "
                 "1F1B, measures every stage and searches a fused schedule for it")

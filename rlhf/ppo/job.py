@@ -31,13 +31,15 @@ import torch
 import torch.distributed as dist
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
-from rlhf.config import ConfigError, JobConfig, LoggingConfig, RunConfig
+from rlhf.config import ConfigError, LoggingConfig, RunConfig
+from rlhf.ppo.config import JobConfig
 from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
-                       PromptDataset, Tokenizer, TokenizerError, build_tokenizer)
+                       PromptDataset, Tokenizer, checked_tokenizer)
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
 from rlhf.reward_model.config import RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 from rlhf.reward_model.trainer import RewardTrainer
-from rlhf.ppo.trainer import MODEL_SEEDS, RewardFn, Trainer
+from rlhf.tasks import MODEL_SEEDS
+from rlhf.ppo.trainer import RewardFn, Trainer
 
 SYNTHETIC_RULE = "rlhf.data.synthetic:gold_reward"
 
@@ -62,20 +64,6 @@ def job_tokenizer(config: JobConfig) -> Tokenizer:
     """``--tokenizer`` or its default, refused when its ids do not fit the actor's vocabulary."""
     return checked_tokenizer(config.data.tokenizer or default_tokenizer(config), config.models.actor.vocab_size,
                              "the actor", "--actor-model")
-
-
-def checked_tokenizer(name: str, vocab: int, model: str, model_flag: str) -> Tokenizer:
-    """``build_tokenizer(name)``, refused (ConfigError naming ``data.tokenizer``) when it cannot be built
-    or has more ids than ``model``'s vocabulary ``vocab`` (set by ``model_flag``)."""
-    try:
-        tokenizer = build_tokenizer(name)
-    except TokenizerError as exc:
-        raise ConfigError(str(exc), "data.tokenizer") from None
-    if tokenizer.vocab_size > vocab:
-        raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than {model}'s vocab_size="
-                          f"{vocab} ({model_flag}); give a tokenizer of {model}'s vocabulary (--tokenizer) or "
-                          f"a model whose vocabulary covers it ({model_flag})", "data.tokenizer")
-    return tokenizer
 
 
 def default_tokenizer(config: JobConfig) -> str:

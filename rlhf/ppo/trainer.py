@@ -38,7 +38,9 @@ from rlhf.algorithms import (AdvantageInputs, balanced_minibatches, compute_adva
 from rlhf.batch import Batch
 from rlhf.checkpoint.megatron import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
-from rlhf.config import ConfigError, JobConfig
+from rlhf.config import ConfigError
+from rlhf.ppo import layout
+from rlhf.ppo.config import JobConfig
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 from rlhf.fusion.inter_stage import InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
@@ -58,13 +60,10 @@ from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
 from rlhf.schedule.schedule import Schedule
 from rlhf.schedule.search import SearchConfig, search
-from rlhf.tasks import TASK_MODEL, WEIGHTS_TASK, task_kind
+from rlhf.tasks import MODEL_SEEDS, TASK_MODEL, WEIGHTS_TASK, task_kind
 
 RewardFn = Callable[[list, list], list]
 """``fn(prompts, responses) -> scores``: token-id lists in, one float per sample out."""
-
-MODEL_SEEDS = {"actor": 11, "critic": 23, "reward": 37, "reference": 11}
-"""Seed offsets of each model's random initial weights (reference = actor: they start equal)."""
 
 FUSED_SCHEDULE_FILE = "fused_schedule.json"
 """Beside the checkpoints (``<save>/``): the fused schedule searched at start-up, reused on resume."""
@@ -114,9 +113,9 @@ class Trainer:
         self._load_initial(initial_weights)
         self.optimizers = self._build_optimizers()
         self.schedules = {name: serial_schedule(TASK_MODEL[task], placement[task],
-                                                 config.microbatches(placement, task))
+                                                 layout.microbatches(config, placement, task))
                           for name, task in self._trained().items()}
-        self.fused = config.fused_schedule(placement) if config.fusion.intra_stage_fusion else None
+        self.fused = layout.fused_schedule(config, placement) if config.fusion.intra_stage_fusion else None
         self.stage_times = StageTimes() if config.fusion.intra_stage_fusion and self.fused is None else None
         self._training_steps = []  # this iteration's executor timelines
         self.engine = self._build_engine()
@@ -176,7 +175,7 @@ class Trainer:
         cached = os.path.join(root, FUSED_SCHEDULE_FILE)
         if self.stage_times is not None and os.path.isfile(cached):  # searched by the run that saved
             self.fused = load_schedule(cached)
-            self.config.check_fused(self.fused, self.placement)
+            layout.check_fused(self.config, self.fused, self.placement)
             self.stage_times = None
 
     def _slots(self) -> dict:
@@ -429,7 +428,7 @@ class Trainer:
     def _search_fused_schedule(self) -> Schedule:
         """A fused schedule for the measured stage times, searched on rank 0 and shared (collective)."""
         costs = self.stage_times.per_stage({m: self.placement[t].strategy.pp for m, t in self._trained().items()})
-        problem = self.config.fusion_problem(self.placement, costs)
+        problem = layout.fusion_problem(self.config, self.placement, costs)
         found = [None]
         if dist.get_rank() == 0:
             budget = self.config.fusion.search_budget
@@ -437,7 +436,7 @@ class Trainer:
                                                                    seed=self.config.run.seed)).schedule)]
         dist.broadcast_object_list(found, src=0)
         schedule = schedule_from_dict(found[0])
-        self.config.check_fused(schedule, self.placement)
+        layout.check_fused(self.config, schedule, self.placement)
         root = self.config.checkpoint.save
         if root is not None and dist.get_rank() == 0:  # a resumed run reuses it (see load)
             os.makedirs(root, exist_ok=True)
@@ -487,7 +486,7 @@ class Trainer:
         g, model = self.groups[task], TASK_MODEL[task]
         return build_model(self.config.models[model], task_kind(task), g.pg_collection, g.stage,
                            seed=self.config.run.seed + MODEL_SEEDS[model],
-                           padded_vocab=self.config.padded_vocab_size(model, self.placement))
+                           padded_vocab=layout.padded_vocab_size(self.config, model, self.placement))
 
     def _load_initial(self, weights: dict) -> None:
         """Starting weights into the task that owns each model's weights (the others are resharded).

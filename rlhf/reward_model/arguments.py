@@ -1,11 +1,12 @@
 """All command-line flags of train_reward.py, grouped, parsed into a frozen RewardJobConfig.
 
-The same mechanism as rlhf/ppo/arguments.py (pretrain_rlhf.py's flags): each
+rlhf/cli.py's flag-table mechanism, as pretrain_rlhf.py's flags use it: each
 section's flags are listed once (field, type, help), the flag is the field's
 name with dashes, its default is the dataclass default, and a ConfigError on
-that field is reported against that flag. The logging flags are
-pretrain_rlhf.py's; the placement flags are its ``--placement`` and
-``--reward-inf`` (the reward model trains on that task's mesh).
+that field is reported against that flag. The logging flags are both
+programs' (``rlhf.cli.LOGGING_FLAGS``); the placement flags are
+``--placement`` and ``--reward-inf`` (the reward model trains on that task's
+mesh).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rlhf.ppo.arguments import SECTIONS, add_section_flags, flag_of, load_model_config, parse_task_spec, section_configs
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import UsageError, usage_errors
+from rlhf.cli import (LOGGING_FLAGS, UsageError, add_section_flags, load_model_config, parse_task_spec,
+                      section_configs, section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
@@ -61,7 +62,7 @@ REWARD_SECTIONS = {
         ("overlong", str, "longer pairs: 'drop' (counted) or 'truncate_prompt' (keep the prompt's end)"),
         ("on_error", str, "malformed records: 'raise' (stop, naming file:line) or 'skip' (drop, count, warn)"),
     ]),
-    "logging": SECTIONS["logging"],
+    "logging": LOGGING_FLAGS,
     "checkpoint": (CheckpointConfig, "checkpointing", [
         ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest); after the last "
                       "step the model is also exported to <root>/hf as an HF *ForSequenceClassification"),
@@ -109,7 +110,7 @@ def model_source(value: str) -> tuple[ModelConfig, str | None]:
 def reward_flag_of(field_name: str) -> str:
     """The flag that sets a dotted RewardJobConfig field (``training.micro_batch_size`` -> ``--micro-batch-size``,
     ``model`` -> ``--model``)."""
-    return "--model" if field_name == "model" else flag_of(field_name, REWARD_SECTIONS)
+    return "--model" if field_name == "model" else section_flag(field_name, REWARD_SECTIONS)
 
 
 def config_from_args(args: argparse.Namespace) -> RewardJobConfig:

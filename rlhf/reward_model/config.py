@@ -15,17 +15,20 @@ every rank trains it, data parallel.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
                          check_positive_ints)
+from rlhf.data.preferences import PreferenceDatasetConfig
 from rlhf.models.config import ModelConfig, preset
 from rlhf.optim import OptimizerConfig
-from rlhf.tasks import TASKS
+from rlhf.tasks import WEIGHTS_TASK
 
-TASK = "reward_inf"
-"""The task whose mesh trains the reward model (its weights' task in PPO)."""
+MODEL = "reward"
+"""The model's name in the executor's runtimes and in checkpoints (``pretrain_rlhf.py --reward-model`` reads it)."""
+
+TASK = WEIGHTS_TASK[MODEL]
+"""The task whose mesh trains the reward model: the one that holds its weights in PPO (reward_inf)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,8 @@ class RewardOptimizerConfig(OptimizerConfig):
         check_field_types("optimizer", self)
         try:
             super().__post_init__()
-        except ValueError as exc:  # "OptimizerConfig.<field>=...": the field of the same name
-            name = re.match(r"OptimizerConfig\.(\w+)=", str(exc)).group(1)
-            raise ConfigError(str(exc), f"optimizer.{name}") from None
+        except ConfigError as exc:  # OptimizerConfig's fields are this section's
+            raise exc.renamed(f"optimizer.{exc.field_name}") from None
 
 
 @dataclass(frozen=True)
@@ -134,48 +136,19 @@ class RewardJobConfig:
             if path is not None:
                 self.dataset_config(path)
 
-    def dataset_config(self, path: str):
+    def dataset_config(self, path: str) -> PreferenceDatasetConfig:
         """The rlhf.data.PreferenceDatasetConfig of one preference file; a ConfigError names the field."""
-        from rlhf.data.preferences import PreferenceDatasetConfig
-
         d = self.data
         try:
             return PreferenceDatasetConfig(paths=path, max_length=self.max_length, prompt_field=d.prompt_field,
                                            chosen_field=d.chosen_field, rejected_field=d.rejected_field,
                                            margin_field=d.margin_field, chat_template_for_text=d.chat_template,
                                            overlong=d.overlong, on_error=d.on_error)
-        except ValueError as exc:  # "PreferenceDatasetConfig.<field>=...": the data field of that name
-            name = re.match(r"PreferenceDatasetConfig\.(\w+)=", str(exc)).group(1)
-            raise ConfigError(str(exc), "data.max_len" if name == "max_length" else f"data.{name}") from None
+        except ConfigError as exc:  # PreferenceDatasetConfig's fields are the data section's (max_length: max_len)
+            name = "max_len" if exc.field_name == "max_length" else exc.field_name
+            raise exc.renamed(f"data.{name}") from None
 
     @property
     def max_length(self) -> int:
         """Tokens of prompt + longer answer a pair may have."""
         return self.data.max_len or self.model.max_seq_len
-
-    def build_placement(self, world_size: int):
-        """The Placement of the reward model's mesh on ``world_size`` ranks (every other task unplaced),
-        checked against the model's shape and the batch sizes (PlacementError or ConfigError)."""
-        from rlhf.parallel import Placement, PlacementError
-
-        entry = self.placement.plan().get(TASK, {})
-        if entry is None:
-            raise PlacementError(f"{TASK}: the reward model's mesh is 'none'; give it ranks (or leave it out: "
-                                 "every rank, data parallel)")
-        placement = Placement.from_plan({**{task: None for task in TASKS}, TASK: entry}, world_size)
-        placement.validate_models({"reward": self.model})
-        self.check_placement(placement)
-        return placement
-
-    def check_placement(self, placement) -> None:
-        """Refuse batch sizes the reward model's DP size cannot split (ConfigError naming the field)."""
-        dp, t = placement[TASK].strategy.dp, self.training
-        if t.global_batch_size % (dp * t.micro_batch_size):
-            raise ConfigError(f"global_batch_size {t.global_batch_size} must be a multiple of the reward model's "
-                              f"dp {dp} x micro_batch_size {t.micro_batch_size} (each DP replica runs whole "
-                              "micro-batches)", "training.global_batch_size")
-
-    def microbatches(self, placement) -> int:
-        """Micro-batches one DP replica runs per optimizer step."""
-        t = self.training
-        return t.global_batch_size // (placement[TASK].strategy.dp * t.micro_batch_size)

@@ -29,14 +29,27 @@ from rlhf.checkpoint.hf import export_saved_model
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
 from rlhf.config import ConfigError
-from rlhf.data import PreferenceDataset, PromptDataError, Tokenizer, copy_tokenizer_files
-from rlhf.ppo.job import checked_tokenizer
-from rlhf.reward_model.config import RewardJobConfig
-from rlhf.reward_model.trainer import MODEL, RewardTrainer
-from rlhf.ppo.trainer import MODEL_SEEDS
+from rlhf.data import PreferenceDataset, PromptDataError, Tokenizer, checked_tokenizer, copy_tokenizer_files
+from rlhf.parallel import Placement, PlacementError
+from rlhf.reward_model.config import MODEL, TASK, RewardJobConfig
+from rlhf.reward_model.trainer import RewardTrainer, check_placement
+from rlhf.tasks import MODEL_SEEDS, TASKS
 
 HF_EXPORT = "hf"
 """``<save>/hf``: the HF export of the last checkpoint."""
+
+
+def build_placement(config: RewardJobConfig, world_size: int) -> Placement:
+    """The Placement of the reward model's mesh on ``world_size`` ranks (every other task unplaced),
+    checked against the model's shape and the batch sizes (PlacementError or ConfigError)."""
+    entry = config.placement.plan().get(TASK, {})
+    if entry is None:
+        raise PlacementError(f"{TASK}: the reward model's mesh is 'none'; give it ranks (or leave it out: "
+                             "every rank, data parallel)")
+    placement = Placement.from_plan({**{task: None for task in TASKS}, TASK: entry}, world_size)
+    placement.validate_models({MODEL: config.model})
+    check_placement(config, placement)
+    return placement
 
 
 def build_reward_trainer(config: RewardJobConfig, placement) -> tuple[RewardTrainer, Tokenizer]:

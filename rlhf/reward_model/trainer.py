@@ -43,10 +43,8 @@ from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
 from rlhf.pipeline.microbatch import pipeline_forward
-from rlhf.reward_model.config import TASK, RewardJobConfig
-
-MODEL = "reward"
-"""The model's name in the executor's runtimes and in checkpoints (``pretrain_rlhf.py --reward-model`` reads it)."""
+from rlhf.parallel import Placement
+from rlhf.reward_model.config import MODEL, TASK, RewardJobConfig
 
 POSTFIX = (("loss", "loss"), ("acc", "accuracy"), ("eval_acc", "eval_accuracy"), ("pairs/s", "pairs_per_s"))
 """(label, metric key) of the progress bar's postfix."""
@@ -87,6 +85,21 @@ def pair_statistics(loss: torch.Tensor, chosen: torch.Tensor, rejected: torch.Te
             "pairs_count": torch.tensor(float(len(chosen)))}
 
 
+def check_placement(config: RewardJobConfig, placement: Placement) -> None:
+    """Refuse batch sizes the reward model's DP size cannot split (ConfigError naming the field)."""
+    dp, t = placement[TASK].strategy.dp, config.training
+    if t.global_batch_size % (dp * t.micro_batch_size):
+        raise ConfigError(f"global_batch_size {t.global_batch_size} must be a multiple of the reward model's "
+                          f"dp {dp} x micro_batch_size {t.micro_batch_size} (each DP replica runs whole "
+                          "micro-batches)", "training.global_batch_size")
+
+
+def microbatches(config: RewardJobConfig, placement: Placement) -> int:
+    """Micro-batches one DP replica runs per optimizer step."""
+    t = config.training
+    return t.global_batch_size // (placement[TASK].strategy.dp * t.micro_batch_size)
+
+
 class _RecordingOptimizer:
     """The executor's optimizer interface over a ModelOptimizer, keeping its last step's grad norm and LR."""
 
@@ -115,7 +128,7 @@ class RewardTrainer:
 
     def __init__(self, config: RewardJobConfig, placement, train_data: PreferenceDataset, pad_id: int,
                  eval_data: PreferenceDataset | None = None, initial_weights=None):
-        config.check_placement(placement)
+        check_placement(config, placement)
         self.config, self.pad_id = config, pad_id
         self.eval_data = eval_data
         size = config.training.global_batch_size
@@ -134,7 +147,7 @@ class RewardTrainer:
                     full = full(list(named_global_parameters(self.model)))
                 load_full_weights(self.model, g, full)
             self.optimizer = ModelOptimizer(self.model, g, config.optimizer)
-        self.schedule = serial_schedule(MODEL, placement[TASK], config.microbatches(placement))
+        self.schedule = serial_schedule(MODEL, placement[TASK], microbatches(config, placement))
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
         self.iteration = 0
 

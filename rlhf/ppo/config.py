@@ -1,0 +1,405 @@
+"""The PPO job's configuration: frozen dataclasses that rlhf/ppo/arguments.py fills from the flags.
+
+Values and their validation only; laying the job out on a placement is
+rlhf/ppo/layout.py. The run, logging, checkpoint and placement sections are
+rlhf/config.py's (both programs share them); a ``ConfigError`` names the
+dotted field (``generation.max_prompt_len``) so the argument parser can
+report the flag that set it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Mapping
+
+from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators, estimator_needs_critic
+from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
+                         check_positive_ints, check_range)
+from rlhf.data import PromptDatasetConfig
+from rlhf.models.config import ModelConfig, preset
+from rlhf.optim import OptimizerConfig
+from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Rollout generation: prompt and response budgets (tokens) and sampling.
+
+    ``long_tail_median`` > 0 declares the long-tailed measurement workload
+    (docs/fusion.md): each sample's response length is drawn from a lognormal
+    with this median (p99.9 about 12x it), capped at ``max_response_len``,
+    and EOS is ignored, so samples end at their drawn length."""
+
+    max_prompt_len: int = 16
+    max_response_len: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    long_tail_median: int = 0
+
+    def __post_init__(self):
+        check_field_types("generation", self)
+        check_positive_ints("generation", self, ("max_prompt_len", "max_response_len"))
+        check_range("generation", "long_tail_median", self.long_tail_median, 0, self.max_response_len,
+                     "in [0, max_response_len] (0: off)")
+        check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
+        check_range("generation", "top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
+        check_range("generation", "top_k", self.top_k, 0, float("inf"), ">= 0 (0 disables)")
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """One PPO iteration: how many samples, how they are cut, and the loss settings.
+
+    ``rollout_batch_size`` prompts per iteration, each sampled
+    ``n_samples_per_prompt`` times; the samples are cut into mini-batches of
+    ``ppo_mini_batch_size`` samples (one optimizer step each), every epoch;
+    a training DP replica runs its share of a mini-batch in micro-batches of
+    ``micro_batch_size`` samples (inference tasks use the same micro-batch size).
+    The old log-probs are the engine's unless ``recompute_logprobs`` (then
+    actor_train recomputes them before the update).
+    """
+
+    rollout_batch_size: int = 16
+    n_samples_per_prompt: int = 4
+    ppo_mini_batch_size: int = 32
+    ppo_epochs: int = 1
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    critic_lr: float = 1e-3
+    clip_grad: float = 1.0
+    weight_decay: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: int | None = None
+    min_lr: float = 0.0
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool | None = None
+    clip_eps: float = 0.2
+    value_clip: float | None = 0.2
+    kl_coef: float = 0.01
+    kl_target: float | None = None
+    kl_estimator: str = "k1"
+    gamma: float = 1.0
+    lam: float = 0.95
+    advantage_estimator: str = "gae"
+    recompute_logprobs: bool = False
+
+    def __post_init__(self):
+        check_field_types("ppo", self)
+        check_positive_ints("ppo", self, ("rollout_batch_size", "n_samples_per_prompt", "ppo_mini_batch_size",
+                                           "ppo_epochs", "micro_batch_size"))
+        for name in ("lr", "critic_lr"):
+            check_range("ppo", name, getattr(self, name), 1e-12, float("inf"), "> 0")
+        check_range("ppo", "clip_eps", self.clip_eps, 1e-9, 1.0, "in (0, 1]")
+        check_range("ppo", "clip_grad", self.clip_grad, 0.0, float("inf"), ">= 0 (0 turns clipping off)")
+        check_range("ppo", "weight_decay", self.weight_decay, 0.0, float("inf"), ">= 0")
+        for name in ("gamma", "lam"):
+            check_range("ppo", name, getattr(self, name), 0.0, 1.0, "in [0, 1]")
+        if self.value_clip is not None:
+            check_range("ppo", "value_clip", self.value_clip, 1e-9, float("inf"), "> 0, or None to disable")
+        if self.rollout_samples % self.ppo_mini_batch_size:
+            raise ConfigError(f"ppo_mini_batch_size {self.ppo_mini_batch_size} must divide the "
+                              f"{self.rollout_samples} samples of an iteration (rollout_batch_size "
+                              f"{self.rollout_batch_size} x n_samples_per_prompt {self.n_samples_per_prompt})",
+                              "ppo.ppo_mini_batch_size")
+        if self.advantage_estimator not in advantage_estimators():
+            raise ConfigError(f"advantage_estimator {self.advantage_estimator!r} is not one of "
+                              f"{list(advantage_estimators())}", "ppo.advantage_estimator")
+        try:
+            self.kl_config
+        except ConfigError as exc:  # KLConfig's field <name> is the PPO field kl_<name>
+            raise exc.renamed(f"ppo.kl_{exc.field_name}") from None
+        for lr in (self.lr, self.critic_lr):
+            try:
+                self.optimizer_config(lr)
+            except ConfigError as exc:  # OptimizerConfig's fields are the PPO fields of the same name
+                raise exc.renamed(f"ppo.{exc.field_name}") from None
+
+    def optimizer_config(self, lr: float) -> OptimizerConfig:
+        """The rlhf.optim.OptimizerConfig of a model trained at ``lr`` (AdamW; the LR schedule counts
+        optimizer steps: ppo_epochs x mini-batches per iteration)."""
+        return OptimizerConfig(lr=lr, min_lr=self.min_lr, lr_warmup_iters=self.lr_warmup_iters,
+                               lr_decay_iters=self.lr_decay_iters, lr_decay_style=self.lr_decay_style,
+                               clip_grad=self.clip_grad, weight_decay=self.weight_decay,
+                               use_distributed_optimizer=self.use_distributed_optimizer,
+                               overlap_grad_reduce=self.overlap_grad_reduce)
+
+    @property
+    def kl_config(self) -> KLConfig:
+        return KLConfig(coef=self.kl_coef, estimator=self.kl_estimator, target=self.kl_target)
+
+    @property
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(estimator=self.advantage_estimator, gamma=self.gamma, lam=self.lam)
+
+    @property
+    def rollout_samples(self) -> int:
+        """Samples per iteration."""
+        return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def minibatches(self) -> int:
+        """Optimizer steps per epoch."""
+        return self.rollout_samples // self.ppo_mini_batch_size
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the estimator reads critic values (its registry entry says), so the critic's tasks run."""
+        return estimator_needs_critic(self.advantage_estimator)
+
+
+@dataclass(frozen=True)
+class ModelsConfig:
+    """Shapes of the four models and the directories their starting weights come from.
+
+    The reference has the actor's shape and the reward model the critic's
+    unless given their own (``None``: the same). ``weights`` maps a model to an
+    HF model directory or our checkpoint root (rlhf/checkpoint/sources.py, the
+    flags ``--<model>-model DIR``); a model without an entry starts from seeded
+    random weights, except the reference (a copy of the actor's start) and the
+    reward model (trained at start-up, or none: ``JobConfig.has_reward_model``).
+    Every model reads the ids the actor generates, so none the job builds has a
+    smaller vocabulary than the actor (``JobConfig`` checks the models it uses). ``make_vocab_size_divisible_by``: Megatron-LM's
+    vocabulary padding (``rlhf.ppo.layout.padded_vocab_size``; 1 pads only what tp needs).
+    """
+
+    actor: ModelConfig = field(default_factory=lambda: preset("tiny"))
+    critic: ModelConfig = field(default_factory=lambda: preset("tiny-critic"))
+    reference: ModelConfig | None = None
+    reward: ModelConfig | None = None
+    weights: Mapping[str, str] = field(default_factory=dict)
+    make_vocab_size_divisible_by: int = 1
+
+    def __post_init__(self):
+        check_field_types("models", self)
+        check_positive_ints("models", self, ("make_vocab_size_divisible_by",))
+        if not isinstance(self.weights, Mapping) or not all(isinstance(w, str) and w for w in self.weights.values()):
+            raise ConfigError(f"weights={self.weights!r} must map models to directory paths", "models.weights")
+        unknown = sorted(set(self.weights) - set(MODELS), key=str)
+        if unknown:
+            raise ConfigError(f"weights given for unknown model(s) {unknown}; models: {', '.join(MODELS)}",
+                              "models.weights")
+        object.__setattr__(self, "weights", MappingProxyType(dict(self.weights)))
+
+    def check_reads_actor_ids(self, models) -> None:
+        """Refuse a model of ``models`` (those the job builds) with fewer ids than the actor generates."""
+        vocab = self.actor.vocab_size
+        for model in models:
+            if self[model].vocab_size < vocab:
+                raise ConfigError(f"the {model} model's vocab_size={self[model].vocab_size} is smaller than the "
+                                  f"actor's {vocab}, and it reads every id the actor generates; give a {model} "
+                                  f"model with at least {vocab} ids, or an actor with fewer (--actor-model)",
+                                  f"models.{model}")
+
+    def __getitem__(self, model: str) -> ModelConfig:
+        """The shape of ``model`` (one of rlhf.tasks.MODELS)."""
+        return {"actor": self.actor, "reference": self.reference or self.actor, "critic": self.critic,
+                "reward": self.reward or self.critic}[model]
+
+
+PROMPT_DATASET_FIELDS = {"paths": "data.prompt_data", "prompt_field": "data.prompt_field",
+                         "messages_field": "data.messages_field", "chat_template_for_text": "data.chat_template",
+                         "add_generation_prompt": "data.add_generation_prompt",
+                         "overlong": "data.prompt_overlong", "max_prompt_length": "generation.max_prompt_len"}
+"""rlhf.data.PromptDatasetConfig field -> the job's field that sets it."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The tokenizer and the prompts.
+
+    ``tokenizer``: "byte" or an HF tokenizer directory; None: the actor
+    directory's tokenizer when there is prompt data and the actor comes with
+    one, else "byte". Without ``prompt_data`` (a JSONL or Parquet file, read
+    by rlhf.data.PromptDataset) the built-in synthetic task runs, whose
+    prompts are byte-tokenizer ids. The other fields are PromptDatasetConfig's
+    (``chat_template``: its ``chat_template_for_text``; ``prompt_overlong``:
+    its ``overlong``); its ``max_prompt_length`` is ``generation.max_prompt_len``.
+    """
+
+    tokenizer: str | None = None
+    prompt_data: str | None = None
+    prompt_field: str = "prompt"
+    messages_field: str | None = None
+    chat_template: bool = False
+    add_generation_prompt: bool = True
+    prompt_overlong: str = "reject"
+
+    def __post_init__(self):
+        check_field_types("data", self)
+        if self.tokenizer not in (None, "byte") and not os.path.isdir(self.tokenizer):
+            raise ConfigError(f"tokenizer={self.tokenizer!r} is neither 'byte' nor a directory; give 'byte' or an "
+                              "HF tokenizer directory", "data.tokenizer")
+        if self.prompt_data is not None and not os.path.isfile(self.prompt_data):
+            raise ConfigError(f"prompt_data={self.prompt_data!r} is not a file; give a JSONL or Parquet file of "
+                              "prompt records", "data.prompt_data")
+        if self.prompt_data is None:
+            unused = [f.name for f in fields(self) if f.name not in ("tokenizer", "prompt_data")
+                      and getattr(self, f.name) != f.default]
+            if unused:
+                raise ConfigError(f"{unused[0]} applies to prompt data; give a prompt file or drop it",
+                                  f"data.{unused[0]}")
+
+    def prompt_dataset_config(self, max_prompt_len: int) -> PromptDatasetConfig:
+        """The rlhf.data.PromptDatasetConfig of ``prompt_data``; a ConfigError names the job's field."""
+        try:
+            return PromptDatasetConfig(paths=self.prompt_data, prompt_field=self.prompt_field,
+                                       messages_field=self.messages_field, chat_template_for_text=self.chat_template,
+                                       add_generation_prompt=self.add_generation_prompt,
+                                       max_prompt_length=max_prompt_len, overlong=self.prompt_overlong)
+        except ConfigError as exc:  # the job field that set PromptDatasetConfig's field
+            raise exc.renamed(PROMPT_DATASET_FIELDS[exc.field_name]) from None
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """``reward_fn``: "module:function", a Python function ``fn(prompts, responses) -> scores`` (token-id
+    lists in, one number per sample out; a response may end with the EOS id), the signature of
+    rlhf.data.synthetic.gold_reward. Where the reward comes from: ``JobConfig.has_reward_model``."""
+
+    reward_fn: str | None = None
+
+    def __post_init__(self):
+        check_field_types("reward", self)
+        if self.reward_fn is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.reward_fn):
+            raise ConfigError(f"reward_fn={self.reward_fn!r} is not MODULE:FUNCTION; give e.g. "
+                              "'rlhf.data.synthetic:gold_reward'", "reward.reward_fn")
+
+
+MIGRATE_KV = ("yes", "no", "auto")
+"""How migrated samples travel: with their K/V, as tokens to re-prefill, or the cheaper one as measured."""
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """Intra-stage fusion: actor and critic training run as one fused pipeline schedule instead of one
+    serial 1F1B schedule each: the ``schedule`` file (tools/search_schedule.py), or without one a
+    schedule searched after the first iteration from its measured stage times (``search_budget``
+    nominal seconds of annealing, rlhf/schedule/search.py).
+
+    Inter-stage fusion (docs/fusion.md): once the batch's unfinished samples fall to
+    ``migration_threshold`` (a fraction; None: auto, chosen by rlhf.fusion.policy from the lengths
+    and times measured so far), they migrate to a few generation instances (``migrate_kv``) and the
+    freed ranks infer the finished samples while the rest generate. Instances count their
+    unfinished samples every ``migration_check_every`` engine steps."""
+
+    intra_stage_fusion: bool = False
+    schedule: str | None = None
+    search_budget: float = 10.0
+    inter_stage_fusion: bool = False
+    migration_threshold: float | None = None
+    migrate_kv: str = "auto"
+    migration_check_every: int = 4
+
+    def __post_init__(self):
+        check_field_types("fusion", self)
+        if self.search_budget <= 0:
+            raise ConfigError(f"search_budget={self.search_budget!r} must be a finite number of seconds > 0",
+                              "fusion.search_budget")
+        if self.schedule is not None and not self.intra_stage_fusion:
+            raise ConfigError("a schedule is run only with intra_stage_fusion; turn it on or drop the schedule",
+                              "fusion.schedule")
+        if self.migration_threshold is not None:
+            check_range("fusion", "migration_threshold", self.migration_threshold, 0.0, 1.0,
+                         "a fraction of the batch in [0, 1] (0 never migrates), or auto")
+            if not self.inter_stage_fusion:
+                raise ConfigError("a migration threshold is used only with inter_stage_fusion; turn it on or drop "
+                                  "the threshold", "fusion.migration_threshold")
+        if self.migrate_kv not in MIGRATE_KV:
+            raise ConfigError(f"migrate_kv {self.migrate_kv!r} is not one of {', '.join(MIGRATE_KV)}",
+                              "fusion.migrate_kv")
+        check_positive_ints("fusion", self, ("migration_check_every",))
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What is freed between the stages of an iteration (rlhf/memory.py; docs/training.md, "Memory
+    between stages"). ``offload_ref_reward``: the reference and reward weights stay in host memory
+    except during their inference. ``release_generation_memory``: actor_gen's weights and the KV cache
+    are freed after generation and allocated again at the next reshard. Neither changes results."""
+
+    offload_ref_reward: bool = False
+    release_generation_memory: bool = False
+
+    def __post_init__(self):
+        check_field_types("memory", self)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything ``pretrain_rlhf.py`` runs with."""
+
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self):
+        check_field_types("job", self)
+        trace = self.logging.trace_iteration
+        if trace is not None and trace > self.run.iterations:
+            raise ConfigError(f"trace_iteration {trace} is past the last iteration {self.run.iterations}",
+                              "logging.trace_iteration")
+        used = [m for m in MODELS if any(TASK_MODEL[t] == m for t in self.needed_tasks())]  # the models built
+        self.models.check_reads_actor_ids([m for m in ("reference", "critic", "reward") if m in used])
+        total = self.generation.max_prompt_len + self.generation.max_response_len
+        for model in used:
+            context = self.models[model].max_seq_len
+            if total > context:
+                raise ConfigError(f"max_prompt_len + max_response_len = {total} exceeds the {model} model's "
+                                  f"context max_seq_len={context}; shorten them or give the model a longer context",
+                                  "generation.max_response_len")
+        self._check_inputs()
+
+    # ---- tokenizer, prompts and rewards (docs/training.md, "Models, tokenizer, prompts and rewards")
+
+    @property
+    def has_reward_model(self) -> bool:
+        """Whether a reward model scores the samples (reward_inf runs).
+
+        Yes with reward model weights (``models.weights["reward"]``), or with no
+        reward function (a reward model trained on the synthetic task's preference pairs).
+        Without one, ``reward.reward_fn``'s score is the reward; with both, the
+        model's score is and the function's is logged as ``gold_reward_mean``
+        (for the synthetic task the function defaults to its gold rule).
+        """
+        return "reward" in self.models.weights or self.reward.reward_fn is None
+
+    def prompt_dataset_config(self):
+        """The rlhf.data.PromptDatasetConfig of ``data.prompt_data`` (a ConfigError names the field)."""
+        return self.data.prompt_dataset_config(self.generation.max_prompt_len)
+
+    def _check_inputs(self) -> None:
+        """A tokenizer the prompts can use, and a reward source for prompt data (ConfigError naming the field)."""
+        if self.data.prompt_data is None:
+            if self.data.tokenizer not in (None, "byte"):
+                raise ConfigError(f"tokenizer {self.data.tokenizer!r} needs prompt data (--prompt-data): the "
+                                  "built-in synthetic task's prompts are byte-tokenizer ids", "data.tokenizer")
+            return
+        if self.has_reward_model and "reward" not in self.models.weights:
+            raise ConfigError("prompt data needs a reward source: a reward model (--reward-model DIR), a reward "
+                              "function (--reward-fn MODULE:FUNCTION) or both; a reward model is trained at "
+                              "start-up only for the synthetic task (train_reward.py trains one from preference "
+                              "data)", "data.prompt_data")
+        self.prompt_dataset_config()
+
+    def needed_tasks(self) -> tuple:
+        """The tasks this job runs: all six, without the critic's when the estimator needs none, and
+        without reward_inf when there is no reward model (``has_reward_model``)."""
+        return tuple(t for t in TASKS if (self.ppo.uses_critic or t not in ("critic_inf", "critic_train"))
+                     and (self.has_reward_model or t != "reward_inf"))
+
+    def trained_tasks(self) -> dict:
+        """{model: its training task} of the models this job trains (no critic without a critic estimator)."""
+        return {m: t for m, t in TRAIN_TASK.items() if self.ppo.uses_critic or m != "critic"}

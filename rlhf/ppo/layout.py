@@ -1,0 +1,135 @@
+"""The PPO job laid out on a placement: every check and derived size that needs both.
+
+A ``JobConfig`` holds values; a ``Placement`` says where each task runs.
+Together they fix the batch shapes per mesh (micro-batches per DP replica),
+each model's padded vocabulary, and the fused actor/critic schedule's
+problem. ``build_placement`` is the one gate a launch passes before any
+model is built: the plan on N ranks checked against the models' shapes,
+the batch sizes and the fused schedule (the dry run and the job both call
+it).
+"""
+
+from __future__ import annotations
+
+from rlhf.config import ConfigError
+from rlhf.models.config import padded_vocab_size as padded_size
+from rlhf.parallel import Placement, PlacementError
+from rlhf.pipeline.compiler import compile_all
+from rlhf.ppo.config import JobConfig
+from rlhf.schedule.generators import serial_1f1b
+from rlhf.schedule.io import load_schedule
+from rlhf.schedule.problem import ModelSpec, Problem, ProblemError
+from rlhf.schedule.schedule import Schedule, ScheduleError
+from rlhf.tasks import MODELS, TASK_MODEL
+
+DEFAULT_PLANS = {
+    4: {"actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
+        "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
+        "actor_gen": {"ranks": "0-3", "tp": 2, "dp": 2},
+        "ref_inf": {"ranks": "2-3"},
+        "reward_inf": {"ranks": "0-1"},
+        "critic_inf": {"ranks": "0-3", "tp": 2}},
+}
+"""The built-in plan per world size when no plan file is given (4 ranks: every kind of layout at once,
+as examples/placement_4ranks.json); other world sizes run every task data parallel on all ranks."""
+
+
+def job_plan(config: JobConfig, world_size: int) -> dict:
+    """The job's plan dict on ``world_size`` ranks: its plan file, else the built-in plan of that world
+    size (``DEFAULT_PLANS``), with the per-task flags merged in."""
+    return config.placement.plan(DEFAULT_PLANS.get(world_size))
+
+
+def build_placement(config: JobConfig, world_size: int) -> Placement:
+    """The job's Placement on ``world_size`` ranks, checked against the models' shapes and the batch
+    sizes (PlacementError or ConfigError naming what to change)."""
+    placement = Placement.from_plan(job_plan(config, world_size), world_size)
+    placement.validate_models({model: config.models[model] for model in MODELS})
+    check_placement(config, placement)
+    return placement
+
+
+def check_placement(config: JobConfig, placement: Placement) -> None:
+    """Refuse batch sizes that the placement's DP sizes cannot split, and a fused schedule that does not
+    fit the training placements (ConfigError naming the field)."""
+    ppo = config.ppo
+    missing = [t for t in config.needed_tasks() if t not in placement.meshes]
+    critic = [t for t in missing if t in ("critic_inf", "critic_train")]
+    if critic:
+        raise ConfigError(f"advantage estimator {ppo.advantage_estimator!r} needs a critic, but "
+                          f"{', '.join(critic)} is not placed; place it, or pick an estimator without a "
+                          "critic (grpo, reinforce++)", "ppo.advantage_estimator")
+    if missing:
+        raise PlacementError(f"{', '.join(missing)} must be placed: every run needs it")
+    for task in config.trained_tasks().values():
+        dp = placement[task].strategy.dp
+        if ppo.ppo_mini_batch_size % (dp * ppo.micro_batch_size):
+            raise ConfigError(f"ppo_mini_batch_size {ppo.ppo_mini_batch_size} must be a multiple of {task}'s "
+                              f"dp {dp} x micro_batch_size {ppo.micro_batch_size} (each DP replica runs "
+                              "whole micro-batches)", "ppo.ppo_mini_batch_size")
+    if config.fusion.intra_stage_fusion:
+        fused_schedule(config, placement)
+    if config.fusion.inter_stage_fusion and placement["actor_gen"].strategy.dp < 2:
+        raise ConfigError(f"inter-stage fusion migrates samples between generation instances, but actor_gen "
+                          f"has dp {placement['actor_gen'].strategy.dp}; place actor_gen with dp >= 2",
+                          "fusion.inter_stage_fusion")
+
+
+def padded_vocab_size(config: JobConfig, model: str, placement: Placement) -> int:
+    """Embedding / output rows of ``model`` in every layout: its vocab_size rounded up to a multiple of
+    make_vocab_size_divisible_by x the lcm of the tps its weights are resharded between (its tasks';
+    the actor's and the reference's together, since the reference starts as a reshard of
+    actor_train), as Megatron-LM pads (rlhf.models.vocab)."""
+    family = ("actor", "reference") if model in ("actor", "reference") else (model,)
+    tps = [mesh.strategy.tp for task, mesh in placement.meshes.items() if TASK_MODEL[task] in family]
+    return padded_size(config.models[model].vocab_size, config.models.make_vocab_size_divisible_by, tps)
+
+
+def microbatches(config: JobConfig, placement: Placement, task: str) -> int:
+    """Micro-batches one DP replica of ``task`` runs per mini-batch."""
+    return config.ppo.ppo_mini_batch_size // (placement[task].strategy.dp * config.ppo.micro_batch_size)
+
+
+def fused_schedule(config: JobConfig, placement: Placement) -> Schedule | None:
+    """The fused schedule file checked against the training placements and micro-batch counts
+    before anything runs, or None when the schedule is to be searched (then the placements are
+    checked with a stand-in schedule). ConfigError names the schedule and what differs."""
+    fusion = config.fusion
+    try:
+        if fusion.schedule is None:
+            problem = fusion_problem(config, placement, {m: None for m in config.trained_tasks()})
+            check_fused(config, Schedule.from_orders(problem, serial_1f1b(problem)), placement)
+            return None
+        schedule = load_schedule(fusion.schedule)
+        check_fused(config, schedule, placement)
+    except (ScheduleError, ProblemError) as exc:
+        where = fusion.schedule or "intra_stage_fusion"
+        raise ConfigError(f"{where}: {exc}", "fusion.schedule" if fusion.schedule else
+                          "fusion.intra_stage_fusion") from None
+    return schedule
+
+
+def check_fused(config: JobConfig, schedule: Schedule, placement: Placement) -> None:
+    """ScheduleError unless ``schedule`` runs on the training placements with this job's micro-batches."""
+    trained = config.trained_tasks()
+    compile_all(schedule, {m: placement[t] for m, t in trained.items()},
+                {m: microbatches(config, placement, t) for m, t in trained.items()})
+
+
+def fusion_problem(config: JobConfig, placement: Placement, costs: dict) -> Problem:
+    """The fused-schedule problem of the training placements: per model, ``costs[model]`` =
+    (forward seconds, backward seconds) per stage, or None for unit costs. Activation memory per
+    stage is taken as proportional to hidden size x layers per stage (relative units)."""
+    trained = config.trained_tasks()
+    stages = max(placement[t].strategy.pp for t in trained.values())
+    specs = []
+    for model, task in trained.items():
+        mesh, cfg = placement[task], config.models[model]
+        pp = mesh.strategy.pp
+        fwd, bwd = costs[model] or ([1.0] * pp, [2.0] * pp)
+        memory = cfg.hidden_size * cfg.num_layers / pp
+        # a shorter pipeline runs stages // pp of its DP replicas side by side (RLHFuse's fusion
+        # factor); every replica is one pipeline with its own micro-batches
+        specs.append(ModelSpec(model, pp, stages // pp, microbatches(config, placement, task),
+                               "up" if mesh.reverse_pp else "down", fwd, bwd, [memory] * pp))
+    return Problem(stages, tuple(specs), time_unit="s", mem_unit="rel")
