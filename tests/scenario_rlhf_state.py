@@ -162,5 +162,5 @@ def save_then_die(root: str) -> None:
     from rlhf.checkpoint import storage
 
     save_rlhf_state(root, 1, {"actor": tiny_slot(1)}, data_position={"index": 1})
-    storage._commit = lambda *args, **kwargs: os._exit(9)
+    storage.commit_checkpoint = lambda *args, **kwargs: os._exit(9)
     save_rlhf_state(root, 2, {"actor": tiny_slot(2)}, data_position={"index": 2})

@@ -114,7 +114,7 @@ def test_latest_and_overwrite(tmp_path):
 # ----------------------------------------------------------------------------- crash safety
 def test_failure_midway_keeps_previous(tmp_path, monkeypatch):
     save(tmp_path, 1)
-    real = storage._write_safetensors
+    real = storage.write_safetensors
     calls = []
 
     def dying_writer(path, tensors):
@@ -123,7 +123,7 @@ def test_failure_midway_keeps_previous(tmp_path, monkeypatch):
             raise OSError("disk full (simulated)")
         real(path, tensors)
 
-    monkeypatch.setattr(storage, "_write_safetensors", dying_writer)
+    monkeypatch.setattr(storage, "write_safetensors", dying_writer)
     with pytest.raises(CheckpointError, match="checkpoint 2 in .* not written: rank 0: OSError: disk full"):
         save(tmp_path, 2)
     assert len(calls) == 2
@@ -146,13 +146,13 @@ def test_bad_state_keeps_previous(tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import os, torch
     from rlhf.checkpoint import storage
-    real, n = storage._write_safetensors, [0]
+    real, n = storage.write_safetensors, [0]
     def writer(path, tensors):
         n[0] += 1
         if n[0] == {kill_at}:
             os._exit(17)  # hard kill: no cleanup, no exception handlers
         real(path, tensors)
-    storage._write_safetensors = writer
+    storage.write_safetensors = writer
     shards = {{f"s{{i}}": {{"w": torch.full((64,), float(i))}} for i in range(3)}}
     storage.save_checkpoint({root!r}, 2, shards=shards, state={{"x": 2}})
 """)
@@ -279,21 +279,21 @@ def _two_rank_worker(rank, init_file, root):
         assert ck.json[f"rng_rank{rank}"] == rng
 
         # rank 1 fails mid-save: every rank raises, checkpoint 1 stays latest
-        real = storage._write_safetensors
+        real = storage.write_safetensors
 
         def failing(p, t):
             if rank == 1:
                 raise OSError("rank 1 disk full")
             real(p, t)
 
-        storage._write_safetensors = failing
+        storage.write_safetensors = failing
         try:
             save_checkpoint(root, 2, shards=make_shards(20 + rank, ranks=(rank,)), group=group)
             raise AssertionError("save should have failed")
         except CheckpointError as e:
             assert "rank 1: OSError: rank 1 disk full" in str(e), str(e)
         finally:
-            storage._write_safetensors = real
+            storage.write_safetensors = real
         # two ranks writing one shard name is refused, not silently clobbered
         try:
             save_checkpoint(root, 2, shards={"same": {"w": torch.zeros(2)}}, group=group)
@@ -339,7 +339,7 @@ def test_failure_after_rename_is_reported(tmp_path, monkeypatch):
     def no_latest(root, iteration):
         raise OSError("read-only file system (simulated)")
 
-    monkeypatch.setattr(storage, "_write_latest", no_latest)
+    monkeypatch.setattr(storage, "write_latest", no_latest)
     with pytest.raises(CheckpointError, match="iter_0000002 was written but 'latest' was not updated"):
         save(tmp_path, 2)
     monkeypatch.undo()

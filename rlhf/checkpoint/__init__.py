@@ -1,9 +1,11 @@
-"""Checkpoints: atomic, verified storage (``storage``); HF import/export lives beside it.
+"""Checkpoints: atomic, verified storage (``storage``) and RNG capture (``rng``); the RLHF state, model
+sources and HF / GGUF / Megatron-LM import and export live beside them.
 
-Only the storage API is re-exported here, exactly the names in
-:data:`rlhf.checkpoint.storage.__all__` (listed once, there).
+Only the storage and RNG APIs are re-exported here, exactly the names in
+:data:`rlhf.checkpoint.storage.__all__` and :data:`rlhf.checkpoint.rng.__all__` (listed once, there).
 """
-from . import storage
+from . import rng, storage
+from .rng import *  # noqa: F401,F403 -- the names of rng.__all__
 from .storage import *  # noqa: F401,F403 -- the names of storage.__all__
 
-__all__ = list(storage.__all__)
+__all__ = [*storage.__all__, *rng.__all__]

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from rlhf.checkpoint import storage
+from rlhf.checkpoint import rng, storage
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters, owning_stage
 from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows
@@ -83,9 +83,9 @@ def _layout(slot: ModelSlot) -> tuple[int, int, int, int, int]:
     return g.mesh.strategy.tp, g.tp_rank, g.mesh.strategy.pp, g.coord.pp, g.coord.dp
 
 
-def _rng_hooks() -> list[storage.RngHook]:
+def _rng_hooks() -> list[rng.RngHook]:
     """The accelerator's RNG hook, when there is an accelerator (saved and restored per rank)."""
-    hook = storage.accelerator_rng_hook()
+    hook = rng.accelerator_rng_hook()
     return [hook] if hook is not None else []
 
 
@@ -354,6 +354,6 @@ def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Option
     rank = dist.get_rank(group) if group is not None else 0
     rng_file = f"rng_rank{rank}.json"
     if restore_rng and os.path.isfile(os.path.join(path, rng_file)):
-        storage.restore_rng_state(_read_json(path, rng_file), _rng_hooks())
+        rng.restore_rng_state(_read_json(path, rng_file), _rng_hooks())
     return LoadedRlhfState(iteration=it, path=path, data_position=state.get("data_position", {}),
                            extra=state.get("extra", {}))

@@ -30,7 +30,12 @@ the manifest, is refused with :class:`CheckpointError` naming it.
 
 No pickle anywhere: tensors are safetensors, everything else is JSON. Without
 a ``group`` the calling process alone writes or reads; nothing falls back to a
-global process group.
+global process group. RNG state to store with a checkpoint: :mod:`rlhf.checkpoint.rng`.
+
+Fault-injection seams: a save looks up :func:`write_safetensors` (every
+rank's tensor files), :func:`commit_checkpoint` (rank 0's commit) and
+:func:`write_latest` (the ``latest`` record) on this module when it calls
+them, so a test replaces one of them to fail or die at that step.
 """
 from __future__ import annotations
 
@@ -38,13 +43,12 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -53,15 +57,11 @@ import torch.distributed as dist
 __all__ = [
     "CheckpointError",
     "LoadedCheckpoint",
-    "RngHook",
-    "accelerator_rng_hook",
-    "capture_rng_state",
     "checkpoint_path",
     "latest_iteration",
     "list_checkpoints",
     "load_checkpoint",
     "prune_checkpoints",
-    "restore_rng_state",
     "resolve_checkpoint",
     "save_checkpoint",
     "verify_checkpoint",
@@ -205,7 +205,8 @@ def _write_bytes_exclusive(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
+def write_safetensors(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Write one tensor file of a save, claiming its name first and fsyncing it (a fault-injection seam)."""
     from safetensors.torch import save_file
 
     open(path, "xb").close()  # claim the name (see _write_bytes_exclusive)
@@ -249,7 +250,7 @@ def _rank_files(tmp: str, rank: int, shards, json_files) -> list[dict]:
         _check_name(name, "shard")
         fname = name + TENSOR_EXT
         try:
-            _write_safetensors(os.path.join(tmp, fname), _prepare_tensors(name, tensors))
+            write_safetensors(os.path.join(tmp, fname), _prepare_tensors(name, tensors))
         except FileExistsError:
             raise CheckpointError(f"file {fname} written by two ranks; shard names must be "
                                   f"unique across ranks (e.g. add _rank{rank})") from None
@@ -286,9 +287,10 @@ def _begin_save(root: str, iteration: int, overwrite: bool, clean_stale: bool) -
     return tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:07d}_", dir=root)
 
 
-def _commit(root: str, iteration: int, tmp: str, entries: list[dict], state: Mapping,
-            world: int, keep_last: Optional[int]) -> str:
-    """Rank 0: state.json, manifest LAST, rename into place, then ``latest``, retention."""
+def commit_checkpoint(root: str, iteration: int, tmp: str, entries: list[dict], state: Mapping,
+                      world: int, keep_last: Optional[int]) -> str:
+    """Rank 0: state.json, manifest LAST, rename into place, then ``latest``, retention (a fault-injection
+    seam)."""
     state_entry = {"name": STATE, "kind": "state", "rank": 0}
     _write_bytes_exclusive(os.path.join(tmp, STATE), _json_bytes(dict(state), "state"))
     state_entry["bytes"], state_entry["sha256"] = _sha256_file(os.path.join(tmp, STATE))
@@ -304,7 +306,7 @@ def _commit(root: str, iteration: int, tmp: str, entries: list[dict], state: Map
         os.rename(final, os.path.join(old, "old"))
     os.rename(tmp, final)
     _fsync_dir(root)
-    _write_latest(root, iteration)
+    write_latest(root, iteration)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     if keep_last is not None:
@@ -315,7 +317,8 @@ def _commit(root: str, iteration: int, tmp: str, entries: list[dict], state: Map
     return final
 
 
-def _write_latest(root: str, iteration: int) -> None:
+def write_latest(root: str, iteration: int) -> None:
+    """Point ``<root>/latest`` at ``iteration`` atomically (temp file + rename; a fault-injection seam)."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp_latest_", dir=root)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(f"{iteration}\n")
@@ -384,7 +387,7 @@ def save_checkpoint(
                 entries = [e for _, part in gathered for e in part]
                 st = dict(state or {})
                 st["iteration"] = iteration
-                result = ("ok", _commit(root, iteration, tmp, entries, st, world, keep_last))
+                result = ("ok", commit_checkpoint(root, iteration, tmp, entries, st, world, keep_last))
             except Exception as e:  # noqa: BLE001 -- reported to every rank
                 renamed = not os.path.exists(tmp)  # failed after the rename into place
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -593,76 +596,3 @@ def prune_checkpoints(root: PathLike, keep_last: int) -> list[int]:
     if doomed:
         logger.info("retention keep_last=%d removed iterations %s", keep_last, doomed)
     return doomed
-
-
-# --------------------------------------------------------------------------- RNG state
-@dataclass(frozen=True)
-class RngHook:
-    """An extra RNG to capture/restore (accelerator, megatron's tracker...).
-
-    ``get_state()`` returns a JSON-serialisable value; ``set_state(value)``
-    restores it.
-    """
-
-    name: str
-    get_state: Callable[[], Any]
-    set_state: Callable[[Any], None]
-
-
-def accelerator_rng_hook() -> Optional[RngHook]:
-    """RNG state of every device of the current accelerator, or ``None`` without one.
-
-    Goes through ``torch.accelerator`` / ``torch.get_device_module`` so the
-    code names no device type.
-    """
-    acc = getattr(torch, "accelerator", None)
-    if acc is None or not acc.is_available():
-        return None
-    device_type = acc.current_accelerator().type
-    module = torch.get_device_module(device_type)
-
-    def get_state():
-        return {"device_type": device_type,
-                "states": [s.cpu().tolist() for s in module.get_rng_state_all()]}
-
-    def set_state(value):
-        if value["device_type"] != device_type:
-            raise CheckpointError(f"RNG state saved for {value['device_type']!r}, "
-                                  f"this process runs on {device_type!r}")
-        module.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in value["states"]])
-
-    return RngHook("accelerator", get_state, set_state)
-
-
-def capture_rng_state(hooks: Sequence[RngHook] = ()) -> dict:
-    """Python ``random``, numpy's global RNG, torch CPU, plus ``hooks``, as JSON-safe data.
-
-    Pass ``[accelerator_rng_hook()]`` (when not ``None``) to include the
-    accelerator. Store the result per rank, e.g. ``json_files={f"rng_rank{r}": ...}``.
-    """
-    version, internal, gauss = random.getstate()
-    np_state = np.random.get_state(legacy=True)
-    state = {
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss},
-        "numpy": {"bit_generator": np_state[0], "key": np_state[1].tolist(), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-        "torch_cpu": torch.get_rng_state().tolist(),
-        "hooks": {h.name: h.get_state() for h in hooks},
-    }
-    return state
-
-
-def restore_rng_state(state: Mapping[str, Any], hooks: Sequence[RngHook] = ()) -> None:
-    """Inverse of :func:`capture_rng_state`; every hook given must have a saved state."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    n = state["numpy"]
-    np.random.set_state((n["bit_generator"], np.asarray(n["key"], dtype=np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(torch.tensor(state["torch_cpu"], dtype=torch.uint8))
-    saved = state.get("hooks", {})
-    for h in hooks:
-        if h.name not in saved:
-            raise CheckpointError(f"no saved RNG state for hook {h.name!r} "
-                                  f"(saved: {sorted(saved) or 'none'})")
-        h.set_state(saved[h.name])
