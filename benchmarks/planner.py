@@ -1,7 +1,7 @@
 """Execution planner: the seed papers' reproductions, and predicted against measured iterations on 4 CPU ranks.
 
 (a) ReaL Table 1: the parameter counts of its four LLaMA configurations, counted
-    from the shapes (rlhf.planner.models) against the published checkpoints' counts.
+    from the shapes (rlhf.planner.shapes) against the published checkpoints' counts.
 (b) ReaL Table 6: end-to-end seconds of its four "with CUDA graph" plans from the
     per-call times of its Tables 2-5, by the iteration simulator. The tables are
     read from ``--real-tables FILE`` (format below); without one the part is
@@ -27,7 +27,7 @@
 
 (e) Inter-stage fusion in the search: Llama-2 7B actor and critic on 2 x 8
     H100, 512 samples of 512 + up to 1024 tokens, long-tailed (median 128):
-    the best plan without and with ``fuse_generation`` (rlhf.planner.inter_stage).
+    the best plan without and with ``fuse_generation`` (rlhf.planner.fused_generation).
 
 ``--real-tables`` JSON: a list of plans, each
 ``{"name": ..., "expected_s": 64.0, "calls": [{"name": "actor_gen", "ranks": [0, ...],
@@ -54,13 +54,13 @@ from pathlib import Path
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
 from rlhf.planner.cost import Cluster, Workload
-from rlhf.planner.hardware import PRESETS as HARDWARE
-from rlhf.planner.models import PRESETS, parameter_count
+from rlhf.models.config import padded_vocab_size
+from rlhf.planner.hardware import HARDWARE_PRESETS
+from rlhf.planner.iteration_sim import Call, schedule_calls
+from rlhf.planner.placement_search import PlacementSearchConfig, generation_order, search_placements
 from rlhf.planner.plan import Plan, evaluate, stage_seconds
-from rlhf.planner.reshard_bytes import (hybridflow_fraction, hybridflow_ranks, padded_rows, parallel_bytes,
-                                        received_bytes)
-from rlhf.planner.search import SearchConfig, generation_order, search
-from rlhf.planner.simulate import Call, schedule
+from rlhf.planner.reshard_bytes import hybridflow_fraction, hybridflow_ranks, parallel_bytes, received_bytes
+from rlhf.planner.shapes import LLAMA_SHAPES, parameter_count
 from rlhf.tasks import TASKS
 
 PUBLISHED = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-34b": 33_743_970_304,
@@ -94,7 +94,7 @@ def table1() -> int:
     print("(a) ReaL Table 1: parameters from the shapes vs the published checkpoints")
     hits = 0
     for name, published in PUBLISHED.items():
-        cfg = PRESETS[name]
+        cfg = LLAMA_SHAPES[name]
         count = parameter_count(cfg, "lm")
         hits += count == published
         print(f"    {name:10s} {cfg.num_layers:3d} layers, hidden {cfg.hidden_size:5d}, ffn {cfg.ffn_hidden_size:5d}, "
@@ -113,7 +113,7 @@ def table6(path: Path | None) -> int:
     for plan in json.loads(path.read_text()):
         calls = [Call(c["name"], c["ranks"], c["seconds"], [tuple(i) for i in c.get("inputs", [])])
                  for c in plan["calls"]]
-        got = schedule(calls).seconds
+        got = schedule_calls(calls).seconds
         ok = abs(got - plan["expected_s"]) <= 0.1 * plan["expected_s"]
         hits += ok
         print(f"    {plan['name']:30s} simulated {got:8.1f} s, paper {plan['expected_s']:8.1f} s "
@@ -123,14 +123,14 @@ def table6(path: Path | None) -> int:
 
 def hybridflow() -> int:
     print("(c) HybridFlow Table 2: bytes each rank receives, Llama-2 7B in bf16 (M = its tensor-parallel bytes)")
-    cfg, hits = PRESETS["llama-7b"], 0
+    cfg, hits = LLAMA_SHAPES["llama-7b"], 0
     models = {"actor": cfg}
     for name, train, gen in TRANSITIONS:
         world = train.size
         t = TaskMesh("actor_train", tuple(range(world)), train)
         nested = TaskMesh("actor_gen", hybridflow_ranks(t, gen), gen)
         plain = TaskMesh("actor_gen", tuple(range(world)), gen)
-        m = parallel_bytes(cfg, "lm", padded_rows(cfg.vocab_size, (train.tp, gen.tp)))
+        m = parallel_bytes(cfg, "lm", padded_vocab_size(cfg.vocab_size, 1, (train.tp, gen.tp)))
         share = hybridflow_fraction(train, gen)
         got = {k: max(received_bytes(cfg, "lm", t, mesh).values()) for k, mesh in (("hf", nested), ("plain", plain))}
         norms = (2 * cfg.num_layers + 1) * cfg.hidden_size * 2  # replicated norms some ranks read from a peer
@@ -146,10 +146,10 @@ def hybridflow() -> int:
 def inter_stage() -> None:
     print("(e) inter-stage fusion in the search: 7B/7B on 2 x 8 H100, 512 samples of 512 + up to 1024 tokens, "
           "lengths lognormal around 128")
-    models = {m: PRESETS["llama-7b"] for m in ("actor", "reference", "reward", "critic")}
+    models = {m: LLAMA_SHAPES["llama-7b"] for m in ("actor", "reference", "reward", "critic")}
     wl = Workload(512, 512, 1024, 4, 4, long_tail_median=128)
-    best = {fused: search(models, wl, HARDWARE["h100"], Cluster(2, 8), SearchConfig(fuse_generation=fused)).best
-            for fused in (False, True)}
+    best = {fused: search_placements(models, wl, HARDWARE_PRESETS["h100"], Cluster(2, 8),
+                                     PlacementSearchConfig(fuse_generation=fused)).best for fused in (False, True)}
     for fused, ev in best.items():
         st = stage_seconds(ev)
         r = f", R={ev.migration_threshold:g}" if ev.plan.fuse_generation else ""
@@ -271,7 +271,7 @@ def cpu_table(table: dict) -> tuple[str, str]:
     cluster = Cluster(1, WORLD_SIZE)
     plans = {name: Plan(name, dict(configs[name].build_placement(WORLD_SIZE).meshes)) for name, _ in runs}
     profile, profiled = runs[0]
-    start = replace(HARDWARE["cpu"], shared_cores=table["cores"])  # the 4 ranks share the machine's cores
+    start = replace(HARDWARE_PRESETS["cpu"], shared_cores=table["cores"])  # the 4 ranks share the machine's cores
     hw = calibrate(start, plans[profile], models, wl, cluster, profiled["seconds"], OVERHEAD_TERMS)
     print(f"    calibrated on '{profile}' (its call seconds; host_s from its iteration): "
           + ", ".join(f"{k} {getattr(hw, k):.3g}" for k in OVERHEAD_TERMS + ("host_s",))

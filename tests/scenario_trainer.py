@@ -177,17 +177,17 @@ def _planned() -> dict:
     from dataclasses import replace
 
     from rlhf.planner.cost import Cluster, Workload
-    from rlhf.planner.hardware import PRESETS as HARDWARE
-    from rlhf.planner.search import SearchConfig as PlanSearch
-    from rlhf.planner.search import search as plan_search
+    from rlhf.planner.hardware import HARDWARE_PRESETS
+    from rlhf.planner.placement_search import PlacementSearchConfig, search_placements
 
-    hw = replace(HARDWARE["cpu"], shared_cores=2, layer_overhead_s=3.35e-4, collective_latency_s=8.94e-4,
+    hw = replace(HARDWARE_PRESETS["cpu"], shared_cores=2, layer_overhead_s=3.35e-4, collective_latency_s=8.94e-4,
                  call_overhead_s=1.17e-3, update_overhead_s=4.97e-3)
     samples = PPO.rollout_batch_size * PPO.n_samples_per_prompt
     workload = Workload(samples, max(PROMPTS), max(RESPONSES), samples // PPO.ppo_mini_batch_size,
                         PPO.micro_batch_size, PPO.ppo_epochs)
     models = {"actor": ACTOR, "reference": ACTOR, "critic": CRITIC, "reward": CRITIC}
-    plan = plan_search(models, workload, hw, Cluster(1, dist.get_world_size()), PlanSearch(fuse_training=True)).best
+    plan = search_placements(models, workload, hw, Cluster(1, dist.get_world_size()),
+                             PlacementSearchConfig(fuse_training=True)).best
     placement = Placement.from_plan(plan.plan.placement(), dist.get_world_size())
     out = _against_textbook(placement)
     return {f"planned_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved"))} | {

@@ -16,24 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.models.config import PRESETS as PRESETS_JOB
-from rlhf.models.config import ModelConfig
+from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
 from rlhf.planner.cost import (Cluster, Workload, allreduce_s, decode_step_s, decode_terms, pass_collectives,
                                saturating_batch, task_cost)
 from rlhf.planner.errors import PlannerError
-from rlhf.planner.hardware import PRESETS as HW
+from rlhf.planner.hardware import HARDWARE_PRESETS as HW
 from rlhf.planner.hardware import load_hardware, save_hardware
-from rlhf.planner.models import (PRESETS, forward_flops_per_token, kv_bytes_per_token, model_preset,
+from rlhf.planner.shapes import (LLAMA_SHAPES, forward_flops_per_token, kv_bytes_per_token, llama_shape,
                                  parameter_count, schedule_shape, stage_parameters)
 from rlhf.fusion import policy
-from rlhf.planner import inter_stage
-from rlhf.planner.plan import FUSED_GENERATION, Plan, evaluate, stage_seconds
-from rlhf.planner.search import PRESETS as PRESETS_APP
-from rlhf.planner.search import SearchConfig, allocations, generation_order, search, set_partitions, strategies
-from rlhf.planner.simulate import Call, Sharing, schedule
+from rlhf.planner import fused_generation
+from rlhf.planner.iteration_sim import Call, Sharing, schedule_calls
+from rlhf.planner.placement_search import (APP_PLACEMENTS, PlacementSearchConfig, allocations, generation_order,
+                                           search_placements, set_partitions, strategies)
+from rlhf.planner.plan import FUSED_GENERATION, Plan, evaluate, plan_from_placement_file, stage_seconds
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import serial_1f1b_makespan
 from rlhf.tasks import INFERENCE_TASKS, MODELS, TASKS, task_kind
@@ -54,14 +53,14 @@ TABLE1 = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-34b": 3
 
 @pytest.mark.parametrize("name", sorted(TABLE1))
 def test_table1_parameter_counts_are_exact(name):
-    assert parameter_count(model_preset(name), "lm") == TABLE1[name]
+    assert parameter_count(llama_shape(name), "lm") == TABLE1[name]
 
 
 @pytest.mark.parametrize("name", ["llama-7b", "llama-34b"])
 def test_counts_match_transformers_llama(name):
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
-    cfg = model_preset(name)
+    cfg = llama_shape(name)
     hf = transformers.LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
                                   num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
                                   num_key_value_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size)
@@ -75,7 +74,7 @@ def test_counts_match_the_dry_run_per_stage_and_kind():
 
     qwen = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
                        vocab_size=300, qkv_bias=True)
-    for cfg in (TINY, qwen, PRESETS["llama-13b"]):
+    for cfg in (TINY, qwen, LLAMA_SHAPES["llama-13b"]):
         for kind in ("lm", "value"):
             for pp in (p for p in (1, 2, 4) if cfg.num_layers % p == 0):
                 assert stage_parameters(cfg, kind, pp) == stage_parameter_counts(cfg, kind, pp)
@@ -83,7 +82,7 @@ def test_counts_match_the_dry_run_per_stage_and_kind():
 
 def test_unknown_preset_is_one_line():
     with pytest.raises(PlannerError, match=r"^unknown model preset 'llama-8b'; presets: llama-7b, llama-13b"):
-        model_preset("llama-8b")
+        llama_shape("llama-8b")
 
 
 # --- hardware file and calibration ---------------------------------------------------------------------------------
@@ -152,7 +151,7 @@ def test_calibration_skips_a_term_the_run_does_not_exercise():
 # --- cost model ----------------------------------------------------------------------------------------------------
 
 WL = Workload(samples=256, prompt_len=256, response_len=256, minibatches=4, micro_batch_size=4)
-MODELS_7B = {m: model_preset("llama-7b") for m in MODELS}
+MODELS_7B = {m: llama_shape("llama-7b") for m in MODELS}
 
 
 def _mesh(task, strategy, start=0):
@@ -166,7 +165,7 @@ def _flat_plan(n, train, gen, infer=None):
 
 
 def test_generation_is_memory_bound_below_the_saturating_batch():
-    cfg, hw = model_preset("llama-7b"), HW["h100"]
+    cfg, hw = llama_shape("llama-7b"), HW["h100"]
     mesh = _mesh("actor_gen", ParallelStrategy(tp=2))
     cluster = Cluster(1, 8)
     b_sat = saturating_batch(cfg, mesh, 512, hw)
@@ -182,7 +181,7 @@ def test_generation_is_memory_bound_below_the_saturating_batch():
 
 def test_collectives_per_pass_hand_counted():
     """Counted off rlhf/models (megatron's row/column-parallel layers, logprobs.py) for the 2-layer tiny model."""
-    lm, value = PRESETS_JOB["tiny"], PRESETS_JOB["tiny-critic"]
+    lm, value = MODEL_PRESETS["tiny"], MODEL_PRESETS["tiny-critic"]
     mesh = lambda **k: _mesh("t", ParallelStrategy(**k))  # noqa: E731
     assert pass_collectives(lm, "lm", mesh(tp=2), "inference") == 2 * 2 + 1 + 3  # layers, embedding, log-softmax
     assert pass_collectives(lm, "lm", mesh(tp=2), "training") == 2 * 2 + 1 + 3 + 2  # and the entropy metric
@@ -199,7 +198,7 @@ def test_collectives_per_pass_hand_counted():
 
 def test_training_bubble_matches_the_schedule_simulator():
     """(m + pp - 1) / m: the planner's 1F1B time against rlhf.schedule's serial 1F1B makespan."""
-    cfg, hw, cluster = model_preset("llama-13b"), HW["a100"], Cluster(1, 8)
+    cfg, hw, cluster = llama_shape("llama-13b"), HW["a100"], Cluster(1, 8)
     mesh = _mesh("actor_train", ParallelStrategy(dp=1, pp=4, tp=2))
     c = task_cost("actor_train", cfg, "lm", mesh, WL, hw, cluster)
     m = WL.samples // WL.minibatches // WL.micro_batch_size
@@ -231,7 +230,7 @@ def test_the_planner_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, rlhf.planner.search, rlhf.planner.calibrate, rlhf.planner.inter_stage; "
+    code = ("import sys, rlhf.planner.placement_search, rlhf.planner.calibrate, rlhf.planner.fused_generation; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -254,7 +253,7 @@ def test_inter_stage_time_model_reproduces_the_unfused_plan():
     unfused = evaluate(plan, MODELS_7B, LONG_TAIL, HW["h100"], Cluster(1, 8))
     gen_s = unfused.costs["actor_gen"].seconds
     span = _gen_and_inference_span(unfused)
-    cost = inter_stage.generation_cost(MODELS_7B["actor"], plan.meshes["actor_gen"], LONG_TAIL, HW["h100"],
+    cost = fused_generation.generation_cost(MODELS_7B["actor"], plan.meshes["actor_gen"], LONG_TAIL, HW["h100"],
                                        Cluster(1, 8), gen_s, span - gen_s)
     full = policy.simulate([LONG_TAIL.response_len] * LONG_TAIL.samples, cost, 0.0)
     assert full.generation_s == pytest.approx(gen_s)
@@ -267,7 +266,7 @@ def test_inter_stage_fusion_shortens_a_long_tail_by_the_policys_speedup():
     unfused = evaluate(plan, MODELS_7B, LONG_TAIL, hw, cluster)
     fused = evaluate(replace(plan, fuse_generation=True), MODELS_7B, LONG_TAIL, hw, cluster)
     span = _gen_and_inference_span(unfused)
-    cost = inter_stage.generation_cost(MODELS_7B["actor"], plan.meshes["actor_gen"], LONG_TAIL, hw, cluster,
+    cost = fused_generation.generation_cost(MODELS_7B["actor"], plan.meshes["actor_gen"], LONG_TAIL, hw, cluster,
                                        unfused.costs["actor_gen"].seconds, span - unfused.costs["actor_gen"].seconds)
     lengths = policy.LengthDistribution(policy.long_tailed_lengths(4096, random.Random(0), 128, cap=1024))
     choice = policy.choose_threshold(lengths, cost, LONG_TAIL.samples, trials=8)
@@ -293,10 +292,10 @@ def test_inter_stage_fusion_gains_nothing_without_a_tail_and_is_not_proposed():
     fused = evaluate(replace(plan, fuse_generation=True), MODELS_7B, uniform, hw, cluster)
     assert fused.seconds == pytest.approx(evaluate(plan, MODELS_7B, uniform, hw, cluster).seconds, rel=1e-12)
     nodes = Cluster(2, 8)  # a batch this long fits one node only with every model's memory spread thin
-    small = SearchConfig(options=2, keep=3, fuse_generation=True)
-    assert not any(ev.plan.fuse_generation for ev in search(MODELS_7B, uniform, hw, nodes, small).ranked)
-    tailed = search(MODELS_7B, LONG_TAIL, hw, nodes, small)
-    plain = search(MODELS_7B, LONG_TAIL, hw, nodes, replace(small, fuse_generation=False))
+    small = PlacementSearchConfig(options=2, keep=3, fuse_generation=True)
+    assert not any(ev.plan.fuse_generation for ev in search_placements(MODELS_7B, uniform, hw, nodes, small).ranked)
+    tailed = search_placements(MODELS_7B, LONG_TAIL, hw, nodes, small)
+    plain = search_placements(MODELS_7B, LONG_TAIL, hw, nodes, replace(small, fuse_generation=False))
     assert tailed.best.plan.fuse_generation and tailed.best.seconds < plain.best.seconds
 
 
@@ -322,23 +321,24 @@ def test_inter_stage_fusion_refuses_plans_without_freed_ranks(gen, inference_sta
 def test_list_scheduling_hand_worked():
     calls = [Call("A", {0, 1}, 2.0), Call("B", {2}, 1.0), Call("C", {0}, 1.0, [("A", 0.5)]),
              Call("D", {1, 2}, 1.0, [("B", 0.0)])]
-    t = schedule(calls)
+    t = schedule_calls(calls)
     # A and B start at 0; D waits for rank 1 (A ends at 2), not for B alone; C for A's data (2 + 0.5)
     assert t.start == {"A": 0.0, "B": 0.0, "D": 2.0, "C": 2.5}
     assert t.seconds == 3.5
     with pytest.raises(PlannerError, match="wait on each other"):
-        schedule([Call("X", {0}, 1.0, [("Y", 0)]), Call("Y", {0}, 1.0, [("X", 0)])])
+        schedule_calls([Call("X", {0}, 1.0, [("Y", 0)]), Call("Y", {0}, 1.0, [("X", 0)])])
     with pytest.raises(PlannerError, match=r"call 'X': unknown input\(s\) \['Z'\]"):
-        schedule([Call("X", {0}, 1.0, [("Z", 0)])])
+        schedule_calls([Call("X", {0}, 1.0, [("Z", 0)])])
 
 
 def test_shared_cores_hand_worked():
     """4 ranks on 2 cores: two calls on two ranks each run at half speed until one ends."""
     calls = [Call("A", {0, 1}, 1.0), Call("B", {2, 3}, 2.0), Call("C", {0, 1, 2, 3}, 1.0, [("A", 0.0), ("B", 0.0)])]
-    t = schedule(calls, Sharing(ranks_per_node=4, cores=2))
+    t = schedule_calls(calls, Sharing(ranks_per_node=4, cores=2))
     # A, B at speed 1/2 until A's work of 1 s is done at 2; B alone at full speed ends at 3; C on 4 ranks at 1/2
     assert (t.end["A"], t.end["B"], t.start["C"], t.end["C"]) == pytest.approx((2.0, 3.0, 3.0, 5.0))
-    assert schedule(calls, Sharing(ranks_per_node=2, cores=2)).seconds == pytest.approx(3.0)  # two nodes: no sharing
+    two_nodes = Sharing(ranks_per_node=2, cores=2)  # no sharing
+    assert schedule_calls(calls, two_nodes).seconds == pytest.approx(3.0)
 
 
 def test_event_walk_at_full_speed_is_the_list_walk():
@@ -350,7 +350,7 @@ def test_event_walk_at_full_speed_is_the_list_walk():
             ranks = set(rng.sample(range(4), rng.randint(1, 4)))
             inputs = [(f"c{j}", rng.choice([0.0, rng.random()])) for j in range(i) if rng.random() < 0.3]
             calls.append(Call(f"c{i}", ranks, rng.choice([0.0, rng.random()]), inputs))
-        listed, events = schedule(calls), schedule(calls, Sharing(ranks_per_node=1, cores=1))
+        listed, events = schedule_calls(calls), schedule_calls(calls, Sharing(ranks_per_node=1, cores=1))
         assert events.start == pytest.approx(listed.start) and events.end == pytest.approx(listed.end)
 
 
@@ -372,6 +372,11 @@ def test_iteration_from_given_call_times_overlaps_disjoint_meshes():
     assert ev.timeline.end["actor_train"] == pytest.approx(21.0)
     assert ev.timeline.start["reshard critic"] == pytest.approx(20.0)
     assert "reshard actor" not in ev.timeline.start  # actor_train and actor_gen share a layout: nothing moves
+
+
+TINY_MODELS = {"actor": MODEL_PRESETS["tiny"], "reference": MODEL_PRESETS["tiny"],
+               "critic": MODEL_PRESETS["tiny-critic"], "reward": MODEL_PRESETS["tiny-critic"]}
+"""The job's built-in tiny default."""
 
 
 # --- predicted against measured on 4 CPU ranks -----------------------------------------------------------------------
@@ -401,8 +406,7 @@ def test_four_cpu_ranks_predicted_from_one_profiling_run():
     within 25%, in the measured order."""
     from rlhf.config import DEFAULT_PLANS
 
-    models = {"actor": PRESETS_JOB["tiny"], "reference": PRESETS_JOB["tiny"], "critic": PRESETS_JOB["tiny-critic"],
-              "reward": PRESETS_JOB["tiny-critic"]}
+    models = TINY_MODELS
     wl = Workload(samples=16 * 4, prompt_len=16, response_len=16, minibatches=2, micro_batch_size=4)  # the job's
     cluster = Cluster(1, 4)
     plan = lambda p: Plan("p", dict(Placement.from_plan(DEFAULT_PLANS[4] if p is None else p, 4).meshes))  # noqa: E731
@@ -420,8 +424,8 @@ def test_search_space_enumeration_and_pruning():
     assert len(set_partitions(MODELS)) == 15  # Bell number B4
     assert allocations(3, Cluster(1, 8)) == [(2, 2, 4), (4, 2, 2)]  # aligned blocks, none straddles a node
     assert allocations(2, Cluster(2, 8)) == [(8, 8)]
-    assert PRESETS_APP["flatten"] in set_partitions(MODELS) and PRESETS_APP["separate"] in set_partitions(MODELS)
-    cfg = model_preset("llama-7b")
+    assert APP_PLACEMENTS["flatten"] in set_partitions(MODELS) and APP_PLACEMENTS["separate"] in set_partitions(MODELS)
+    cfg = llama_shape("llama-7b")
     ok, why = strategies("actor_train", cfg, tuple(range(16)), WL, Cluster(2, 8))
     assert ParallelStrategy(dp=2, pp=1, tp=8) in ok
     assert why == ["actor_train dp1xpp1xtp16: tp=16: a TP group leaves its node"]
@@ -434,7 +438,7 @@ def test_search_space_enumeration_and_pruning():
 
 def test_inference_tasks_may_take_half_a_set_and_then_run_side_by_side():
     hw, cluster, wl = HW["h100"], Cluster(2, 8), replace(WL, samples=512)
-    res = search(MODELS_7B, wl, hw, cluster, SearchConfig(options=2, keep=2))
+    res = search_placements(MODELS_7B, wl, hw, cluster, PlacementSearchConfig(options=2, keep=2))
     halves = [ev for ev in res.ranked if ev.plan.name.startswith("flatten")
               and {ev.plan.meshes["ref_inf"].ranks, ev.plan.meshes["reward_inf"].ranks} == {tuple(range(8)),
                                                                                            tuple(range(8, 16))}]
@@ -468,10 +472,10 @@ def _job_accepts(placement: dict, models: dict, world: int, wl: Workload) -> Non
 
 @pytest.mark.parametrize("actor, critic, nodes", [("llama-7b", "llama-7b", 2), ("llama-70b", "llama-7b", 16)])
 def test_search_plans_pass_placement_validation(actor, critic, nodes):
-    a, c = model_preset(actor), model_preset(critic)
+    a, c = llama_shape(actor), llama_shape(critic)
     models = {"actor": a, "reference": a, "critic": c, "reward": c}
     hw, cluster = HW["h100"], Cluster(nodes, 8)
-    res = search(models, WL, hw, cluster, SearchConfig(fuse_training=True))
+    res = search_placements(models, WL, hw, cluster, PlacementSearchConfig(fuse_training=True))
     assert [e.seconds for e in res.ranked] == sorted(e.seconds for e in res.ranked)
     assert res.pruned and all(e.peak_memory <= hw.gpu_memory * hw.memory_headroom for e in res.ranked)
     for ev in res.ranked[:3]:
@@ -500,7 +504,7 @@ def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nod
     shapes = {}
     for model, preset in (("actor", actor), ("critic", critic)):
         shapes[model] = tmp_path / f"{model}.json"
-        shapes[model].write_text(json.dumps(PRESETS[preset].to_dict()))
+        shapes[model].write_text(json.dumps(LLAMA_SHAPES[preset].to_dict()))
     fused = re.fullmatch(rf"best plan written to {out} \(pretrain_rlhf.py --placement {out}(.*)\)",
                          text.splitlines()[-1]).group(1).split()
     if "--long-tail-median" in fusion:
@@ -519,9 +523,8 @@ def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
     measured, hw_out = tmp_path / "stages.json", tmp_path / "cpu.json"
     placement = ROOT / "examples" / "placement_4ranks.json"
     truth = replace(HW["a100"], mfu=0.001, layer_overhead_s=0.005, collective_latency_s=0.001)
-    models = {"actor": PRESETS_JOB["tiny"], "reference": PRESETS_JOB["tiny"], "critic": PRESETS_JOB["tiny-critic"],
-              "reward": PRESETS_JOB["tiny-critic"]}
-    plan = plan_placement.plan_from_file(placement, Cluster(1, 4))
+    models = TINY_MODELS
+    plan = plan_from_placement_file(placement, Cluster(1, 4))
     measured.write_text(json.dumps(stage_seconds(evaluate(plan, models, Workload(512, 512, 512, 4, 4), truth,
                                                           Cluster(1, 4)))))
     args = ["--actor", "tiny", "--critic", "tiny-critic", "--nodes", "1", "--gpus-per-node", "4", "--hardware", "a100",

@@ -7,9 +7,9 @@ plain order (tests/scenario_planner.py).
 
 import pytest
 
+from rlhf.models.config import padded_vocab_size
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
-from rlhf.planner.reshard_bytes import (hybridflow_fraction, hybridflow_ranks, padded_rows, parallel_bytes,
-                                        received_bytes)
+from rlhf.planner.reshard_bytes import hybridflow_fraction, hybridflow_ranks, parallel_bytes, received_bytes
 from rlhf.testing.distributed import launch
 from scenario_planner import CFG, SLOTS
 
@@ -41,7 +41,7 @@ def test_hybridflow_formula_analytic(index):
     _, train, gen, ranks, share = TRANSITIONS[index]
     assert hybridflow_fraction(train, gen) == share
     t, hf, _ = _meshes(train, gen, ranks)
-    m = parallel_bytes(CFG, "lm", padded_rows(CFG.vocab_size, (train.tp, gen.tp)))
+    m = parallel_bytes(CFG, "lm", padded_vocab_size(CFG.vocab_size, 1, (train.tp, gen.tp)))
     norms = (2 * CFG.num_layers + 1) * CFG.hidden_size * 2  # replicated, read from another TP index by some ranks
     assert all(n - share * m in (0, norms) for n in received_bytes(CFG, "lm", t, hf).values())
 
@@ -61,7 +61,8 @@ def test_hybridflow_table2_measured_on_gloo(measured, index):
     _, train, gen, ranks, share = TRANSITIONS[index]
     t, hf, plain = _meshes(train, gen, ranks)
     _, hf_slot, plain_slot = SLOTS[index]
-    m = parallel_bytes(CFG, "lm", padded_rows(CFG.vocab_size, (train.tp, gen.tp))) // 2  # bf16 bytes -> elements
+    rows = padded_vocab_size(CFG.vocab_size, 1, (train.tp, gen.tp))
+    m = parallel_bytes(CFG, "lm", rows) // 2  # bf16 bytes -> elements
     predicted = {hf_slot: received_bytes(CFG, "lm", t, hf), plain_slot: received_bytes(CFG, "lm", t, plain)}
     rows = [r for r in measured if r["rank"] in ranks]
     assert len(rows) == len(ranks)

@@ -38,22 +38,19 @@ from pathlib import Path
 
 from rlhf.ppo.arguments import fraction_or_auto
 from rlhf.cli import HelpFormatter, UsageError, check_out_path, report
-from rlhf.models.config import PRESETS as JOB_PRESETS
-from rlhf.models.config import ModelConfig, ModelConfigError
-from rlhf.parallel import Placement, PlacementError
+from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError
 from rlhf.planner.calibrate import DEFAULT_TERMS, OVERHEAD_TERMS, TERMS, calibrate
 from rlhf.planner.cost import Cluster, Workload
 from rlhf.planner.errors import PlannerError
-from rlhf.planner.hardware import PRESETS as HARDWARE
-from rlhf.planner.hardware import load_hardware, save_hardware
-from rlhf.planner.models import PRESETS
-from rlhf.planner.plan import STAGES, Plan, evaluate, stage_seconds
-from rlhf.planner.search import SearchConfig, search
+from rlhf.planner.hardware import HARDWARE_PRESETS, load_hardware, save_hardware
+from rlhf.planner.placement_search import PlacementSearchConfig, search_placements
+from rlhf.planner.plan import STAGES, evaluate, plan_from_placement_file, stage_seconds
+from rlhf.planner.shapes import LLAMA_SHAPES
 from rlhf.tasks import TASKS
 
 PROGRAM = "plan_placement.py"
-MODEL_HELP = (f"a preset ({', '.join(PRESETS)}, {', '.join(JOB_PRESETS)}), a JSON file of ModelConfig fields, or "
-              "a Hugging Face model directory or its config.json")
+MODEL_HELP = (f"a preset ({', '.join(LLAMA_SHAPES)}, {', '.join(MODEL_PRESETS)}), a JSON file of ModelConfig "
+              "fields, or a Hugging Face model directory or its config.json")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--nodes", type=int, default=1, help="nodes")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node")
     c.add_argument("--hardware", default="h100",
-                   help=f"a hardware preset ({', '.join(HARDWARE)}) or a hardware JSON file (format in "
+                   help=f"a hardware preset ({', '.join(HARDWARE_PRESETS)}) or a hardware JSON file (format in "
                         "rlhf/planner/hardware.py and docs/planner.md)")
     p = ap.add_argument_group("PPO batch (the pretrain_rlhf.py flags of the same names)")
     p.add_argument("--rollout-batch-size", type=int, default=128, help="prompts per iteration")
@@ -91,14 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--migration-threshold", type=fraction_or_auto, default="auto", metavar="R|auto",
                    help="with --placement --inter-stage-fusion: the plan migrates at this fraction of unfinished "
                         "samples (auto: the fusion policy's choice; a search picks R per plan and prints it)")
-    s.add_argument("--options", type=int, default=SearchConfig.options,
+    s.add_argument("--options", type=int, default=PlacementSearchConfig.options,
                    help="fastest strategies kept per task (the leanest is kept too)")
-    s.add_argument("--keep", type=int, default=SearchConfig.keep,
+    s.add_argument("--keep", type=int, default=PlacementSearchConfig.keep,
                    help="placements and allocations searched in full after the first scoring")
-    s.add_argument("--proposals", type=int, default=SearchConfig.proposals,
+    s.add_argument("--proposals", type=int, default=PlacementSearchConfig.proposals,
                    help="annealing proposals per kept candidate (used when brute force would exceed "
                         "--brute-force-limit plans)")
-    s.add_argument("--brute-force-limit", type=int, default=SearchConfig.brute_force_limit,
+    s.add_argument("--brute-force-limit", type=int, default=PlacementSearchConfig.brute_force_limit,
                    help="the most plans searched exhaustively")
     s.add_argument("--seed", type=int, default=0, help="seed of the annealing")
     o = ap.add_argument_group("output and calibration")
@@ -120,10 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(value: str, flag: str) -> ModelConfig:
     """A model shape from a preset, a JSON file of ModelConfig fields or an HF directory / config.json."""
-    if value in PRESETS:
-        return PRESETS[value]
-    if value in JOB_PRESETS:
-        return JOB_PRESETS[value]
+    if value in LLAMA_SHAPES:
+        return LLAMA_SHAPES[value]
+    if value in MODEL_PRESETS:
+        return MODEL_PRESETS[value]
     path = Path(value)
     hf_dir = path if path.is_dir() else path.parent if path.name == "config.json" else None
     try:
@@ -175,19 +172,13 @@ def check_inputs(args) -> tuple:
     return models, wl, hw, Cluster(args.nodes, args.gpus_per_node)
 
 
-def plan_from_file(path: Path, cluster: Cluster, fuse_training: bool = False, fuse_generation: bool = False,
-                   migration_threshold: float | None = None) -> Plan:
-    """The placement file's meshes as a Plan (every task must be placed); ``fuse_training``,
-    ``fuse_generation``, ``migration_threshold``: the job runs with --intra-stage-fusion,
-    --inter-stage-fusion, --migration-threshold."""
+def placed_plan(args, cluster: Cluster):
+    """``--placement`` as a plan run with the job's fusion flags; UsageError naming the file."""
     try:
-        placement = Placement.from_file(path, cluster.gpus)
-    except PlacementError as exc:
-        raise UsageError(f"--placement {path}: {exc}") from None
-    missing = [t for t in TASKS if t not in placement.meshes]
-    if missing:
-        raise UsageError(f"--placement {path}: task(s) {missing} are not placed; the planner needs all six")
-    return Plan(path.name, dict(placement.meshes), fuse_training, fuse_generation, migration_threshold)
+        return plan_from_placement_file(args.placement, cluster, args.intra_stage_fusion, args.inter_stage_fusion,
+                                        args.migration_threshold)
+    except PlannerError as exc:
+        raise UsageError(f"--placement {args.placement}: {exc}") from None
 
 
 def print_table(ranked: list, top: int) -> None:
@@ -204,16 +195,15 @@ def run(args) -> None:
     models, wl, hw, cluster = check_inputs(args)
     try:
         if args.placement:
-            plan = plan_from_file(args.placement, cluster, args.intra_stage_fusion, args.inter_stage_fusion,
-                                  args.migration_threshold)
+            plan = placed_plan(args, cluster)
             if args.measured:
                 hw = calibrated(args, plan, models, wl, hw, cluster)
             ranked, pruned, how = [evaluate(plan, models, wl, hw, cluster)], [], "the given placement"
         else:
-            cfg = SearchConfig(options=args.options, keep=args.keep, brute_force_limit=args.brute_force_limit,
+            cfg = PlacementSearchConfig(options=args.options, keep=args.keep, brute_force_limit=args.brute_force_limit,
                                proposals=args.proposals, seed=args.seed, fuse_training=args.intra_stage_fusion,
                                fuse_generation=args.inter_stage_fusion)
-            res = search(models, wl, hw, cluster, cfg)
+            res = search_placements(models, wl, hw, cluster, cfg)
             ranked, pruned = res.ranked, res.pruned
             how = f"{res.method}, {res.evaluations} plans evaluated"
     except PlannerError as exc:

@@ -37,7 +37,7 @@ from rlhf.planner.cost import Cluster, Workload
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.plan import STAGES, Plan, evaluate, sharing, stage_seconds
-from rlhf.planner.simulate import Call
+from rlhf.planner.iteration_sim import Call
 from rlhf.tasks import TASKS
 
 FITTED_STAGES = ("generation", "inference", "training")

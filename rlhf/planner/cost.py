@@ -46,7 +46,7 @@ from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import TaskMesh
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
-from rlhf.planner.models import BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, stage_parameters
+from rlhf.planner.shapes import BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, stage_parameters
 
 ROLE = {"actor_gen": "generation", "ref_inf": "inference", "reward_inf": "inference", "critic_inf": "inference",
         "actor_train": "training", "critic_train": "training"}

@@ -80,7 +80,7 @@ class Hardware:
 
 GiB = 2**30
 
-PRESETS = {
+HARDWARE_PRESETS = {
     "h100": Hardware("h100-sxm", gpu_flops=989e12, hbm_bandwidth=3.35e12, gpu_memory=80 * GiB,
                      intra_node_bandwidth=450e9, inter_node_bandwidth=50e9),
     "a100": Hardware("a100-sxm-80g", gpu_flops=312e12, hbm_bandwidth=2.0e12, gpu_memory=80 * GiB,
@@ -95,13 +95,13 @@ calibrate, with ``shared_cores`` set when the ranks share a host's cores."""
 
 def load_hardware(spec: str) -> Hardware:
     """A preset name (h100, a100) or a hardware JSON file; errors name the file and the field."""
-    if spec in PRESETS:
-        return PRESETS[spec]
+    if spec in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[spec]
     path = Path(spec)
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise PlannerError(f"hardware file {spec}: {exc} (give a preset: {', '.join(PRESETS)}, or a JSON "
+        raise PlannerError(f"hardware file {spec}: {exc} (give a preset: {', '.join(HARDWARE_PRESETS)}, or a JSON "
                            "file of Hardware fields)") from None
     if not isinstance(raw, dict):
         raise PlannerError(f"hardware file {spec}: expected a JSON object of Hardware fields")

@@ -1,6 +1,6 @@
 """An execution plan (every task's ranks and degrees), what it costs, and the placement file it becomes.
 
-:func:`evaluate` builds one PPO iteration as calls (rlhf.planner.simulate)::
+:func:`evaluate` builds one PPO iteration as calls (rlhf.planner.iteration_sim)::
 
     reshard actor -> actor_gen -> ref_inf, reward_inf, critic_inf -> advantage -> actor_train
                                                                               -> critic_train -> reshard critic
@@ -19,7 +19,7 @@ time scaled by the greedy fused schedule's makespan over serial 1F1B
 (rlhf.schedule; the annealed schedule of tools/search_schedule.py is at
 least as short). With ``fuse_generation`` generation and the three
 inference calls are one call on actor_gen's ranks, timed by the fusion
-policy's simulation (rlhf.planner.inter_stage). Memory per rank: the static
+policy's simulation (rlhf.planner.fused_generation). Memory per rank: the static
 bytes of every task on it plus the largest transient bytes of one call (both
 training calls when fused).
 """
@@ -28,16 +28,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 from rlhf.models.config import ModelConfig
-from rlhf.parallel.mesh import TaskMesh
-from rlhf.planner import inter_stage
+from rlhf.parallel.mesh import PlacementError, TaskMesh
+from rlhf.parallel.placement import Placement
+from rlhf.planner import fused_generation
 from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches, task_cost
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
-from rlhf.planner.models import schedule_shape
+from rlhf.planner.shapes import schedule_shape
 from rlhf.planner.reshard_bytes import received_bytes
-from rlhf.planner.simulate import Call, Sharing, Timeline, schedule
+from rlhf.planner.iteration_sim import Call, IterationTimeline, Sharing, schedule_calls
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import greedy_fused, serial_1f1b_makespan
 from rlhf.schedule.problem import ProblemError
@@ -54,7 +56,7 @@ BATCH_BYTES_PER_TOKEN = 16
 @dataclass(frozen=True)
 class Plan:
     """Every task's mesh; ``fuse_training`` runs actor and critic training as one fused schedule,
-    ``fuse_generation`` generation and inference as one fused call (rlhf.planner.inter_stage)."""
+    ``fuse_generation`` generation and inference as one fused call (rlhf.planner.fused_generation)."""
 
     name: str
     meshes: dict
@@ -81,6 +83,21 @@ class Plan:
             " +inter-stage" if self.fuse_generation else "")
 
 
+def plan_from_placement_file(path: str | Path, cluster: Cluster, fuse_training: bool = False,
+                             fuse_generation: bool = False, migration_threshold: float | None = None) -> Plan:
+    """A placement file's meshes (every task placed) as a Plan named after the file; ``fuse_training``,
+    ``fuse_generation``, ``migration_threshold``: the job runs with --intra-stage-fusion,
+    --inter-stage-fusion, --migration-threshold. PlannerError says what is wrong with the file."""
+    try:
+        placement = Placement.from_file(path, cluster.gpus)
+    except PlacementError as exc:
+        raise PlannerError(str(exc)) from None
+    missing = [t for t in TASKS if t not in placement.meshes]
+    if missing:
+        raise PlannerError(f"task(s) {missing} are not placed; the planner needs all six")
+    return Plan(Path(path).name, dict(placement.meshes), fuse_training, fuse_generation, migration_threshold)
+
+
 def rank_spec(ranks) -> str | list:
     """``"a-b"`` for an ascending run of ranks, else the list (placement files accept both)."""
     ranks = list(ranks)
@@ -92,7 +109,7 @@ class Evaluation:
     """A plan's predicted iteration: seconds, each call's timing and cost, bytes per rank."""
 
     plan: Plan
-    timeline: Timeline
+    timeline: IterationTimeline
     costs: dict
     memory: dict
     reshard_bytes: dict = field(default_factory=dict)
@@ -141,7 +158,7 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
         trained = "critic_train"
     if "reshard critic" in reshards:
         calls.append(Call("reshard critic", *reshards["reshard critic"], [(trained, 0.0)]))
-    return Evaluation(plan, schedule(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved,
+    return Evaluation(plan, schedule_calls(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved,
                       threshold)
 
 
@@ -161,13 +178,14 @@ def _generation_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, clus
                                                                  cluster)]) for t in INFERENCE_TASKS]
     if not plan.fuse_generation:
         return [Call("actor_gen", gen.ranks, seconds["actor_gen"], inputs)] + inferring, None
-    why = inter_stage.refusal(mesh, hw)
+    why = fused_generation.refusal(mesh, hw)
     if why:
         raise PlannerError(why)
-    span = schedule([Call("actor_gen", gen.ranks, seconds["actor_gen"])] + inferring, sharing(hw, cluster)).seconds
-    cost = inter_stage.generation_cost(models["actor"], gen, wl, hw, cluster, seconds["actor_gen"],
+    unfused = [Call("actor_gen", gen.ranks, seconds["actor_gen"])] + inferring
+    span = schedule_calls(unfused, sharing(hw, cluster)).seconds
+    cost = fused_generation.generation_cost(models["actor"], gen, wl, hw, cluster, seconds["actor_gen"],
                                        span - seconds["actor_gen"])
-    fused, threshold = inter_stage.fused_seconds(cost, wl, span, plan.migration_threshold)
+    fused, threshold = fused_generation.fused_seconds(cost, wl, span, plan.migration_threshold)
     return [Call(FUSED_GENERATION, gen.ranks, fused, inputs)], threshold
 
 

@@ -1,7 +1,9 @@
 """Bytes each rank receives when rlhf/parallel/reshard.py moves a model between two layouts.
 
 Pure arithmetic over the same rules reshard.py follows (its tests measure
-the real transfers and compare them with :func:`received_bytes`):
+the real transfers and compare them with :func:`received_bytes`), over the
+tensors of rlhf.planner.shapes.model_weights (the list the parameter counts
+sum), the vocabulary padded as rlhf.models.config.padded_vocab_size pads it:
 
 * a tensor-parallel weight is split along one dimension into tp slices (with
   stride k, each of its k blocks is); a destination shard receives, from every
@@ -20,56 +22,9 @@ bytes M, against up to M / t_g for a naive (contiguous) order.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-from rlhf.models.config import ModelConfig
+from rlhf.models.config import ModelConfig, padded_vocab_size
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
-from rlhf.planner.models import BYTES, kv_width
-
-
-@dataclass(frozen=True)
-class Weight:
-    """One parameter as resharding sees it: ``place`` a layer index, ``"first"`` (the embedding) or
-    ``"last"`` (final norm, head); ``rows`` its full size along the split dimension."""
-
-    place: int | str
-    numel: int
-    rows: int
-    stride: int = 1
-    parallel: bool = True
-
-
-def padded_rows(vocab_size: int, tps) -> int:
-    """Vocabulary rows of both layouts: rlhf.models.vocab.padded_vocab_size with divisible_by=1."""
-    multiple = math.lcm(1, *tps)
-    return -(-vocab_size // multiple) * multiple
-
-
-def model_weights(cfg: ModelConfig, kind: str, vocab_rows: int) -> list[Weight]:
-    """The parameters of a megatron GPT model of ``kind`` (``lm`` or ``value``) with ``vocab_rows`` rows."""
-    h, ffn, qkv = cfg.hidden_size, cfg.ffn_hidden_size, cfg.hidden_size + 2 * kv_width(cfg)
-    out = [Weight("first", vocab_rows * h, vocab_rows)]
-    for layer in range(cfg.num_layers):
-        out += [Weight(layer, h, h, parallel=False),            # input_layernorm
-                Weight(layer, qkv * h, qkv),                     # linear_qkv (per query group: stride 1)
-                Weight(layer, h * h, h),                         # linear_proj (row-parallel, dim 1)
-                Weight(layer, h, h, parallel=False),             # pre_mlp_layernorm
-                Weight(layer, 2 * ffn * h, 2 * ffn, stride=2),   # linear_fc1 [gate; up]
-                Weight(layer, h * ffn, ffn)]                     # linear_fc2 (row-parallel, dim 1)
-        if cfg.qkv_bias:
-            out.append(Weight(layer, qkv, qkv))
-    out.append(Weight("last", h, h, parallel=False))             # final_layernorm
-    out.append(Weight("last", vocab_rows * h, vocab_rows) if kind == "lm" else
-               Weight("last", h, h, parallel=False))             # output_layer | value head
-    return out
-
-
-def _stage(place, num_layers: int, pp: int) -> int:
-    """rlhf.models.naming.owning_stage for a Weight."""
-    if place == "first":
-        return 0
-    return pp - 1 if place == "last" else place // (num_layers // pp)
+from rlhf.planner.shapes import BYTES, Weight, model_weights, owning_stage
 
 
 def _overlap(w: Weight, src_tp: int, s: int, dst_tp: int, d: int) -> int:
@@ -86,14 +41,14 @@ def received_bytes(cfg: ModelConfig, kind: str, src: TaskMesh, dst: TaskMesh,
                    vocab_rows: int | None = None) -> dict[int, int]:
     """Bytes (bf16) every rank of ``dst`` receives from other ranks when resharding from ``src``."""
     s, t = src.strategy, dst.strategy
-    rows = vocab_rows or padded_rows(cfg.vocab_size, (s.tp, t.tp))
+    rows = vocab_rows or padded_vocab_size(cfg.vocab_size, 1, (s.tp, t.tp))
     holders = {(stage, tp): {src.rank(stage, d, tp) for d in range(s.dp)}
                for stage in range(s.pp) for tp in range(s.tp)}
     out = {r: 0 for r in dst.ranks}
     weights: dict = {}  # layers repeat: count each (weight, source stage, destination stage) once
     for w in model_weights(cfg, kind, rows):
-        key = (w.numel, w.rows, w.stride, w.parallel, _stage(w.place, cfg.num_layers, s.pp),
-               _stage(w.place, cfg.num_layers, t.pp))
+        key = (w.numel, w.rows, w.stride, w.parallel, owning_stage(w.place, cfg.num_layers, s.pp),
+               owning_stage(w.place, cfg.num_layers, t.pp))
         weights[key] = weights.get(key, 0) + 1
     for (numel, n_rows, stride, parallel, s_stage, d_stage), count in weights.items():
         w = Weight(0, numel, n_rows, stride, parallel)

@@ -50,7 +50,7 @@ class Call:
 
 
 @dataclass(frozen=True)
-class Timeline:
+class IterationTimeline:
     """Start and end of every call (seconds from the iteration's start)."""
 
     start: dict
@@ -81,7 +81,7 @@ class Sharing:
         return [min(min(1.0, self.cores / busy[r // self.ranks_per_node]) for r in c.ranks) for c in running]
 
 
-def schedule(calls: list[Call], sharing: Sharing | None = None) -> Timeline:
+def schedule_calls(calls: list[Call], sharing: Sharing | None = None) -> IterationTimeline:
     """List-schedule ``calls`` (see the module docstring); errors name an unknown input or a cycle."""
     by_name = {c.name: c for c in calls}
     if len(by_name) != len(calls):
@@ -97,7 +97,7 @@ def _cycle(pending: list[Call]) -> PlannerError:
     return PlannerError(f"calls {[c.name for c in pending]} wait on each other (a cycle)")
 
 
-def _list_walk(calls: list[Call], _sharing=None) -> Timeline:
+def _list_walk(calls: list[Call], _sharing=None) -> IterationTimeline:
     """Every call at its own speed: each pick's end is known when it starts."""
     free: dict = {}
     start, end = {}, {}
@@ -117,10 +117,10 @@ def _list_walk(calls: list[Call], _sharing=None) -> Timeline:
         for r in call.ranks:
             free[r] = end[call.name]
         pending.remove(call)
-    return Timeline(start, end)
+    return IterationTimeline(start, end)
 
 
-def _event_walk(calls: list[Call], sharing: Sharing) -> Timeline:
+def _event_walk(calls: list[Call], sharing: Sharing) -> IterationTimeline:
     """Calls that share cores: event by event, each running call at its current speed."""
     start, end, left = {}, {}, {}
     pending, running, now = list(calls), [], 0.0
@@ -159,4 +159,4 @@ def _event_walk(calls: list[Call], sharing: Sharing) -> Timeline:
                 end[c.name] = t
                 running.remove(c)
         now += step
-    return Timeline(start, end)
+    return IterationTimeline(start, end)

@@ -32,7 +32,7 @@ from rlhf.fusion.policy import GenerationCost, LengthDistribution, ThresholdChoi
 from rlhf.parallel.mesh import TaskMesh
 from rlhf.planner.cost import Cluster, Workload, saturating_batch
 from rlhf.planner.hardware import Hardware
-from rlhf.planner.models import kv_bytes_per_token
+from rlhf.planner.shapes import kv_bytes_per_token
 from rlhf.tasks import INFERENCE_TASKS
 
 TRIALS = 8

@@ -29,7 +29,7 @@ input gives the same plans). Infeasible plans (a rank over its memory) are
 kept out of the ranking and reported with their reason. Where actor and
 critic share a set, fused training (intra-stage fusion) is tried too when
 ``fuse_training`` is set; where all four models share one set, fused
-generation and inference (inter-stage fusion, rlhf.planner.inter_stage)
+generation and inference (inter-stage fusion, rlhf.planner.fused_generation)
 when ``fuse_generation`` is set and actor_gen has dp >= 2.
 """
 
@@ -39,9 +39,10 @@ import itertools
 import math
 import random
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
-from rlhf.planner import inter_stage
+from rlhf.planner import fused_generation
 from rlhf.planner.cost import ROLE, Cluster, Workload
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
@@ -49,15 +50,16 @@ from rlhf.planner.plan import Evaluation, Plan, cached_cost, evaluate, most_rece
 from rlhf.planner.reshard_bytes import hybridflow_ranks
 from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, MODELS, TASK_MODEL, TASKS
 
-PRESETS = {
+APP_PLACEMENTS = {
     "flatten": (("actor", "reference", "reward", "critic"),),
     "interleave": (("actor", "reference"), ("reward", "critic")),
     "separate": (("actor",), ("reference",), ("reward",), ("critic",)),
 }
+"""APP's named placements: the sets of models that share ranks."""
 
 
 @dataclass(frozen=True)
-class SearchConfig:
+class PlacementSearchConfig:
     """Knobs of the search (see the module docstring)."""
 
     options: int = 3
@@ -69,9 +71,34 @@ class SearchConfig:
     fuse_generation: bool = False
 
 
+class Pruned(NamedTuple):
+    """A plan (or placement) left out of the ranking, and why."""
+
+    what: str
+    why: str
+
+
+class Candidate(NamedTuple):
+    """A placement and allocation: its ``name``, the ``sets`` of models sharing ranks, each set's block
+    size in rank order."""
+
+    name: str
+    sets: tuple
+    sizes: tuple
+
+
+class Scored(NamedTuple):
+    """A candidate's first score: its best seconds with every task's fastest or leanest option."""
+
+    seconds: float
+    name: str
+    options: dict
+    fuse: tuple
+
+
 @dataclass
-class SearchResult:
-    """Feasible plans, fastest first; pruned ``(what, why)``; how the search ran."""
+class PlacementSearchResult:
+    """Feasible plans, fastest first; :class:`Pruned` entries; how the search ran."""
 
     ranked: list
     pruned: list = field(default_factory=list)
@@ -150,7 +177,7 @@ def task_options(task: str, models: dict, ranks: tuple, wl: Workload, hw: Hardwa
     cfg, kind = models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]]
     good, why = strategies(task, cfg, ranks, wl, cluster)
     limit = hw.gpu_memory * hw.memory_headroom
-    fits = []
+    fits: dict = {}  # mesh -> its cost
     for s in good:
         mesh = TaskMesh(task, ranks, s)
         c = cached_cost(task, cfg, kind, mesh, wl, hw, cluster)
@@ -158,13 +185,12 @@ def task_options(task: str, models: dict, ranks: tuple, wl: Workload, hw: Hardwa
             why.append(f"{task} {s}: needs {(c.static_bytes + c.transient_bytes) / 2**30:.1f} GiB per GPU alone "
                        f"> {limit / 2**30:.1f} GiB")
         else:
-            fits.append((c.seconds, c.static_bytes, mesh))
-    fits.sort(key=lambda x: x[0])
-    kept = fits[:count]
-    leanest = min(fits, key=lambda x: (x[1], x[0]), default=None)
+            fits[mesh] = c
+    kept = sorted(fits, key=lambda m: fits[m].seconds)[:count]
+    leanest = min(fits, key=lambda m: (fits[m].static_bytes, fits[m].seconds), default=None)
     if leanest is not None and leanest not in kept:
         kept.append(leanest)
-    return [m for _, _, m in kept], why
+    return kept, why
 
 
 def generation_order(meshes: dict, models: dict) -> dict:
@@ -182,23 +208,23 @@ def generation_order(meshes: dict, models: dict) -> dict:
     return meshes
 
 
-def _candidates(cluster: Cluster) -> list[tuple[str, tuple, tuple]]:
-    """(name, sets of models, block sizes) for every placement and allocation; APP presets named."""
-    named = {v: k for k, v in PRESETS.items()}
+def placement_candidates(cluster: Cluster) -> list[Candidate]:
+    """Every placement and allocation on ``cluster``; APP's placements named."""
+    named = {v: k for k, v in APP_PLACEMENTS.items()}
     out = []
     for sets in set_partitions(MODELS):
         for sizes in allocations(len(sets), cluster):
             label = named.get(sets, " | ".join("+".join(m[:3] for m in s) for s in sets))
-            out.append((f"{label} [{','.join(map(str, sizes))}]", sets, sizes))
+            out.append(Candidate(f"{label} [{','.join(map(str, sizes))}]", sets, sizes))
     return out
 
 
-def search(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
-           config: SearchConfig = SearchConfig()) -> SearchResult:
+def search_placements(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
+                      config: PlacementSearchConfig = PlacementSearchConfig()) -> PlacementSearchResult:
     """Rank plans for ``models`` (ModelConfig per model name) on ``cluster``; PlannerError if none fits."""
-    result = SearchResult(ranked=[])
+    result = PlacementSearchResult(ranked=[])
     scored = []
-    for name, sets, sizes in _candidates(cluster):
+    for name, sets, sizes in placement_candidates(cluster):
         options = _options(name, sets, sizes, models, wl, hw, cluster, config, result)
         if options is None:
             continue
@@ -207,10 +233,10 @@ def search(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
                                 result) for i in (0, -1)]  # every task's fastest, every task's leanest
             firsts = [ev for ev in firsts if ev is not None]
             if firsts:
-                scored.append((min(ev.seconds for ev in firsts), name, options, fuse))
-    scored.sort(key=lambda x: x[0])
+                scored.append(Scored(min(ev.seconds for ev in firsts), name, options, fuse))
+    scored.sort(key=lambda x: x.seconds)
     kept = scored[:config.keep]
-    total = sum(math.prod(len(o) for o in options.values()) for _, _, options, _ in kept)
+    total = sum(math.prod(len(o) for o in c.options.values()) for c in kept)
     result.method = ("brute force" if total <= config.brute_force_limit else
                      f"simulated annealing ({config.proposals} proposals per candidate)")
     best: dict = {}
@@ -230,17 +256,17 @@ def search(models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
 
 def _nothing_fits(pruned: list, cluster: Cluster) -> str:
     """Why no plan exists, in one line: memory, or GPUs that no layout divides."""
-    memory = [why for _, why in pruned if "GiB" in why]
+    memory = [p.why for p in pruned if "GiB" in p.why]
     if memory:
         return (f"no plan fits in memory on {cluster.nodes} x {cluster.gpus_per_node} GPUs (e.g. {memory[0]}); "
                 "add GPUs, use GPUs with more memory, or shorten the sequences or micro-batches")
-    example = pruned[0][1] if pruned else "no candidate"
+    example = pruned[0].why if pruned else "no candidate"
     return (f"the {cluster.gpus} GPUs ({cluster.nodes} x {cluster.gpus_per_node}) cannot be divided among the "
             f"tasks: no (dp, pp, tp) shards the models and the batch (e.g. {example}); use a GPU count per node "
             "that divides the heads and layers (a power of two) or change the batch sizes")
 
 
-def _fusions(sets: tuple, config: SearchConfig) -> list[tuple[bool, bool]]:
+def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool]]:
     """(fuse_training, fuse_generation) variants worth trying on this placement."""
     training = (False, True) if config.fuse_training and any("actor" in s and "critic" in s for s in sets) \
         else (False,)
@@ -260,12 +286,16 @@ def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict
         block = blocks[TASK_MODEL[task]]
         kept, why = task_options(task, models, block, wl, hw, cluster, config.options)
         if not kept:
-            result.pruned.append((name, why[-1] if why else f"{task}: no strategy"))
+            result.pruned.append(Pruned(name, why[-1] if why else f"{task}: no strategy"))
             return None
         if task in INFERENCE_TASKS and len(block) > 1:  # a half of the set: inference calls side by side
             halves = (block[:len(block) // 2], block[len(block) // 2:])
             # after the fastest, before the leanest (the first scoring takes the first and the last)
-            kept[1:1] = [m for h in halves for m in task_options(task, models, h, wl, hw, cluster, 1)[0][:1]]
+            fastest = []
+            for half in halves:
+                meshes, _ = task_options(task, models, half, wl, hw, cluster, 1)
+                fastest += meshes[:1]
+            kept[1:1] = fastest
         options[task] = kept
     return options
 
@@ -284,7 +314,7 @@ def _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result) 
     fuse_training, fuse_generation = fuse
     if fuse_generation:
         twin = _evaluate(name, choice, options, (fuse_training, False), models, wl, hw, cluster, result)
-        if twin is None or inter_stage.refusal(twin.plan.meshes, hw):
+        if twin is None or fused_generation.refusal(twin.plan.meshes, hw):
             return twin
         ev = _predict(replace(twin.plan, fuse_generation=True), models, wl, hw, cluster, result)
         return ev if ev is not None and ev.seconds < twin.seconds else twin
@@ -300,12 +330,12 @@ def _predict(plan, models, wl, hw, cluster, result) -> Evaluation | None:
     try:
         ev = evaluate(plan, models, wl, hw, cluster)
     except PlannerError as exc:
-        result.pruned.append((plan.name, str(exc)))
+        result.pruned.append(Pruned(plan.name, str(exc)))
         return None
     limit = hw.gpu_memory * hw.memory_headroom
     if ev.peak_memory > limit:
         rank = max(ev.memory, key=ev.memory.get)
-        result.pruned.append((plan.describe(), f"memory: rank {rank} needs {ev.peak_memory / 2**30:.1f} GiB > "
+        result.pruned.append(Pruned(plan.describe(), f"memory: rank {rank} needs {ev.peak_memory / 2**30:.1f} GiB > "
                                                f"{limit / 2**30:.1f} GiB"))
         return None
     return ev
