@@ -90,7 +90,7 @@ def side_by_side(trainer, reference) -> dict:
         steps = engine.stats.steps if engine is not None else 0
         dist.barrier()  # both start together on every rank: the slowest rank's span is the stage's
         start = time.perf_counter()
-        batches[name] = trainer.generate(prompts)
+        batches[name] = trainer.generate(prompts).batch
         out[f"time_{name}_s"] = time.perf_counter() - start
         out[f"steps_{name}"] = engine.stats.steps - steps if engine is not None else 0
     trainer.engine = ours

@@ -160,7 +160,8 @@ def sleep_rank(lengths: list, threshold: float, repeats: int) -> dict:
     from rlhf.engine.types import Request, SamplingParams
     from rlhf.fusion.inter_stage import InterStageFusion
     from rlhf.parallel import Placement
-    from rlhf.parallel.exchange import gather_to_all, shares
+    from rlhf.parallel.dealing import shares
+    from rlhf.parallel.exchange import gather_to_all
     from rlhf.parallel.groups import build_task_groups
 
     placement = Placement.from_plan({"actor_gen": {"ranks": "0-3", "dp": 4}, "ref_inf": {"ranks": "0-3", "dp": 4}}, 4)
@@ -272,7 +273,8 @@ def real_rank(thresholds: list, repeats: int) -> dict:
                 fusion.threshold = name
             dist.barrier()
             start = time.perf_counter()
-            trainer.infer(trainer.generate(batch_prompts))
+            rollout = trainer.generate(batch_prompts)
+            trainer.infer(rollout.batch, rollout.fusion)
             dist.barrier()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t[1:]) for name, t in times.items()}

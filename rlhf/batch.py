@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from rlhf.parts import part_sizes
+from rlhf.parallel.dealing import part_sizes
 
 if TYPE_CHECKING:
     from rlhf.engine.types import SampleResult
@@ -231,6 +231,27 @@ class Batch:
             raise ValueError(f"Batch.with_fields: unknown fields {unknown}; fields: {list(TENSOR_FIELDS)}, "
                              f"pad_id, finish_reasons")
         return dataclasses.replace(self, **fields)
+
+    def with_fields_from(self, parts: Sequence[Batch], names: Sequence[str]) -> Batch:
+        """A new batch with each field of ``names`` taken from ``parts``: batches of some of this batch's
+        samples (matched by prompt id and sample index), which together hold every sample once in the
+        parts that set that field. Response-aligned fields are zero-padded to this batch's R; the fields
+        move to the device of ``tokens`` (an inference task's outputs, gathered from its replicas)."""
+        position = {key: i for i, key in enumerate(zip(self.prompt_ids.tolist(), self.sample_indices.tolist()))}
+        fields = {}
+        for name in names:
+            have = [part for part in parts if getattr(part, name) is not None]
+            rows = [position.get(key, -1) for part in have
+                    for key in zip(part.prompt_ids.tolist(), part.sample_indices.tolist())]
+            if sorted(rows) != list(range(len(self))):
+                raise ValueError(f"Batch.with_fields_from: the parts' {name} rows are samples {sorted(rows)}; "
+                                 f"expected each of the batch's {len(self)} samples once")
+            values = [getattr(part, name) for part in have]
+            if name in RESPONSE_FIELDS:
+                values = [F.pad(v, (0, self.response_width - v.shape[1])) for v in values]
+            joined = torch.cat(values).to(self.tokens.device)
+            fields[name] = joined[torch.as_tensor(rows).argsort().to(joined.device)]
+        return self.with_fields(**fields)
 
     def to(self, device: Union[str, torch.device]) -> Batch:
         """Per-token tensors and scores moved to ``device``; host metadata stays on the host."""

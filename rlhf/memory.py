@@ -1,8 +1,9 @@
 """Where model weights and the KV cache live between the stages of an iteration.
 
 RLHFuse (section 6) and HybridFlow (zero redundancy) free what a stage does
-not use: this module owns the two reversible moves the trainer makes, and
-the byte count that shows them (docs/training.md, "Memory between stages").
+not use: this module owns the two reversible moves the trainer makes, the
+byte count that shows them and the per-stage bookkeeping of a rank
+(:class:`StageMemory`; docs/training.md, "Memory between stages").
 
 * :class:`StorageRelease` frees the storage behind some tensors *in place*
   (each storage resized to 0 bytes) and gives it back, zero-filled, before
@@ -24,12 +25,13 @@ megatron's contiguous parameter buffers share one).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import contextlib
 from typing import Iterable, Optional
 
 import torch
 
 from rlhf import platform
+from rlhf.tasks import FROZEN_TASKS
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -124,7 +126,7 @@ class ModuleOffloader:
             t.data = host
         self._host = None
 
-    @contextmanager
+    @contextlib.contextmanager
     def on_device(self, write_back: bool = False):
         """The module on the device for the body, back on the host after it (also when it raises)."""
         self.load()
@@ -136,3 +138,79 @@ class ModuleOffloader:
     def resident_bytes(self) -> int:
         """Bytes of the module's device copies: 0 while offloaded (host memory is not counted)."""
         return 0 if self.on_host else sum(storage_bytes(module_tensors(self.module)).values())
+
+
+class StageMemory:
+    """This rank's model memory between the stages of a PPO iteration, and the bytes each stage held.
+
+    ``offload_frozen``: the frozen models (reference, reward; rlhf.tasks.FROZEN_TASKS) stay in host
+    memory except inside :meth:`on_device`. ``release_generation``: actor_gen's parameters and the
+    engine's KV cache (``kv_cache``, None where actor_gen is not placed) are freed now and outside
+    generation (:meth:`release_generation`, :meth:`restore_generation`). :meth:`note` keeps the most
+    :meth:`resident_bytes` seen in a stage; :meth:`metrics` reports them once per iteration.
+    """
+
+    def __init__(self, models: dict, kv_cache: Optional[torch.Tensor], offload_frozen: bool,
+                 release_generation: bool):
+        self.models = models
+        self.kv_cache = kv_cache
+        self.offloaders = ({t: ModuleOffloader(models[t]) for t in FROZEN_TASKS if t in models}
+                           if offload_frozen else {})
+        self.generation: Optional[StorageRelease] = None
+        if release_generation:
+            held = [] if kv_cache is None else [*models["actor_gen"].parameters(), kv_cache]
+            self.generation = StorageRelease(held)
+            self.generation.release()  # the first reshard allocates them again
+        self._noted: dict = {}  # stage -> the most resident_bytes() noted in it this iteration
+        self.last: dict = {}  # the same of the last finished iteration on this rank
+
+    def on_device(self, *tasks: str, write_back: bool = False) -> contextlib.ExitStack:
+        """A context with the offloaded models of ``tasks`` on the compute device (others: as they are);
+        ``write_back`` keeps what the body wrote into them (a checkpoint load)."""
+        stack = contextlib.ExitStack()
+        for task in tasks:
+            if task in self.offloaders:
+                stack.enter_context(self.offloaders[task].on_device(write_back))
+        return stack
+
+    @property
+    def generation_released(self) -> bool:
+        """Whether actor_gen's weights and KV cache are freed now (the same on every rank)."""
+        return self.generation is not None and self.generation.released
+
+    def restore_generation(self) -> None:
+        """Allocate actor_gen's weights and KV cache again, zero-filled, for the reshard to fill."""
+        if self.generation is not None:
+            self.generation.restore()
+
+    def release_generation(self) -> None:
+        """Free actor_gen's weights and KV cache after generation (with ``release_generation``)."""
+        if self.generation is not None:
+            self.generation.release()
+
+    def resident_bytes(self) -> int:
+        """Bytes of model weights (parameters and buffers) and KV cache this rank holds where it computes
+        now: an offloaded model counts while loaded, released storage as 0 (optimizer state not included)."""
+        total = 0
+        for task, model in self.models.items():
+            offloader = self.offloaders.get(task)
+            total += offloader.resident_bytes() if offloader else sum(storage_bytes(module_tensors(model)).values())
+        if self.kv_cache is not None:
+            total += sum(storage_bytes([self.kv_cache]).values())
+        return total
+
+    def note(self, stage: str) -> None:
+        """Keep the most :meth:`resident_bytes` seen in ``stage`` this iteration (noted after its loads,
+        before its releases)."""
+        self._noted[stage] = max(self._noted.get(stage, 0), self.resident_bytes())
+
+    def metrics(self) -> dict:
+        """``memory_<stage>_bytes_max`` of the stages noted since the last call (their heaviest rank, by
+        the metric's name) and, on an accelerator, ``memory_peak_bytes_max``: its allocator's peak since
+        the iteration began (rlhf.platform.peak_memory_bytes)."""
+        self.last, self._noted = self._noted, {}
+        out = {f"memory_{stage}_bytes_max": float(n) for stage, n in self.last.items()}
+        peak = platform.peak_memory_bytes()
+        if peak is not None:
+            out["memory_peak_bytes_max"] = float(peak)
+        return out

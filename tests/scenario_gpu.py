@@ -10,8 +10,7 @@ from rlhf.ppo.config import MemoryConfig
 from rlhf.memory import module_tensors, storage_bytes
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
-from rlhf.tasks import TASKS
-from rlhf.ppo.trainer import OFFLOADED_TASKS
+from rlhf.tasks import FROZEN_TASKS, TASKS
 from scenario_trainer import learn_fixed_samples, synthetic_trainer, synthetic_weights, trained_weights
 
 FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logprobs")
@@ -27,7 +26,7 @@ def run() -> dict:
     lean = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0,
                              memory=MemoryConfig(offload_ref_reward=True, release_generation_memory=True))
     lean_steps = [lean.step() for _ in range(2)]
-    offloaded = [t for task in OFFLOADED_TASKS for t in module_tensors(lean.models[task])]
+    offloaded = [t for task in FROZEN_TASKS for t in module_tensors(lean.models[task])]
     return {"device": platform.device().type,
             "fields": {f: getattr(result.batch, f).cpu().numpy() for f in FIELDS},
             "learned": _arrays(learned),

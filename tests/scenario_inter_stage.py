@@ -51,12 +51,12 @@ def _trainer(placement) -> Trainer:
 
 def _rollout(trainer: Trainer, prompts) -> dict:
     """generate + infer on ``prompts``: the batch's fields (host) and what the fusion did, gathered."""
-    generated = trainer.generate(prompts)
-    fused, early = trainer._fused, trainer._early  # what infer() is about to use
-    batch = trainer.infer(generated.to(platform.device()))
+    rollout = trainer.generate(prompts)
+    fused, early = (None, None) if rollout.fusion is None else (rollout.fusion.fused, rollout.fusion.early)
+    batch = trainer.infer(rollout.batch.to(platform.device()), rollout.fusion)
     stats = [] if fused is None else [(dist.get_rank(), fused.migrate_step, fused.moved_out, fused.moved_in,
                                        fused.refused, len(fused.finished_at_migration))]
-    rows = 0 if early is None else sum(len(r) for r in early.rows.values())  # computed on this rank
+    rows = 0 if early is None else sum(len(out) for out in early.outputs)  # computed on this rank
     if fused is not None:
         stats = [(*stats[0], trainer.inter_stage.streamed)]
     parts = [None] * dist.get_world_size()

@@ -18,18 +18,18 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config import LoggingConfig, PlacementConfig, RunConfig
-from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
 from rlhf.data import ByteTokenizer, PreferenceDataset
-from rlhf.ppo.job import directory_weights
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import stage_forward
 from rlhf.parallel.groups import build_task_groups
+from rlhf.ppo import layout
+from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
+from rlhf.ppo.job import directory_weights
+from rlhf.ppo.trainer import Trainer
 from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
-from rlhf.reward_model.job import export_reward_model
-from rlhf.reward_model.job import build_placement
+from rlhf.reward_model.job import build_placement, export_reward_model
 from rlhf.reward_model.trainer import RewardTrainer, pair_batch
 from rlhf.testing.models import full_weights, unsharded
-from rlhf.ppo.trainer import Trainer
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     vocab_size=320, max_seq_len=64)  # holds the byte tokenizer's 259 ids
@@ -145,7 +145,7 @@ def _as_ppo_reward_model(data, trained: dict, root: str) -> dict:
                                      micro_batch_size=2, advantage_estimator="grpo"),
                        placement=PlacementConfig(overrides={"reward_inf": {"ranks": "0-3", "tp": 2},
                                                             "critic_inf": None, "critic_train": None}))
-    placement = build_placement(config, dist.get_world_size())
+    placement = layout.build_placement(config, dist.get_world_size())
     trainer = Trainer(config, placement, prompts=None, tokenizer=ByteTokenizer(),
                       initial_weights={"reward": directory_weights(config, "reward")})
     batch = pair_batch(list(data), 0, PAD)  # as PPO samples: the engine's log-probs fix the response width

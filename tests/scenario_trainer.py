@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.batch import Batch
-from rlhf.config import (CheckpointConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
-                         PPOConfig, RunConfig)
+from rlhf.config import CheckpointConfig, RunConfig
+from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
@@ -36,7 +36,8 @@ from rlhf.schedule.search import SearchConfig, search
 from rlhf.testing.models import full_weights, plain_logprobs, unsharded
 from rlhf.testing.reference import gae_loop
 from rlhf.checkpoint.megatron import open_megatron, read_megatron_state
-from rlhf.ppo.trainer import MEGATRON_EXPORT_DIR, OFFLOADED_TASKS, Trainer
+from rlhf.ppo.trainer import MEGATRON_EXPORT_DIR, Trainer
+from rlhf.tasks import FROZEN_TASKS
 
 ACTOR = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     vocab_size=64, max_seq_len=32)
@@ -278,7 +279,7 @@ def _memory_release(placement, full: dict, kept, kept_metrics: list) -> dict:
                              memory=MemoryConfig(offload_ref_reward=True, release_generation_memory=True))
     lean_metrics = [lean.step().metrics for _ in range(2)]
     a, b = trained_weights(kept), trained_weights(lean)
-    offloaded = [kept.models[t] for t in OFFLOADED_TASKS if t in kept.models]
+    offloaded = [kept.models[t] for t in FROZEN_TASKS if t in kept.models]
     try:  # released after the last generation: generating again needs the reshard first
         lean.generate(next(lean.prompts))
         refused = ""
@@ -286,8 +287,8 @@ def _memory_release(placement, full: dict, kept, kept_metrics: list) -> dict:
         refused = str(exc)
     return {"lean_metrics": lean_metrics, "kept_metrics": kept_metrics, "generate_refused": refused,
             "lean_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
-            "lean_bytes": lean.memory_bytes, "kept_bytes": kept.memory_bytes,
-            "generation_bytes": lean.generation_memory.nbytes,
+            "lean_bytes": lean.memory.last, "kept_bytes": kept.memory.last,
+            "generation_bytes": lean.memory.generation.nbytes,
             "offloaded_bytes": sum(n for m in offloaded for n in storage_bytes(module_tensors(m)).values())}
 
 
@@ -322,8 +323,9 @@ def _fusion(root: str) -> dict:
     a, b, c = trained_weights(serial), trained_weights(fused), trained_weights(searched)
     return {"fused_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
             "searched_param_diff": max((a[m][k] - c[m][k]).abs().max().item() for m in a for k in a[m]),
-            "searched_schedule": searched.fused is not None and searched.fused.model_names,
-            "cached_schedule_reused": resumed.stage_times is None and resumed.fused == searched.fused,
+            "searched_schedule": searched.ppo_update.fused is not None and searched.ppo_update.fused.model_names,
+            "cached_schedule_reused": (not resumed.ppo_update.measuring
+                                       and resumed.ppo_update.fused == searched.ppo_update.fused),
             "fused_moved": max((a[m][k] - full[m][k]).abs().max().item() for m in a for k in a[m]),
             "fused_value_loss": (serial_metrics["value_loss"], fused_metrics["value_loss"]),
             "bubble": (serial_metrics["training_bubble_fraction"], searched_metrics["training_bubble_fraction"])}

@@ -79,7 +79,7 @@ def _trainer(placement, weights: dict, **ppo) -> Trainer:
 def _first_iteration(trainer: Trainer):
     """``step()`` taken apart: (the engine's batch, the iteration's result on it with old log-probs zeroed)."""
     trainer.sync_generation_weights()
-    generated = trainer.generate(next(trainer.prompts))
+    generated = trainer.generate(next(trainer.prompts)).batch
     return generated, trainer.learn(generated.with_fields(old_logprobs=torch.zeros_like(generated.old_logprobs)))
 
 

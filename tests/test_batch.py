@@ -167,6 +167,28 @@ def test_with_fields_and_to():
     assert not moved.prompt_lengths.is_meta and moved.prompt_lengths.tolist() == [2]
 
 
+def test_with_fields_from_puts_outputs_back_by_sample():
+    """Outputs of replicas (any order, narrower R) land on their own samples, padded with zeros."""
+    batch = _random_batch(seed=9, n=6).with_fields(ref_logprobs=None, scores=None)
+    mask = batch.response_mask
+    ref = torch.randn(6, batch.response_width) * mask
+    scores = torch.randn(6)
+    bare = batch.with_fields(old_logprobs=None, values=None, advantages=None, returns=None)
+    parts = []
+    for index in ([4, 1], [0, 5, 2], [3]):  # three replicas' shares
+        part = bare.select(index)
+        width = int(part.response_lengths.max())  # a sub-batch built from its own samples is narrower
+        parts.append(part.with_fields(ref_logprobs=ref[index][:, :width]))
+        parts.append(part.with_fields(scores=scores[index]))
+    out = batch.with_fields_from(parts[::-1], ["ref_logprobs", "scores"])
+    assert torch.equal(out.ref_logprobs, ref) and torch.equal(out.scores, scores)
+    assert torch.equal(out.old_logprobs, batch.old_logprobs)
+    with pytest.raises(ValueError, match=r"the parts' scores rows are samples \[0, 1, 2, 3, 4, 5, 5\]"):
+        batch.with_fields_from(parts + [bare.select([5]).with_fields(scores=scores[[5]])], ["scores"])
+    with pytest.raises(ValueError, match=r"rows are samples \[0, 1, 2, 4, 5\]; expected each"):
+        batch.with_fields_from(parts[:-2] + parts[-1:], ["ref_logprobs"])
+
+
 def _bad(batch: Batch, **fields):
     return lambda: batch.with_fields(**fields)
 

@@ -58,6 +58,15 @@ class EngineConfig:
     prefix_sharing: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "flash"
 
+    @classmethod
+    def for_batch(cls, prompts: int, samples_per_prompt: int, max_model_len: int, **fields) -> EngineConfig:
+        """An engine whose KV cache holds ``prompts`` x ``samples_per_prompt`` sequences of up to
+        ``max_model_len`` tokens at once: each sequence's full blocks, a partly filled one and a spare
+        (``fields``: any other settings, ``block_size`` included)."""
+        block_size = fields.get("block_size", cls.block_size)
+        blocks = prompts * samples_per_prompt * (max_model_len // block_size + 2)
+        return cls(num_blocks=blocks, max_model_len=max_model_len, **fields)
+
     def __post_init__(self):
         _check(self.num_blocks >= 1, "num_blocks", self.num_blocks, ">= 1")
         _check(self.block_size >= 1, "block_size", self.block_size, ">= 1")

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch.distributed as dist
 
@@ -37,6 +37,7 @@ from rlhf.fusion.policy import GenerationCost, LengthDistribution, choose_thresh
 from rlhf.fusion.runtime import FusedGeneration, MigrationConfig, finish_tail, fused_generate
 from rlhf.fusion.stream import StreamSender, receive
 from rlhf.parallel.exchange import gather_to_all
+from rlhf.pipeline.inference import InferenceRunner
 
 FIRST_THRESHOLD = 0.2
 """R of the first iteration under ``migration_threshold auto``: RLHFuse's measured best (its Figure 9)."""
@@ -47,11 +48,39 @@ class EarlyInference:
     """What the freed ranks inferred during generation.
 
     ``done``: {task: batch indices its early replicas inferred} (the same on every rank after `gather`);
-    ``rows``: {batch field: {index: output row}} that this rank computed (last stage, TP rank 0).
+    ``outputs``: the output batches this rank computed (last stage, TP rank 0: rlhf.pipeline.inference).
     """
 
     done: dict = field(default_factory=dict)
-    rows: dict = field(default_factory=dict)
+    outputs: list = field(default_factory=list)
+
+
+@dataclass
+class FusionOutcome:
+    """What fused generation hands to inference on this rank: its fused generation (None off
+    actor_gen), for the metrics, and what the freed ranks inferred meanwhile."""
+
+    fused: FusedGeneration | None
+    early: EarlyInference
+
+
+class Stream(NamedTuple):
+    """The long tail's stream: the freed ranks that infer (``receivers``) and the ranks of the
+    destinations that send them the samples they finish (``senders``)."""
+
+    receivers: list
+    senders: list
+
+
+class GenerationReport(NamedTuple):
+    """One rank's timing of the iteration's generation, gathered to every rank (None: did not run there):
+    its generation and migration seconds, its early-inference window (start, end) in seconds since
+    generation began, and its instance's engine steps."""
+
+    generation_s: float | None
+    migration_s: float | None
+    window: tuple | None
+    steps: int | None
 
 
 def early_replicas(mesh, freed: set) -> list[int]:
@@ -67,10 +96,10 @@ def batch_index(request_id: str, sample_index: int, n: int) -> int:
 class InterStageFusion:
     """The trainer's inter-stage fusion (collective methods: every rank calls them in the same order).
 
-    ``inference``: [(task, batch field)] the trainer infers, in its order.
+    ``inference``: the inference tasks the trainer runs, in its order.
     """
 
-    def __init__(self, config, placement, inference: list[tuple[str, str]], b_sat: int):
+    def __init__(self, config, placement, inference: list[str], b_sat: int):
         self.cfg, self.placement, self.inference, self.b_sat = config.fusion, placement, inference, b_sat
         self.n, self.micro_batch_size = config.ppo.n_samples_per_prompt, config.ppo.micro_batch_size
         self.batch_size = config.ppo.rollout_batch_size * self.n
@@ -97,7 +126,7 @@ class InterStageFusion:
             self.threshold, self.migrate_kv, self.cfg.migration_check_every, b_sat=self.b_sat), finish=False)
         stream = self._stream(fused)
         if stream is not None and groups.coord.dp in fused.destinations and groups.tp_rank == 0:
-            sender = StreamSender(stream[0])
+            sender = StreamSender(stream.receivers)
             finish_tail(engine, fused, sender.send, every=self.cfg.migration_check_every)
             sender.close()
         else:
@@ -110,24 +139,25 @@ class InterStageFusion:
         gen = self.placement["actor_gen"]
         return {r for d in range(gen.strategy.dp) if d not in fused.destinations for r in gen.mp_ranks(d)}
 
-    def _stream(self, fused: FusedGeneration | None):
-        """(the freed ranks that infer, the destinations' senders), or None: no migration, or no inference
-        task has a replica within the freed ranks."""
+    def _stream(self, fused: FusedGeneration | None) -> Stream | None:
+        """Who streams the long tail to whom, or None: no migration, or no inference task has a replica
+        within the freed ranks."""
         if fused is None or fused.migrate_step is None:
             return None
         freed = self._freed(fused)
-        meshes = [self.placement[task] for task, _ in self.inference]
+        meshes = [self.placement[task] for task in self.inference]
         inferring = sorted({r for mesh in meshes for d in early_replicas(mesh, freed) for r in mesh.mp_ranks(d)})
         gen = self.placement["actor_gen"]
-        return (inferring, [gen.rank(0, d, 0) for d in fused.destinations]) if inferring else None
+        return Stream(inferring, [gen.rank(0, d, 0) for d in fused.destinations]) if inferring else None
 
-    def infer_early(self, fused: FusedGeneration | None, make_batch: Callable, infer_rows: Callable) -> EarlyInference:
+    def infer_early(self, fused: FusedGeneration | None, make_batch: Callable,
+                    runner: InferenceRunner) -> EarlyInference:
         """On a rank the migration freed: the samples finished by then, then each batch the destinations
-        stream, shared by each inference task's replicas that lie within the freed ranks
-        (``infer_rows(task, part, indices) -> rows``). Elsewhere (destinations, ranks outside actor_gen, no
+        stream (``make_batch(samples) -> Batch``), shared by each inference task's replicas that lie within
+        the freed ranks (``runner.infer(task, part)``). Elsewhere (destinations, ranks outside actor_gen, no
         migration): nothing."""
         early, stream = EarlyInference(), self._stream(fused)
-        if stream is None or dist.get_rank() not in stream[0]:
+        if stream is None or dist.get_rank() not in stream.receivers:
             return early
         start, freed = time.perf_counter(), self._freed(fused)
         dealt = {}  # task -> samples dealt so far: batch after batch, the replicas take turns
@@ -136,7 +166,7 @@ class InterStageFusion:
             samples = sorted(samples, key=lambda s: batch_index(s.request_id, s.sample_index, self.n))
             index = [batch_index(s.request_id, s.sample_index, self.n) for s in samples]
             batch = make_batch(samples)
-            for task, name in self.inference:
+            for task in self.inference:
                 mesh = self.placement[task]
                 replicas = early_replicas(mesh, freed)
                 if not replicas:
@@ -148,8 +178,9 @@ class InterStageFusion:
                 mine = replicas.index(coord.dp) if coord is not None and coord.dp in replicas else None
                 part = [k for k in range(len(samples)) if (first + k) % len(replicas) == mine]
                 if part:  # a batch smaller than the replica count leaves some replicas (all their ranks) idle
-                    rows = infer_rows(task, batch.select(part), [index[k] for k in part])
-                    early.rows.setdefault(name, {}).update(rows)
+                    out = runner.infer(task, batch.select(part))
+                    if out is not None:
+                        early.outputs.append(out)
 
         pending = []  # streamed samples wait for a micro-batch's worth: fewer, fuller forward passes
 
@@ -162,14 +193,14 @@ class InterStageFusion:
 
         if fused.finished_at_migration:
             infer(fused.finished_at_migration)
-        receive(stream[1], infer_streamed)  # what is left pending goes to the last phase, on every replica
+        receive(stream.senders, infer_streamed)  # what is left pending goes to the last phase, on every replica
         self._window = (start - self._start, time.perf_counter() - self._start)
         return early
 
     def gather(self, mine: list, early: EarlyInference, fused: FusedGeneration | None) -> tuple[list, EarlyInference]:
         """Every rank's finished samples, and the early plan made known to every rank (collective)."""
-        report = (None if fused is None else fused.generation_s, None if fused is None else fused.migration_s,
-                  self._window, self._steps)
+        report = GenerationReport(None if fused is None else fused.generation_s,
+                                  None if fused is None else fused.migration_s, self._window, self._steps)
         parts = gather_to_all([(mine, early.done, report)])
         for _, done, _ in parts:
             for task, index in done.items():
@@ -180,13 +211,13 @@ class InterStageFusion:
     def _record(self, reports: list) -> None:
         """The iteration's timing: generation ends when the slowest instance does; a freed rank's
         early inference overlaps generation up to then."""
-        gen_s = max((r[0] for r in reports if r[0] is not None), default=0.0)
-        windows = [r[2] for r in reports if r[2] is not None]
-        self._last = {"time_fusion_generation_s": gen_s,
-                      "time_fusion_migration_s": max((r[1] for r in reports if r[1] is not None), default=0.0),
+        gen_s = max((r.generation_s for r in reports if r.generation_s is not None), default=0.0)
+        windows = [r.window for r in reports if r.window is not None]
+        migration_s = max((r.migration_s for r in reports if r.migration_s is not None), default=0.0)
+        self._last = {"time_fusion_generation_s": gen_s, "time_fusion_migration_s": migration_s,
                       "time_fusion_early_inference_s": max((b - a for a, b in windows), default=0.0),
                       "time_fusion_overlap_s": max((max(0.0, min(b, gen_s) - a) for a, b in windows), default=0.0)}
-        self._gen_steps = max((r[3] for r in reports if r[3]), default=0)
+        self._gen_steps = max((r.steps for r in reports if r.steps), default=0)
 
     def metrics(self, fused: FusedGeneration | None, tp_rank: int | None) -> dict:
         """This rank's fusion metrics (R, m, migrated samples and bytes, seconds of generation, early
@@ -200,7 +231,7 @@ class InterStageFusion:
             if dist.get_rank() == 0:
                 out["fusion_early_samples_count"] = float(len(fused.finished_at_migration))
         stream = self._stream(fused)
-        if stream is not None and dist.get_rank() == stream[0][0]:  # one of the freed ranks that infer
+        if stream is not None and dist.get_rank() == stream.receivers[0]:  # one of the freed ranks that infer
             out["fusion_streamed_count"] = float(self.streamed)
         return out
 

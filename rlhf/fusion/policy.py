@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from rlhf.parts import part_sizes
+from rlhf.parallel.dealing import part_sizes
 
 SWEEP = tuple(p / 100 for p in range(5, 100, 5))
 """The thresholds R tried by `choose_threshold`: 5%, 10%, ..., 95% of the batch."""

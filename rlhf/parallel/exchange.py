@@ -2,7 +2,7 @@
 
 The trainer's batch is small next to the models, so after generation and
 after inference every rank receives all of it with one object all-gather;
-each task's DP replica then takes its share by index (:func:`shares`).
+each task's DP replica then takes its share by index (rlhf.parallel.dealing.shares).
 """
 
 from __future__ import annotations
@@ -15,13 +15,3 @@ def gather_to_all(mine: list, group=None) -> list:
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
     return [item for part in parts for item in part]
-
-
-def shares(n: int, parts: int) -> list[list[int]]:
-    """``range(n)`` cut into ``parts`` contiguous pieces, the first ``n % parts`` one longer."""
-    out, start = [], 0
-    for p in range(parts):
-        size = n // parts + (p < n % parts)
-        out.append(list(range(start, start + size)))
-        start += size
-    return out

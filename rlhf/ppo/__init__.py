@@ -7,7 +7,6 @@
     job.py        tokenizer, prompts, starting weights, rewards -> the Trainer
     reward_fn.py  rule rewards: load, check, score on rank 0 and share
     trainer.py    the iteration, top to bottom
-    inference.py  one task's forward passes over a batch (reference, reward, critic, recomputed log-probs)
     update.py     the PPO epochs: losses, serial or fused schedules, the fused-schedule search
 
 It may use the reward-model program (the tiny default trains its reward

@@ -163,8 +163,9 @@ class ModelsConfig:
     random weights, except the reference (a copy of the actor's start) and the
     reward model (trained at start-up, or none: ``JobConfig.has_reward_model``).
     Every model reads the ids the actor generates, so none the job builds has a
-    smaller vocabulary than the actor (``JobConfig`` checks the models it uses). ``make_vocab_size_divisible_by``: Megatron-LM's
-    vocabulary padding (``rlhf.ppo.layout.padded_vocab_size``; 1 pads only what tp needs).
+    smaller vocabulary than the actor (``JobConfig`` checks the models it uses).
+    ``make_vocab_size_divisible_by``: Megatron-LM's vocabulary padding
+    (``rlhf.ppo.layout.padded_vocab_size``; 1 pads only what tp needs).
     """
 
     actor: ModelConfig = field(default_factory=lambda: preset("tiny"))

@@ -14,8 +14,8 @@ then the Trainer (docs/training.md, "Models, tokenizer, prompts and rewards").
   pairs (rlhf/reward_model/trainer.py, the pairwise Bradley-Terry loss, on the
   reward_inf mesh; its full weights are then on every rank). With ``--load``
   none of this is read or trained: the checkpoint holds every model.
-- rewards: the reward model, ``--reward-fn`` or both (JobConfig.has_reward_model);
-  the synthetic task's function defaults to its gold rule.
+- rewards: the reward model, ``--reward-fn`` or both (JobConfig.has_reward_model;
+  rlhf/ppo/reward_fn.py); the synthetic task's function defaults to its gold rule.
 
 Every refusal is a ConfigError naming its field, raised alike on every rank.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import time
 
 import torch
@@ -32,16 +31,15 @@ import torch.distributed as dist
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
 from rlhf.config import ConfigError, LoggingConfig, RunConfig
-from rlhf.ppo.config import JobConfig
 from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
                        PromptDataset, Tokenizer, checked_tokenizer)
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
+from rlhf.ppo.config import JobConfig
+from rlhf.ppo.reward_fn import describe_rewards, job_reward_fn
+from rlhf.ppo.trainer import Trainer
 from rlhf.reward_model.config import RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 from rlhf.reward_model.trainer import RewardTrainer
 from rlhf.tasks import MODEL_SEEDS
-from rlhf.ppo.trainer import RewardFn, Trainer
-
-SYNTHETIC_RULE = "rlhf.data.synthetic:gold_reward"
 
 
 def build_trainer(config: JobConfig, placement) -> Trainer:
@@ -94,42 +92,6 @@ def prompt_batches(config: JobConfig, dataset) -> PromptBatchIterator:
         raise ConfigError(f"rollout_batch_size {size} is more than the {len(dataset)} usable prompts of "
                           f"{config.data.prompt_data}; lower it or give more prompts", "ppo.rollout_batch_size")
     return PromptBatchIterator(dataset, size, seed=config.run.seed)
-
-
-def reward_fn_spec(config: JobConfig) -> str | None:
-    """``--reward-fn``; else the synthetic task's gold rule, or None with prompt data."""
-    return config.reward.reward_fn or (SYNTHETIC_RULE if config.data.prompt_data is None else None)
-
-
-def job_reward_fn(config: JobConfig) -> RewardFn | None:
-    spec = reward_fn_spec(config)
-    return load_reward_fn(spec) if spec else None
-
-
-def load_reward_fn(spec: str) -> RewardFn:
-    """The function ``module:function`` names (ConfigError naming ``reward.reward_fn`` if there is none)."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        fn = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- importing user code can raise anything
-        raise ConfigError(f"{spec}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); give "
-                          "MODULE:FUNCTION of a module on the Python path", "reward.reward_fn") from None
-    for part in attribute.split("."):
-        if not hasattr(fn, part):
-            raise ConfigError(f"{spec}: {fn.__name__!r} has no attribute {part!r}", "reward.reward_fn")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ConfigError(f"{spec} is a {type(fn).__name__}, not a function", "reward.reward_fn")
-    return fn
-
-
-def describe_rewards(config: JobConfig) -> str:
-    """One line for the log: what the reward is and what is logged beside it."""
-    spec = reward_fn_spec(config)
-    if not config.has_reward_model:
-        return f"reward: {spec} (no reward model: reward_inf does not run)"
-    where = config.models.weights.get("reward", "trained on the synthetic task's preference pairs")
-    return f"reward: the reward model's score ({where})" + (f"; gold_reward_mean: {spec}" if spec else "")
 
 
 def directory_weights(config: JobConfig, model: str):

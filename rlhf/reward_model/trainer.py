@@ -37,7 +37,8 @@ from rlhf.models.gpt import build_model
 from rlhf.models.naming import named_global_parameters
 from rlhf.models.vocab import drop_vocab_padding
 from rlhf.optim import ModelOptimizer
-from rlhf.parallel.exchange import gather_to_all, shares
+from rlhf.parallel.dealing import shares
+from rlhf.parallel.exchange import gather_to_all
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import gather_tp_full_weights, load_full_weights
 from rlhf.pipeline.compiler import serial_schedule

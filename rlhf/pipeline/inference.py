@@ -1,0 +1,68 @@
+"""One inference task's forward passes over a batch: a (task, Batch) in, a Batch of outputs out.
+
+The reference (``ref_logprobs``), the reward model (``scores``), the critic
+(``values``) and, with ``recompute_logprobs``, actor_train (``old_logprobs``)
+each add one field to the batch (rlhf.tasks.INFERENCE_FIELDS). A DP replica
+runs its samples micro-batched through its pipeline; the last stage's TP rank
+0 returns them as a host Batch of those samples holding just that field, so
+the outputs travel between ranks as batches and are put back by sample
+(``Batch.with_fields_from``). The PPO trainer's inference phase and
+inter-stage fusion's early inference (rlhf/fusion/inter_stage.py) both run
+tasks here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.batch import OPTIONAL_FIELDS, Batch
+from rlhf.memory import StageMemory
+from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.pipeline.microbatch import pipeline_forward
+from rlhf.tasks import INFERENCE_FIELDS, task_kind
+
+
+def response_logprobs(logits: torch.Tensor, mb: Batch, g) -> torch.Tensor:
+    """[b, R] log-probs of the response tokens from vocab-parallel logits [b, T, V/tp]."""
+    return mb.response_from_positions(vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], g.tp))
+
+
+def task_output(task: str, out: torch.Tensor, mb: Batch, g) -> torch.Tensor:
+    """What ``task``'s last stage makes of a micro-batch's model output: [b, R] response log-probs (a
+    language model), [b] scores (the reward model's value at each sample's last token, prompt +
+    response) or [b, R] values (the critic's, per response token)."""
+    if task_kind(task) == "lm":
+        return response_logprobs(out, mb, g)
+    if INFERENCE_FIELDS[task] == "scores":
+        return mb.last_token_values(out).float()
+    return mb.response_from_positions(out.float())
+
+
+def micro_batch_count(n: int, size: int) -> int:
+    """Micro-batches of at most ``size`` samples for ``n`` samples (at least one)."""
+    return max(1, -(-n // size))
+
+
+class InferenceRunner:
+    """This rank's inference tasks: ``models``/``groups`` by task, ``memory`` (offloaded models are
+    loaded for their pass, and what a pass holds is noted), ``micro_batch_size`` samples per pass."""
+
+    def __init__(self, models: dict, groups: dict, memory: StageMemory, micro_batch_size: int):
+        self.models, self.groups, self.memory, self.micro_batch_size = models, groups, memory, micro_batch_size
+
+    def infer(self, task: str, part: Batch) -> Batch | None:
+        """``task``'s outputs for the samples of ``part``, which this rank's replica runs (collective over
+        it): on the last stage's TP rank 0, ``part`` on the host with ``INFERENCE_FIELDS[task]`` set and
+        no other optional field; None on the replica's other ranks."""
+        g, model = self.groups[task], self.models[task]
+        outputs = []
+        with self.memory.on_device(task):
+            for mb in part.split(micro_batch_count(len(part), self.micro_batch_size)):
+                out = pipeline_forward(model, g, mb.tokens)
+                if out is not None:
+                    outputs.append(task_output(task, out, mb, g).cpu())
+            self.memory.note("inference")
+        if not outputs or g.tp_rank != 0:
+            return None
+        bare = part.with_fields(**dict.fromkeys(OPTIONAL_FIELDS)).to("cpu")  # the samples' identity and tokens
+        return bare.with_fields(**{INFERENCE_FIELDS[task]: torch.cat(outputs)})
