@@ -45,7 +45,9 @@ def runs(tmp_path_factory):
     argvs = {"hf": ["--load", hf_dir, "--out", str(tmp / "hf.jsonl"), "--greedy"] + common,
              "ours": ["--load", ours, "--out", str(tmp / "ours.jsonl"), "--greedy"] + common,
              "sampled": ["--load", ours, "--out", str(tmp / "s.jsonl"), "--top-k", "5", "--top-p", "0.9",
-                         "--temperature", "0.7", "--seed", "1"] + common}
+                         "--temperature", "0.7", "--seed", "1"] + common,
+             "add_bos": ["--load", ours, "--out", str(tmp / "add_bos.jsonl"), "--greedy", "--add-bos"] + common,
+             "no_bos": ["--load", ours, "--out", str(tmp / "no_bos.jsonl"), "--greedy", "--no-bos"] + common}
     too_long = tmp / "too_long.jsonl"
     too_long.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x" * 100}) + "\n")
     overlong = ["--load", ours, "--out", str(tmp / "never.jsonl"), "--prompts", str(too_long), "--tokenizer", "byte"]
@@ -62,8 +64,8 @@ def runs(tmp_path_factory):
     return model, out
 
 
-def _hf_greedy(model, prompt: str) -> list[int]:
-    ids = torch.tensor([[257] + list(prompt.encode())])
+def _hf_greedy(model, prompt: str, bos: bool = True) -> list[int]:
+    ids = torch.tensor([[257] * bos + list(prompt.encode())])
     out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=256)
     return out[0, ids.shape[1]:].tolist()
 
@@ -77,6 +79,14 @@ def test_greedy_matches_transformers_generate(runs, source):
         assert record["completion_ids"] == _hf_greedy(model, prompt["prompt"])
         decoded = bytes(i for i in record["completion_ids"] if i < 256).decode("utf-8", errors="replace")
         assert record["completion"] == decoded
+
+
+def test_bos_flags_choose_the_prompt_ids(runs):
+    """--add-bos puts the BOS first (the byte tokenizer's own rule: the default's output); --no-bos encodes the
+    text alone."""
+    model, out = runs
+    assert out["add_bos"] == out["ours"]
+    assert [r["completion_ids"] for r in out["no_bos"]] == [_hf_greedy(model, p["prompt"], bos=False) for p in PROMPTS]
 
 
 def test_sampling_runs_and_stops_at_limits(runs):
@@ -101,46 +111,46 @@ def test_invalid_sampling_flag_is_refused_naming_the_flag(runs):
 
 def test_bos_flags_and_record_errors(tmp_path, capsys):
     from rlhf.data import ByteTokenizer
+    from rlhf.engine.completions import read_prompts
 
     generate = load_tool("generate")
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": "hi"}) + "\n")
     base = ["--load", "m", "--prompts", str(path), "--out", "o.jsonl"]
 
-    def ids(*flags):
-        args = generate.build_parser().parse_args(base + list(flags))
-        return [p.ids for p in generate.read_prompts(args.prompts, ByteTokenizer(), args.add_bos)]
+    def ids(add_bos):
+        return [p.ids for p in read_prompts(str(path), ByteTokenizer(), add_bos)]
 
-    assert ids() == ids("--add-bos") == [[257, 104, 105]]  # the byte tokenizer's own rule: BOS first
-    assert ids("--no-bos") == [[104, 105]]
-    with pytest.raises(SystemExit):
-        generate.build_parser().parse_args(base + ["--add-bos", "--no-bos"])
+    assert ids(None) == ids(True) == [[257, 104, 105]]  # the byte tokenizer's own rule: BOS first
+    assert ids(False) == [[104, 105]]
+    with pytest.raises(SystemExit) as refused:
+        generate.main(base + ["--add-bos", "--no-bos"])
+    assert refused.value.code == 2
     assert "argument --no-bos: not allowed with argument --add-bos" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n\n{"text": "no prompt"}\n')
     with pytest.raises(UsageError, match=rf"^{bad}:3: no string field 'prompt'$"):
-        generate.read_prompts(str(bad), ByteTokenizer(), None)
+        read_prompts(str(bad), ByteTokenizer(), None)
     bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
     with pytest.raises(UsageError, match=rf"^{bad}:2: invalid JSON \("):
-        generate.read_prompts(str(bad), ByteTokenizer(), None)
+        read_prompts(str(bad), ByteTokenizer(), None)
     with pytest.raises(UsageError, match="^--prompts .*nope.jsonl: prompt file not found"):
-        generate.read_prompts(str(tmp_path / "nope.jsonl"), ByteTokenizer(), None)
+        read_prompts(str(tmp_path / "nope.jsonl"), ByteTokenizer(), None)
     bad.write_text("")
     with pytest.raises(UsageError, match=rf"^--prompts {bad}: no prompts in the file"):
-        generate.read_prompts(str(bad), ByteTokenizer(), None)
+        read_prompts(str(bad), ByteTokenizer(), None)
     path.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"prompt": "\u00e9t\u00e9"}) + "\n")
     with pytest.raises(UsageError, match=rf"^{path}:2: token id 195 of the tokenizer is outside the model's "
                                          r"vocabulary \(vocab_size=128\)"):
-        generate.read_prompts(str(path), ByteTokenizer(), False, vocab_size=128)
+        read_prompts(str(path), ByteTokenizer(), False, vocab_size=128)
     # flags and the output path are refused before the model (--load m does not exist) is read
     missing_out = base[:-1] + [str(tmp_path / "missing" / "o.jsonl")]
-    with pytest.raises(UsageError, match=rf"^--out {tmp_path}/missing/o.jsonl: cannot write there"):
-        generate.generate(generate.build_parser().parse_args(missing_out))
+    assert generate.main(missing_out) == 2
+    assert capsys.readouterr().err.startswith(f"generate.py: --out {tmp_path}/missing/o.jsonl: cannot write there")
     for flags, message in ((["--temperature", "inf"], "--temperature: temperature=inf is invalid: must be a finite"),
                            (["--top-p", "nan"], "--top-p: top_p=nan is invalid: must be in (0, 1]"),
                            (["--kv-blocks", "0"], "--kv-blocks: num_blocks=0 is invalid: must be >= 1"),
                            (["--seed", str(2**64)], "--seed: 18446744073709551616 is out of range; give a number in "
                                                     "[0, 4294967295]")):
-        with pytest.raises(UsageError) as exc:
-            generate.generate(generate.build_parser().parse_args(missing_out + flags))
-        assert str(exc.value).startswith(message)
+        assert generate.main(missing_out + flags) == 2
+        assert capsys.readouterr().err.startswith("generate.py: " + message)

@@ -15,9 +15,7 @@ import sys
 import pytest
 import torch
 
-from rlhf.testing.tools import load_tool
-
-generate = load_tool("generate")
+from rlhf.engine.completions import read_prompts
 
 BOS, EOS = 0, 1  # the trainer puts the special tokens first
 TOKENIZER_VOCAB, MODEL_VOCAB = 300, 320
@@ -137,7 +135,7 @@ def test_prompt_ids_are_the_tokenizers_own(runs, tok_kind):
 
     run = runs["llama", tok_kind]
     tok = build_tokenizer(run["path"])
-    ids = {add_bos: [p.ids for p in generate.read_prompts(run["prompts"], tok, add_bos)]
+    ids = {add_bos: [p.ids for p in read_prompts(run["prompts"], tok, add_bos)]
            for add_bos in (None, True, False)}  # default, --add-bos, --no-bos
     assert ids[None] == run["hf_ids"]
     assert all((i[0] == BOS) == (tok_kind == "bos") for i in ids[None])

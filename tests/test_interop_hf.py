@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.checkpoint.hf import (HFConversionError, export_hf, fuse_qkv, hf_sources, read_hf_config, read_hf_state,
-                               split_qkv)
+from rlhf.checkpoint.hf import (HFConversionError, export_hf, export_saved_model, fuse_qkv, hf_sources,
+                               read_hf_config, read_hf_state, split_qkv)
 from rlhf.checkpoint.rlhf_state import read_full_state
 from rlhf.models import ModelConfig
 from rlhf.models.naming import owning_stage
@@ -150,7 +150,7 @@ def test_value_model_from_causal_lm_keeps_new_head(setup, layout):
 def test_export_back_is_identical(setup, tmp_path, name, layout):
     cases, results = setup
     case = next(c for c in cases if c["name"] == name)
-    out = convert_checkpoint.ours_to_hf(results[0][f"{name}/{layout}"]["root"], str(tmp_path / "hf"))
+    out = export_saved_model(results[0][f"{name}/{layout}"]["root"], str(tmp_path / "hf"))
     original, exported = load_file(os.path.join(case["dir"], "model.safetensors")), \
         load_file(os.path.join(out, "model.safetensors"))
     assert sorted(original) == sorted(exported)
@@ -173,7 +173,7 @@ def test_exported_dir_loads_in_transformers(setup, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cases, results = setup
-    out = convert_checkpoint.ours_to_hf(results[0]["qwen2_tied/pp2"]["root"], str(tmp_path / "hf"))
+    out = export_saved_model(results[0]["qwen2_tied/pp2"]["root"], str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     assert model.config.tie_word_embeddings
     ids = torch.randint(0, SHAPE["vocab_size"], (1, 5))
@@ -246,7 +246,7 @@ def test_qkv_fuse_split_roundtrip():
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, cfg), (q, k, v)))
 
 
-def test_unsupported_checkpoints_are_refused(tmp_path):
+def test_unsupported_checkpoints_are_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(HFConversionError, match="unsupported architectures.*LlamaForCausalLM"):
         read_hf_config(str(tmp_path))
@@ -254,8 +254,10 @@ def test_unsupported_checkpoints_are_refused(tmp_path):
     with pytest.raises(HFConversionError, match="no config.json"):
         read_hf_config(str(tmp_path / "missing"))
     assert convert_checkpoint.main(["ours-to-hf", "--load", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
-    help_text = convert_checkpoint.build_parser().format_help()
-    assert "hf-to-ours" in help_text and "ours-to-hf" in help_text
+    with pytest.raises(SystemExit) as done:
+        convert_checkpoint.main(["--help"])
+    help_text = capsys.readouterr().out
+    assert done.value.code == 0 and "hf-to-ours" in help_text and "ours-to-hf" in help_text
 
 
 def test_missing_weights_and_sharded_index(setup, tmp_path):

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from rlhf.ppo.arguments import flag_of, parse_args
+from rlhf.checkpoint.convert import hf_to_ours
 from rlhf.checkpoint.hf import read_hf_config, read_hf_state
 from rlhf.checkpoint.sources import open_source, read_weights
 from rlhf.cli import UsageError
@@ -33,9 +34,6 @@ from rlhf.config import ConfigError
 from rlhf.parallel import Placement
 from rlhf.ppo import layout
 from rlhf.tasks import MODELS
-from rlhf.testing.tools import load_tool
-
-convert_checkpoint = load_tool("convert_checkpoint")
 
 ROOT = Path(__file__).resolve().parents[1]
 BOS, EOS = 0, 1
@@ -93,7 +91,7 @@ def files(tmp_path_factory):
     _save_tokenizer(out["actor_dir"])
     # the reference as our checkpoint, under the converter's default model name "actor"
     out["reference_ckpt"] = str(root / "reference_ckpt")
-    convert_checkpoint.hf_to_ours(out["reference_dir"], out["reference_ckpt"])
+    hf_to_ours(out["reference_dir"], out["reference_ckpt"])
     out["prompts"] = str(root / "prompts.jsonl")
     Path(out["prompts"]).write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
     return out
@@ -249,7 +247,7 @@ def test_model_flags_refuse_what_cannot_play_the_part(files, tmp_path):
 
 def test_a_reward_checkpoint_of_a_language_model_is_refused(files, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    convert_checkpoint.hf_to_ours(files["actor_dir"], ckpt, model_name="reward", role="lm")
+    hf_to_ours(files["actor_dir"], ckpt, model_name="reward", role="lm")
     assert "model 'reward' of checkpoint" in _refusal(["--reward-model", ckpt])
     assert "(role 'lm') is a language model without a value head" in _refusal(["--reward-model", ckpt])
 
@@ -318,7 +316,7 @@ def test_default_tokenizer_comes_with_the_actor(files, tmp_path):
     assert default_tokenizer(parse_args(["--actor-model", files["actor_dir"], *with_data])) == files["actor_dir"]
     assert default_tokenizer(parse_args(["--actor-model", files["actor_dir"]])) == "byte"  # the synthetic task
     ckpt = str(tmp_path / "ckpt")  # a converted checkpoint keeps the tokenizer in <root>/tokenizer
-    convert_checkpoint.hf_to_ours(files["actor_dir"], ckpt)
+    hf_to_ours(files["actor_dir"], ckpt)
     assert default_tokenizer(parse_args(["--actor-model", ckpt, *with_data])) == os.path.join(ckpt, "tokenizer")
     assert default_tokenizer(parse_args(["--actor-model", files["reference_ckpt"], *with_data])) == "byte"
 
@@ -341,7 +339,7 @@ def test_read_weights_equals_transformers_tensors(files):
 
 def test_both_formats_give_the_same_reward_model(files, tmp_path):
     ckpt = str(tmp_path / "rm")
-    convert_checkpoint.hf_to_ours(files["reward_dir"], ckpt, model_name="reward", role="value")
+    hf_to_ours(files["reward_dir"], ckpt, model_name="reward", role="value")
     hf, ours = open_source(files["reward_dir"], "reward"), open_source(ckpt, "reward")
     assert hf.config == ours.config and not hf.new_head and not ours.new_head
     names = list(read_hf_state(files["reward_dir"], read_hf_config(files["reward_dir"]), "value"))

@@ -25,38 +25,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
-
-import torch
 
 from rlhf.checkpoint import gguf, megatron, storage
-from rlhf.checkpoint.hf import HFConversionError, read_hf_config, read_hf_state
-from rlhf.checkpoint.hf import export_saved_model as ours_to_hf  # ours-to-hf: tests call it under this name too
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, save_model
+from rlhf.checkpoint.convert import check_new_iteration, gguf_to_ours, hf_to_ours
+from rlhf.checkpoint.hf import HFConversionError, export_saved_model
 from rlhf.cli import HelpFormatter, report
-from rlhf.data import copy_tokenizer_files
 from rlhf.tasks import KINDS
-
-
-def hf_to_ours(hf_dir: str, out: str, model_name: str = "actor", role: str = "lm", iteration: int = 0,
-               seed: int = 0) -> str:
-    """Import an HF directory as model ``model_name`` of a new checkpoint; returns its path.
-
-    role "value" takes the value head from ``score.weight`` of a sequence
-    classifier, or draws a new one (normal, std ``initializer_range``, ``seed``)
-    for a causal LM.
-    """
-    info = read_hf_config(hf_dir)
-    full = read_hf_state(hf_dir, info, role)
-    if info.config.tie_embeddings and role == "lm":  # one HF tensor, two of our (untied) weights: own storage
-        full["output_layer.weight"] = full["output_layer.weight"].clone()
-    if role == "value" and "output_layer.weight" not in full:
-        gen = torch.Generator().manual_seed(seed)
-        full["output_layer.weight"] = torch.randn(1, info.config.hidden_size, generator=gen) * info.config.init_std
-    path = save_model(out, iteration, model_name, info.config, role, full,
-                      {"converted_from": os.path.abspath(hf_dir), "architecture": info.architecture})
-    copy_tokenizer_files(hf_dir, os.path.join(out, TOKENIZER_DIR))
-    return path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,13 +93,6 @@ def add_megatron_parsers(sub) -> None:
                    help="iteration to export (default: the one 'latest' names); also the Megatron-LM iteration")
 
 
-def gguf_to_ours(gguf_path: str, out: str, model_name: str = "actor", role: str = "lm", iteration: int = 0,
-                 seed: int = 0) -> str:
-    """Dequantize a GGUF file into a temporary HF directory and import that as hf-to-ours does."""
-    with tempfile.TemporaryDirectory(prefix="gguf-") as tmp:
-        return hf_to_ours(gguf.gguf_to_hf(gguf_path, tmp), out, model_name, role, iteration, seed)
-
-
 GGUF_COMMANDS = {
     "gguf-to-hf": lambda a: gguf.gguf_to_hf(a.gguf, a.out),
     "gguf-to-ours": lambda a: gguf_to_ours(a.gguf, a.out, a.model_name, a.role, a.iteration, a.seed),
@@ -147,13 +114,6 @@ def add_gguf_parsers(sub) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of a new value head (--role value)")
 
 
-def check_new_iteration(out: str, iteration: int) -> None:
-    """Refuse to import into an iteration that already exists under ``out``."""
-    if os.path.exists(storage.checkpoint_path(out, iteration)):
-        raise HFConversionError(f"--out {out}: iteration {iteration} already exists there; "
-                                "give another --out or --iteration")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -169,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 check_new_iteration(args.out, args.iteration)
             print(GGUF_COMMANDS[args.direction](args))
         else:
-            print(ours_to_hf(args.load, args.out, args.model_name, args.iteration, args.family))
+            print(export_saved_model(args.load, args.out, args.model_name, args.iteration, args.family))
     except (HFConversionError, storage.CheckpointError, megatron.MegatronCheckpointError) as e:
         return report("convert_checkpoint.py", e)
     return 0

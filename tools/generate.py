@@ -14,16 +14,9 @@ continuous batching) at once.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from typing import NamedTuple
 
-from rlhf.cli import HelpFormatter, UsageError, check_out_path, check_range, report
-
-# engine config / sampling field -> the flag that sets it (for error messages)
-_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
-          "top_p": "--top-p", "num_blocks": "--kv-blocks"}
-MAX_SEED = 2**32 - 1
+from rlhf.cli import HelpFormatter, UsageError, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,113 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class PromptLine(NamedTuple):
-    """One record of the prompts file, where it is, and its prompt's token ids."""
-
-    line: int
-    record: dict
-    ids: list[int]
-
-
-def read_prompts(path: str, tokenizer, add_bos: bool | None, vocab_size: int | None = None) -> list[PromptLine]:
-    """The records of a prompts file with their token ids; errors name file:line.
-
-    ``add_bos``: None tokenizes as the tokenizer's own rules say, True puts its
-    BOS first, False adds nothing (``rlhf.data.encode_prompt``). Ids at or above
-    ``vocab_size`` (the model's) are refused: the model has no embedding for them.
-    """
-    from rlhf.data import PromptDataError, encode_prompt, load_prompt_records
-
-    prompts = []
-    try:
-        for line, record, problem in load_prompt_records(path):
-            if problem is None and not (isinstance(record, dict) and isinstance(record.get("prompt"), str)):
-                problem = "no string field 'prompt'"
-            if problem is not None:
-                raise UsageError(f"{path}:{line}: {problem}")
-            ids = encode_prompt(tokenizer, record["prompt"], add_bos)
-            if not ids:
-                raise UsageError(f"{path}:{line}: the prompt has no tokens (empty text, no BOS added)")
-            if vocab_size is not None and max(ids) >= vocab_size:
-                raise UsageError(f"{path}:{line}: token id {max(ids)} of the tokenizer is outside the model's "
-                                 f"vocabulary (vocab_size={vocab_size}); pass the model's own tokenizer (--tokenizer)")
-            prompts.append(PromptLine(line, record, ids))
-    except PromptDataError as e:
-        raise UsageError(f"--prompts {e} (expected JSONL or Parquet with a 'prompt' per record)") from None
-    if not prompts:
-        raise UsageError(f"--prompts {path}: no prompts in the file (expected one {{\"prompt\": ...}} per line)")
-    return prompts
-
-
-def sampling_params(args, index: int, eos_id: int):
-    """Engine sampling parameters of prompt ``index`` (temperature 0 is greedy)."""
-    from rlhf.engine import SamplingParams
-
-    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed + index, stop_token_ids=(eos_id,))
-
-
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rlhf.engine.completions import generate_completions  # after the flags: --help needs no torch
+
     try:
-        return generate(build_parser().parse_args(argv))
+        return generate_completions(args)
     except UsageError as e:
         return report("generate.py", e)
-
-
-def engine_config(args):
-    """The engine config of the flags, with the sampling flags checked too, before any work (UsageError naming
-    the flag); the seed must fit torch's generator with one seed per prompt."""
-    from rlhf.engine import EngineConfig, EngineConfigError
-
-    check_range("--seed", args.seed, 0, MAX_SEED)
-    try:
-        sampling_params(args, 0, eos_id=0)
-        return EngineConfig(num_blocks=args.kv_blocks)
-    except EngineConfigError as e:
-        flag = _FLAGS.get(e.field_name)
-        raise UsageError(f"{flag + ': ' if flag else ''}{e}") from None
-
-
-def generate(args) -> int:
-    """Generate completions for ``args.prompts`` into ``args.out``; bad input raises UsageError."""
-    from rlhf.checkpoint.hf import HFConversionError
-    from rlhf.checkpoint.loading import load_unsharded_lm
-    from rlhf.checkpoint.storage import CheckpointError
-    from rlhf.data import TokenizerError, build_tokenizer
-    from rlhf.engine import Engine, NeverFitsError, Request
-
-    engine_cfg = engine_config(args)
-    check_out_path("--out", args.out)
-    try:
-        loaded = load_unsharded_lm(args.load, args.model_name, args.iteration)
-    except (CheckpointError, HFConversionError) as e:
-        raise UsageError(f"--load {args.load}: {e}") from None
-    model, cfg, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
-    if args.tokenizer is None and tok_dir is None:
-        raise UsageError(f"--load {args.load}: no tokenizer files saved with the model; pass --tokenizer byte "
-                         "or a tokenizer directory")
-    try:
-        tokenizer = build_tokenizer(args.tokenizer or tok_dir)
-    except TokenizerError as e:
-        raise UsageError(f"{'--tokenizer: ' if args.tokenizer else ''}{e}") from None
-    prompts = read_prompts(args.prompts, tokenizer, args.add_bos, cfg.vocab_size)
-    engine = Engine(model, None, cfg, engine_cfg)
-    requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.eos_id))
-                for i, p in enumerate(prompts)]
-    for prompt, request in zip(prompts, requests):
-        try:
-            engine.check_fits(request)
-        except NeverFitsError as e:
-            raise UsageError(f"{args.prompts}:{prompt.line}: {e}") from None
-    results = engine.generate(requests)
-    with open(args.out, "w", encoding="utf-8") as fout:
-        for prompt, result in zip(prompts, results):
-            ids = list(result.tokens)
-            record = dict(prompt.record, completion=tokenizer.decode(ids, skip_special_tokens=True),
-                          completion_ids=ids)
-            fout.write(json.dumps(record, ensure_ascii=False) + "\n")
-    print(f"generate: {len(results)} completions -> {args.out} ({engine.stats.tokens_per_s:.0f} tokens/s)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -109,6 +109,11 @@ def _check_unsupported(raw: dict, family: str, kind: str, path: str) -> None:
 _REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 
 
+def is_hf_dir(path: str) -> bool:
+    """True for a Hugging Face model directory (it has a config.json)."""
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
 def read_hf_config(hf_dir: str) -> HFModelInfo:
     """Parse ``<hf_dir>/config.json`` into our :class:`ModelConfig` (raises on anything unsupported)."""
     path = os.path.join(hf_dir, "config.json")

@@ -201,14 +201,14 @@ def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *
             shards.update(s)
             json_files.update(j)
     rank = dist.get_rank(group) if group is not None else 0
-    json_files[f"rng_rank{rank}"] = storage.capture_rng_state(_rng_hooks())
+    json_files[f"rng_rank{rank}"] = rng.capture_rng_state(_rng_hooks())
     state = {"data_position": dict(data_position or {}), "extra": dict(extra or {})}
     return storage.save_checkpoint(root, iteration, shards=shards, state=state, json_files=json_files,
                                    group=group, keep_last=keep_last)
 
 
 # --------------------------------------------------------------------------- loading
-def _saved_models(manifest: dict) -> dict[str, int]:
+def saved_models(manifest: dict) -> dict[str, int]:
     """model name -> saved pp, from the ``*_stage0of{pp}_meta.json`` files."""
     out = {}
     for entry in manifest["files"]:
@@ -265,7 +265,7 @@ def _resolve_model(root: str, model_name: str, iteration: Optional[int]) -> tupl
 
 def _model_meta(path: str, model_name: str) -> dict:
     manifest = storage.verify_checkpoint(path, [])
-    saved = _saved_models(manifest)
+    saved = saved_models(manifest)
     if model_name not in saved:
         raise storage.CheckpointError(f"checkpoint {path}: no model {model_name!r} (models: {sorted(saved)})")
     return _read_json(path, shard_name(model_name, 0, saved[model_name]) + "_meta.json")

@@ -19,9 +19,13 @@ model starts the actor and reference, and the critic with a new value head; a
 value model (one output row, written by ours-to-megatron) the critic and reward.
 
 The reward model is frozen, so it needs a trained value head; the critic is
-trained, so it may start from a language model with a new head, drawn as
-``tools/convert_checkpoint.py --role value`` draws one (normal, std
-``init_std``) from the seed the caller gives.
+trained, so it may start from a language model with a new head,
+:func:`new_value_head` (normal, std ``init_std``) from the seed the caller
+gives; ``tools/convert_checkpoint.py --role value`` draws the same one.
+
+Whatever opens a model directory goes through :func:`open_source` and
+:func:`read_weights`: the job's parts, and one unsharded LM for the inference
+tools (rlhf/checkpoint/loading.py).
 """
 
 from __future__ import annotations
@@ -32,10 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.checkpoint import storage
-from rlhf.checkpoint.hf import HFConversionError, read_hf_config, read_hf_state
-from rlhf.checkpoint.loading import is_hf_dir
+from rlhf.checkpoint.hf import HFConversionError, is_hf_dir, read_hf_config, read_hf_state
 from rlhf.checkpoint.megatron import MegatronCheckpointError, is_megatron_dir, open_megatron, read_megatron_state
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, _saved_models, read_full_state, saved_model_config
+from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state, saved_model_config, saved_models
 from rlhf.data.tokenizer import is_tokenizer_dir
 from rlhf.models.config import ModelConfig
 from rlhf.tasks import MODEL_KIND, TRAIN_TASK
@@ -47,6 +50,13 @@ CHECKPOINT_NAMES = {"actor": ("actor",), "reference": ("reference", "actor"), "c
 HEAD = "output_layer.weight"
 
 
+def new_value_head(config: ModelConfig, seed: int) -> torch.Tensor:
+    """A new value head [1, hidden_size] for a value model that starts from a language model: normal with std
+    ``init_std``, drawn from ``seed`` alone, so every place that draws it gets the same tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(1, config.hidden_size, generator=gen) * config.init_std
+
+
 class ModelSourceError(ValueError):
     """A directory cannot start a model; the message says what it holds and what would be valid."""
 
@@ -56,7 +66,8 @@ class ModelSource:
     """What a directory holds for one part (actor, reference, critic or reward).
 
     ``format``: "hf", "megatron" or "checkpoint"; ``checkpoint_model``: the model's name in
-    our checkpoint; ``new_head``: a value model whose head is drawn, not read.
+    our checkpoint, ``iteration`` its iteration (None: the one ``latest`` names when read);
+    ``new_head``: a value model whose head is drawn, not read.
     """
 
     path: str
@@ -65,6 +76,7 @@ class ModelSource:
     format: str
     new_head: bool = False
     checkpoint_model: str | None = None
+    iteration: int | None = None
 
     @property
     def role(self) -> str:
@@ -88,12 +100,15 @@ def _is_checkpoint_root(path: str) -> bool:
     return os.path.isfile(os.path.join(path, storage.LATEST)) or bool(storage.list_checkpoints(path))
 
 
-def open_source(path: str, part: str, trained: bool | None = None, megatron: bool = False) -> ModelSource:
+def open_source(path: str, part: str, trained: bool | None = None, megatron: bool = False, *,
+                model_name: str | None = None, iteration: int | None = None) -> ModelSource:
     """What ``path`` holds for ``part``, checked (reads config files only; raises ModelSourceError).
 
     ``trained``: whether the part is trained (None: as PPO trains it, rlhf.tasks.TRAIN_TASK); a
     trained value part may start from a language model with a new value head (train_reward.py
     trains the reward model). ``megatron``: ``path`` must be a Megatron-LM checkpoint directory.
+    Our checkpoint only: ``model_name`` takes that model instead of the first of
+    CHECKPOINT_NAMES[part], ``iteration`` that iteration instead of ``latest``'s.
     """
     if not os.path.isdir(path):
         raise ModelSourceError(f"{path} is not a directory")
@@ -103,7 +118,7 @@ def open_source(path: str, part: str, trained: bool | None = None, megatron: boo
     if is_hf_dir(path):
         return _hf_source(path, part, trained)
     if _is_checkpoint_root(path):
-        return _checkpoint_source(path, part, trained)
+        return _checkpoint_source(path, part, trained, model_name, iteration)
     raise ModelSourceError(f"{path} is neither a Hugging Face model directory (no config.json), a Megatron-LM "
                            "checkpoint (no latest_checkpointed_iteration.txt) nor our checkpoint root (no "
                            f"'{storage.LATEST}' file, no iter_* directory)")
@@ -148,20 +163,22 @@ def _new_head(what: str, part: str, holds: str, trained: bool) -> bool:
     return True
 
 
-def _checkpoint_source(root: str, part: str, trained: bool) -> ModelSource:
+def _checkpoint_source(root: str, part: str, trained: bool, model_name: str | None,
+                       iteration: int | None) -> ModelSource:
+    names = CHECKPOINT_NAMES[part] if model_name is None else (model_name,)
     try:
-        path = storage.checkpoint_path(root, storage.resolve_checkpoint(root))
-        saved = _saved_models(storage.verify_checkpoint(path, []))
-        name = next((n for n in CHECKPOINT_NAMES[part] if n in saved), None)
+        path = storage.checkpoint_path(root, storage.resolve_checkpoint(root, iteration))
+        saved = saved_models(storage.verify_checkpoint(path, []))
+        name = next((n for n in names if n in saved), None)
         if name is None:
             raise ModelSourceError(f"checkpoint {path} holds model(s) {sorted(saved)}, none named "
-                                   f"{' or '.join(map(repr, CHECKPOINT_NAMES[part]))} to start the {part} from "
+                                   f"{' or '.join(map(repr, names))} to start the {part} from "
                                    "(tools/convert_checkpoint.py --model-name sets the name)")
-        config, role = saved_model_config(root, name)
+        config, role = saved_model_config(root, name, iteration)
     except storage.CheckpointError as exc:
         raise ModelSourceError(str(exc)) from None
     what = f"model {name!r} of checkpoint {path} (role {role!r})"
-    return ModelSource(root, part, config, "checkpoint", _new_head(what, part, role, trained), name)
+    return ModelSource(root, part, config, "checkpoint", _new_head(what, part, role, trained), name, iteration)
 
 
 @torch.no_grad()
@@ -179,11 +196,10 @@ def read_weights(source: ModelSource, names: list[str], head_seed: int) -> dict[
         ckpt = _open_megatron(source.path)
         full = read_megatron_state(ckpt, [n for n in stored if n in ckpt.locations])
     else:
-        full = read_full_state(source.path, source.checkpoint_model, names=stored)[2]
+        full = read_full_state(source.path, source.checkpoint_model, source.iteration, names=stored)[2]
     missing = sorted(set(stored) - set(full))
     if missing:
         raise ModelSourceError(f"{source.path} holds no tensor for {missing[:5]} of the {source.part}")
     if source.new_head and HEAD in names:
-        gen = torch.Generator().manual_seed(head_seed)
-        full[HEAD] = torch.randn(1, source.config.hidden_size, generator=gen) * source.config.init_std
+        full[HEAD] = new_value_head(source.config, head_seed)
     return full

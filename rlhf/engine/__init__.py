@@ -3,6 +3,8 @@ sampling, a TP-sharded decoder on the actor's resharded weights, sample migratio
 
 Layers (each only calls the one below): `Scheduler` -> `KVManager` ->
 `BlockPool` -> `TPDecoder`; `Engine` ties them together. See docs/engine.md.
+Above them, not imported here: `completions` (a prompts file in, completions
+out, one model on one process: tools/generate.py's work).
 """
 
 from rlhf.engine.block_pool import BlockPool
