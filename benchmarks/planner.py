@@ -1,11 +1,21 @@
 """Execution planner: the seed papers' reproductions, and predicted against measured iterations on 4 CPU ranks.
 
-(a) ReaL Table 1: the parameter counts of its four LLaMA configurations, counted
-    from the shapes (rlhf.planner.shapes) against the published checkpoints' counts.
-(b) ReaL Table 6: end-to-end seconds of its four "with CUDA graph" plans from the
-    per-call times of its Tables 2-5, by the iteration simulator. The tables are
-    read from ``--real-tables FILE`` (format below); without one the part is
-    reported as not run.
+(a) ReaL Table 1: the parameters of its four LLaMA-3-style shapes counted by
+    rlhf.planner.shapes, against the table's totals and its counts without
+    the output embedding.
+(b) ReaL Tables 2-6 (rlhf.planner.real_appendix): its four plans' end-to-end
+    seconds ("with CUDA graph") simulated from their measured call seconds,
+    with the weight moves (reshard bytes between the layouts a model's
+    weights move between, there and back as ReaL's runtime does) and the
+    batch's transfers the cost model times, on REAL_HARDWARE (H100 with the
+    links ReaL's reallocation estimator assumes); a plan counts when within
+    10%. Then held out: the hardware file calibrated on one plan's call
+    seconds (and iteration, for host_s) predicts the other plans' calls and
+    iterations, for each choice of plan (median and largest call error
+    each). Then the planner's own search per setting (7B+7B on 16 GPUs,
+    70B+7B on 128) with the file calibrated on that setting's heuristic plan,
+    beside ReaL's plans predicted by the same file. The tables are the shared
+    seed facts (``--real-tables`` for another file of that format).
 (c) HybridFlow Table 2: bytes each rank receives resharding 1-2-2 -> 1-1-2-2 and
     1-4-2 -> 1-2-2-2 (Llama-2 7B, bf16), in HybridFlow's rank order and in plain
     order, against (tp - t_g p_g) / (t_g p_g tp) x M. Counted by
@@ -29,15 +39,14 @@
     H100, 512 samples of 512 + up to 1024 tokens, long-tailed (median 128):
     the best plan without and with ``fuse_generation`` (rlhf.planner.fused_generation).
 
-``--real-tables`` JSON: a list of plans, each
-``{"name": ..., "expected_s": 64.0, "calls": [{"name": "actor_gen", "ranks": [0, ...],
-"seconds": 12.3, "inputs": [["reshard actor", 0.0]]}, ...]}``.
+    python benchmarks/planner.py [--real-only] [--real-tables FILE]
+                                 [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2]
+                                 [--rounds 3]
 
-    python benchmarks/planner.py [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2]
-                                 [--rounds 3] [--real-tables FILE]
-
+``--real-only`` runs (a) and (b) alone (the 70B search takes minutes on 2 cores).
 The last line is the summary:
-``planner: table1=<k>/4 table6=<k>/4 hybridflow=<k>/2 cpu_rank_agreement=<yes|no|n/a> max_cpu_error=<x|n/a>``.
+``planner: table1=<k>/4 table6=<k>/4 hybridflow=<k/2|n/a> cpu_rank_agreement=<yes|no|n/a> max_cpu_error=<x|n/a>
+real_percall_median_error=<y>`` (y: the median of every held-out call's relative error, all four choices).
 """
 from __future__ import annotations
 
@@ -51,21 +60,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from rlhf.models.config import padded_vocab_size
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
 from rlhf.planner.cost import Cluster, Workload
-from rlhf.models.config import padded_vocab_size
+from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import HARDWARE_PRESETS
-from rlhf.planner.iteration_sim import Call, schedule_calls
 from rlhf.planner.placement_search import PlacementSearchConfig, generation_order, search_placements
-from rlhf.planner.plan import Plan, evaluate, stage_seconds
+from rlhf.planner.plan import STAGES, Plan, evaluate, stage_seconds
+from rlhf.planner.real_appendix import (HELD_OUT_TERMS, REAL_HARDWARE, TABLES, RealAppendix, held_out, load_appendix,
+                                        search_beside_real, simulate_table6)
 from rlhf.planner.reshard_bytes import hybridflow_fraction, hybridflow_ranks, parallel_bytes, received_bytes
 from rlhf.planner.shapes import LLAMA_SHAPES, parameter_count
 from rlhf.tasks import TASKS
-
-PUBLISHED = {"llama-7b": 6_738_415_616, "llama-13b": 13_015_864_320, "llama-34b": 33_743_970_304,
-             "llama-70b": 68_976_648_192}
-"""Parameters of meta-llama/Llama-2-{7,13,70}b-hf and codellama/CodeLlama-34b-hf (ReaL Table 1's models)."""
 
 TRANSITIONS = (("1-2-2 -> 1-1-2-2", ParallelStrategy(dp=2, tp=2), ParallelStrategy(dp=4, tp=1)),
                ("1-4-2 -> 1-2-2-2", ParallelStrategy(dp=2, tp=4), ParallelStrategy(dp=4, tp=2)))
@@ -90,35 +97,67 @@ call of its own: data-parallel generation (per-step overhead), reward_inf and cr
 overhead) and actor_train (per-update overhead), TP in ref_inf (collective latency), PP in critic_train."""
 
 
-def table1() -> int:
-    print("(a) ReaL Table 1: parameters from the shapes vs the published checkpoints")
+def table1(app: RealAppendix) -> int:
+    print("(a) ReaL Table 1: parameters counted from its shapes (rlhf.planner.shapes) vs the table's")
     hits = 0
-    for name, published in PUBLISHED.items():
-        cfg = LLAMA_SHAPES[name]
+    for col, cfg in app.shapes.items():
+        total, without_head = app.counts[col]
         count = parameter_count(cfg, "lm")
-        hits += count == published
-        print(f"    {name:10s} {cfg.num_layers:3d} layers, hidden {cfg.hidden_size:5d}, ffn {cfg.ffn_hidden_size:5d}, "
-              f"{cfg.num_attention_heads} heads ({cfg.num_kv_heads} KV), vocab {cfg.vocab_size}: {count:,} "
-              f"{'==' if count == published else '!='} {published:,}")
-    return hits
-
-
-def table6(path: Path | None) -> int:
-    print("(b) ReaL Table 6: simulated end-to-end seconds from per-call times")
-    if path is None:
-        print("    not run: ReaL's Tables 2-6 (per-call times, plans, end-to-end seconds) were not available "
-              "offline when this was built; pass them with --real-tables FILE")
-        return 0
-    hits = 0
-    for plan in json.loads(path.read_text()):
-        calls = [Call(c["name"], c["ranks"], c["seconds"], [tuple(i) for i in c.get("inputs", [])])
-                 for c in plan["calls"]]
-        got = schedule_calls(calls).seconds
-        ok = abs(got - plan["expected_s"]) <= 0.1 * plan["expected_s"]
+        ok = count == total and count - cfg.vocab_size * cfg.hidden_size == without_head
         hits += ok
-        print(f"    {plan['name']:30s} simulated {got:8.1f} s, paper {plan['expected_s']:8.1f} s "
-              f"({got / plan['expected_s'] - 1:+.1%}){'' if ok else '  > 10%'}")
+        print(f"    {col:4s} {cfg.num_layers:3d} layers, hidden {cfg.hidden_size:5d}, ffn {cfg.ffn_hidden_size:5d}, "
+              f"{cfg.num_attention_heads} heads ({cfg.num_kv_heads} KV), vocab {cfg.vocab_size}: {count:,} "
+              f"{'==' if ok else '!='} {total:,} ({without_head:,} without the output embedding)")
     return hits
+
+
+def table6(app: RealAppendix) -> int:
+    print(f"(b) ReaL Table 6: end-to-end seconds from the measured call seconds, weight moves and transfers "
+          f"timed by the cost model ({REAL_HARDWARE.name}: {REAL_HARDWARE.inter_node_bandwidth / 1e9:g} GB/s "
+          f"between nodes, {REAL_HARDWARE.intra_node_bandwidth / 1e9:g} GB/s inside)")
+    hits, simulated = 0, simulate_table6(app)
+    for p in app.plans:
+        ev = simulated[p.name]
+        ok = abs(ev.seconds - p.end_to_end_s) <= 0.1 * p.end_to_end_s
+        hits += ok
+        t = ev.timeline
+        moves = ", ".join(f"{n} {t.end[n] - t.start[n]:.2f}" for n in STAGES["reshard"] if n in t.start) or "none"
+        print(f"    {p.name:28s} simulated {ev.seconds:6.1f} s, paper {p.end_to_end_s:6.1f} s "
+              f"({ev.seconds / p.end_to_end_s - 1:+.1%}){'' if ok else '  > 10%'}; sum of calls "
+              f"{sum(p.measured.values()):.1f} s; moves (s): {moves}")
+    return hits
+
+
+def real_held_out(app: RealAppendix) -> tuple[list, str]:
+    """Each plan's calibration predicting the others; (the fits, the median error over all held-out calls)."""
+    print(f"(b) held out: calibrated ({', '.join(HELD_OUT_TERMS)}; host_s from the iteration) on one plan, "
+          "predicting the others' calls")
+    fits = held_out(app)
+    for h in fits:
+        print(f"    calibrated on {h.calibrated_on}: " + ", ".join(
+            f"{k} {getattr(h.hardware, k):.3g}" for k in HELD_OUT_TERMS + ("host_s",)))
+        print(f"      {'plan':28s} {'call':12s} {'predicted s':>11} {'measured s':>10} {'error':>7}")
+        for (plan, task), (got, want) in h.calls.items():
+            if plan != h.calibrated_on:
+                print(f"      {plan:28s} {task:12s} {got:11.2f} {want:10.2f} {got / want - 1:+7.1%}")
+        for plan, (got, want) in h.iterations.items():
+            label = "iteration (fitted)" if plan == h.calibrated_on else "iteration"
+            print(f"      {plan:28s} {label:12s} {got:11.2f} {want:10.2f} {got / want - 1:+7.1%}")
+        print(f"      held-out calls: median error {h.median_error:.1%}, largest {h.largest_error:.1%}")
+    overall = statistics.median(abs(e) for h in fits for e in h.errors())
+    print(f"    all {sum(len(h.errors()) for h in fits)} held-out calls: median error {overall:.1%}")
+    return fits, f"{overall:.3f}"
+
+
+def real_search(app: RealAppendix, fits: list) -> None:
+    print("(b) the planner's own search beside ReaL's plans, all predicted by the file calibrated on the "
+          "setting's heuristic plan")
+    for s in search_beside_real(app, fits):
+        print(f"    {s.setting} ({s.best.plan.name.split(' [')[0]} at micro-batches of {s.micro_batch_size}): "
+              f"planner {s.best.seconds:.1f} s; " + "; ".join(f"{n} {sec:.1f} s" for n, sec in s.real.items()))
+        print(f"      planner: {s.best.plan.describe()}")
+        for p in (p for p in app.plans if p.setting == s.setting and "searched" in p.name):
+            print(f"      {p.name}: {p.plan.describe()} (micro-batches {p.plan.microbatches})")
 
 
 def hybridflow() -> int:
@@ -299,9 +338,45 @@ def cpu_table(table: dict) -> tuple[str, str]:
     return ("yes" if agree else "no"), f"{max(errors):.3f}"
 
 
+def real_part(path: Path) -> tuple[int, int, str]:
+    """(a) and (b): (Table 1 hits, Table 6 hits, the held-out calls' median error); none when the tables are
+    not readable."""
+    try:
+        app = load_appendix(path)
+    except PlannerError as exc:
+        print(f"(a), (b) ReaL's tables: not run: {exc}")
+        return 0, 0, "n/a"
+    t1, t6 = table1(app), table6(app)
+    fits, median = real_held_out(app)
+    real_search(app, fits)
+    return t1, t6, median
+
+
+def cpu_part(args) -> tuple[str, str]:
+    """(d): (rank agreement, largest error), or n/a when neither --cpu-runs nor --measured is given."""
+    if not (args.cpu_runs or args.measured):
+        print("(d) 4 CPU ranks: not run (pass --cpu-runs, or --measured FILE)")
+        return "n/a", "n/a"
+    if args.measured:
+        table = json.loads(args.measured.read_text())
+    else:
+        print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {args.rounds} rounds of "
+              f"{args.iterations} timed iterations after {args.warmup} warm-up; machine {host.node()}, "
+              f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}", flush=True)
+        table = run_placements(args.iterations, args.warmup, args.rounds)
+        if args.record:
+            args.record.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"(d) 4 CPU ranks, measured {table['measured']} on {table['machine']}, {table['cores']} cores (median of "
+          f"{table['iterations']} iterations after {table['warmup']} warm-up, slowest rank per stage; median of "
+          f"{table.get('rounds', 1)} interleaved rounds):")
+    return cpu_table(table)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--real-tables", type=Path, help="ReaL's per-call times and plans (JSON, format above)")
+    ap.add_argument("--real-tables", type=Path, default=TABLES,
+                    help="ReaL's appendix tables (JSON in the format of the shared seed facts; default %(default)s)")
+    ap.add_argument("--real-only", action="store_true", help="run (a) and (b) alone")
     ap.add_argument("--cpu-runs", action="store_true", help="run part (d): several minutes on 2 cores")
     ap.add_argument("--record", type=Path, help="with --cpu-runs: write the measured table here (JSON)")
     ap.add_argument("--measured", type=Path, help="part (d) from a table --record wrote, without running")
@@ -310,26 +385,14 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="in (d), measure every placement this many times, interleaved; report the median")
     args = ap.parse_args(argv)
-    t1, t6, hf = table1(), table6(args.real_tables), hybridflow()
-    inter_stage()
-    agree, error = "n/a", "n/a"
-    if args.cpu_runs or args.measured:
-        if args.measured:
-            table = json.loads(args.measured.read_text())
-        else:
-            print(f"(d) 4 CPU ranks: the tiny default under {len(CPU_PLANS)} placements, {args.rounds} rounds of "
-                  f"{args.iterations} timed iterations after {args.warmup} warm-up; machine {host.node()}, "
-                  f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}", flush=True)
-            table = run_placements(args.iterations, args.warmup, args.rounds)
-            if args.record:
-                args.record.write_text(json.dumps(table, indent=1) + "\n")
-        print(f"(d) 4 CPU ranks, measured {table['measured']} on {table['machine']}, {table['cores']} cores (median of "
-              f"{table['iterations']} iterations after {table['warmup']} warm-up, slowest rank per stage; median of "
-              f"{table.get('rounds', 1)} interleaved rounds):")
-        agree, error = cpu_table(table)
-    else:
-        print("(d) 4 CPU ranks: not run (pass --cpu-runs, or --measured FILE)")
-    print(f"planner: table1={t1}/4 table6={t6}/4 hybridflow={hf}/2 cpu_rank_agreement={agree} max_cpu_error={error}")
+    t1, t6, median = real_part(args.real_tables)
+    hf, agree, error = "n/a", "n/a", "n/a"
+    if not args.real_only:
+        hf = f"{hybridflow()}/2"
+        inter_stage()
+        agree, error = cpu_part(args)
+    print(f"planner: table1={t1}/4 table6={t6}/4 hybridflow={hf} cpu_rank_agreement={agree} max_cpu_error={error} "
+          f"real_percall_median_error={median}")
 
 
 if __name__ == "__main__":

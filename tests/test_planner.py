@@ -11,6 +11,7 @@ timelines; written plans against pretrain_rlhf.py's own --dry-run checks.
 import json
 import random
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from rlhf.planner.hardware import load_hardware, save_hardware
 from rlhf.planner.shapes import (LLAMA_SHAPES, forward_flops_per_token, kv_bytes_per_token, llama_shape,
                                  parameter_count, schedule_shape, stage_parameters)
 from rlhf.fusion import policy
-from rlhf.planner import fused_generation
+from rlhf.planner import fused_generation, real_appendix
 from rlhf.planner.iteration_sim import Call, Sharing, schedule_calls
 from rlhf.planner.placement_search import (APP_PLACEMENTS, PlacementSearchConfig, allocations, generation_order,
                                            search_placements, set_partitions, strategies)
@@ -225,12 +226,47 @@ def test_fused_training_is_no_slower_than_serial():
     assert together.peak_memory > serial.peak_memory  # both models' activations are live at once
 
 
+def test_given_micro_batch_counts_split_the_batch_like_a_micro_batch_size():
+    """A call given m micro-batches per DP replica costs what micro-batches of samples / (dp m) cost."""
+    cfg, hw, cluster = llama_shape("llama-7b"), HW["h100"], Cluster(1, 8)
+    for task, strategy, samples in (("actor_train", ParallelStrategy(dp=2, pp=2, tp=2), WL.samples // WL.minibatches),
+                                    ("ref_inf", ParallelStrategy(dp=4, pp=2), WL.samples)):
+        mesh = _mesh(task, strategy)
+        for m in (1, 2, 8):
+            size = samples // (strategy.dp * m)
+            assert task_cost(task, cfg, "lm", mesh, WL, hw, cluster, m) == task_cost(
+                task, cfg, "lm", mesh, replace(WL, micro_batch_size=size), hw, cluster)
+    with pytest.raises(PlannerError, match=r"^ref_inf: micro-batches=0 must be a positive integer"):
+        task_cost("ref_inf", cfg, "lm", _mesh("ref_inf", ParallelStrategy()), WL, hw, cluster, 0)
+
+
+def test_generation_in_micro_batches_runs_them_in_turn_or_pipelined():
+    """m micro-batches on one stage decode in turn (m steps of b / m samples per token); over pp stages a token
+    takes max(m, pp) passes of a micro-batch through one stage (pp stages, m = 1: the whole model's read)."""
+    cfg, hw, cluster = llama_shape("llama-7b"), HW["h100"], Cluster(1, 8)
+    context, steps = WL.prompt_len + WL.response_len / 2, WL.response_len
+    cost = lambda s, m=None: task_cost("actor_gen", cfg, "lm", _mesh("actor_gen", s), WL, hw, cluster, m)  # noqa: E731
+
+    def step(s, batch):  # one decode step of the whole model on one DP replica
+        return max(decode_terms(cfg, _mesh("actor_gen", s), batch, context, hw, cluster)[:2])
+
+    one, batch = ParallelStrategy(tp=2), WL.samples
+    assert cost(one, 4).parts["decode"] == pytest.approx((steps - 1) * 4 * step(one, batch / 4))
+    assert cost(one, 4).parts["prefill"] == pytest.approx(cost(one).parts["prefill"])  # the same FLOPs in turn
+    piped = ParallelStrategy(pp=2, tp=2)
+    assert cost(piped, 1).parts["decode"] == pytest.approx((steps - 1) * step(piped, batch))
+    assert cost(piped, 2).parts["decode"] == pytest.approx((steps - 1) * step(piped, batch / 2))
+    assert cost(piped, 8).parts["decode"] == pytest.approx((steps - 1) * 4 * step(piped, batch / 8))
+    assert cost(piped, 2).parts["prefill"] == pytest.approx(cost(one).parts["prefill"] * 3 / 4)  # (m + pp - 1) / m pp
+
+
 def test_the_planner_does_not_import_torch():
     """The planner (the fusion policy it borrows included) runs where torch is not installed."""
     import subprocess
     import sys
 
-    code = ("import sys, rlhf.planner.placement_search, rlhf.planner.calibrate, rlhf.planner.fused_generation; "
+    code = ("import sys, rlhf.planner.placement_search, rlhf.planner.calibrate, rlhf.planner.fused_generation, "
+            "rlhf.planner.real_appendix; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -379,6 +415,31 @@ TINY_MODELS = {"actor": MODEL_PRESETS["tiny"], "reference": MODEL_PRESETS["tiny"
 """The job's built-in tiny default."""
 
 
+def test_weights_return_after_each_call_as_reals_runtime_moves_them():
+    """With weights_return the actor's weights come back into training right after generation (before the
+    inference calls), the critic's move into inference after that and back before advantage; nothing moves
+    after training."""
+    s = ParallelStrategy(dp=4)
+    meshes = {"actor_gen": _mesh("actor_gen", ParallelStrategy(dp=4, tp=2)), "actor_train": _mesh("actor_train", s),
+              "ref_inf": _mesh("ref_inf", s, 4), "reward_inf": _mesh("reward_inf", s),
+              "critic_inf": _mesh("critic_inf", ParallelStrategy(dp=4, tp=2)), "critic_train": _mesh("critic_train", s, 4)}
+    times = {"actor_gen": 10.0, "ref_inf": 2.0, "reward_inf": 1.0, "critic_inf": 3.0, "actor_train": 5.0,
+             "critic_train": 4.0}
+    ev = evaluate(Plan("real", meshes, weights_return=True), MODELS_7B, WL, HW["h100"], Cluster(1, 8), times)
+    t, moved = ev.timeline, ev.reshard_bytes
+    assert set(moved) == {"reshard actor", "return actor", "reshard critic", "return critic"} and all(moved.values())
+    span = {n: t.end[n] - t.start[n] for n in moved}
+    assert t.start["actor_gen"] == pytest.approx(span["reshard actor"])
+    assert t.start["return actor"] == pytest.approx(t.end["actor_gen"])
+    assert t.start["reshard critic"] == pytest.approx(t.end["return actor"])  # first in list order, all ranks
+    assert t.start["ref_inf"] == t.start["reward_inf"] == pytest.approx(t.end["reshard critic"])
+    assert t.start["critic_inf"] == pytest.approx(t.end["ref_inf"])  # its ranks hold ref_inf and reward_inf
+    assert t.start["advantage"] == pytest.approx(t.end["return critic"] + 0.25 * WL.samples * WL.seq * 16 / 450e9)
+    assert ev.seconds == pytest.approx(t.end["actor_train"])  # no reshard after training
+    with pytest.raises(PlannerError, match=r"fused generation keeps the actor's copy"):
+        Plan("p", meshes, fuse_generation=True, weights_return=True)
+
+
 # --- predicted against measured on 4 CPU ranks -----------------------------------------------------------------------
 
 PROFILING = {"ref_inf": {"tp": 2}, "critic_train": {"pp": 2}}
@@ -404,7 +465,7 @@ job's built-in plan)."""
 def test_four_cpu_ranks_predicted_from_one_profiling_run():
     """Calibrated on the profiling run's times alone, the planner predicts the other placements' iterations
     within 25%, in the measured order."""
-    from rlhf.config import DEFAULT_PLANS
+    from rlhf.ppo.layout import DEFAULT_PLANS
 
     models = TINY_MODELS
     wl = Workload(samples=16 * 4, prompt_len=16, response_len=16, minibatches=2, micro_batch_size=4)  # the job's
@@ -481,6 +542,85 @@ def test_search_plans_pass_placement_validation(actor, critic, nodes):
     for ev in res.ranked[:3]:
         _job_accepts(ev.plan.placement(), models, cluster.gpus, WL)
     assert res.best.seconds == min(e.seconds for e in res.ranked)
+
+
+# --- ReaL's appendix tables (the shared seed facts) ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real():
+    if not real_appendix.TABLES.is_file():
+        pytest.skip(f"ReaL's tables are not at {real_appendix.TABLES} (the shared seed facts)")
+    return real_appendix.load_appendix()
+
+
+def test_real_table1_counts_are_exact(real):
+    for col, cfg in real.shapes.items():
+        total, without_head = real.counts[col]
+        assert parameter_count(cfg, "lm") == total
+        assert total - cfg.vocab_size * cfg.hidden_size == without_head
+
+
+def test_real_plans_read_as_reals_runtime_runs_them(real):
+    """Meshes from node names; with pp > 1 ReaL pipelines pp (2 pp in training) micro-batches per one it
+    names; the 70B plans on 128 GPUs at the weak-scaling batch of 4096."""
+    plans = {p.name: p for p in real.plans}
+    assert list(plans) == ["7B+7B searched (Table 4)", "7B+7B heuristic (Table 5)", "70B+7B searched (Table 2)",
+                           "70B+7B heuristic (Table 3)"]
+    searched = plans["7B+7B searched (Table 4)"]
+    meshes, plan = searched.plan.meshes, searched.plan
+    assert (meshes["reward_inf"].ranks, meshes["ref_inf"].ranks) == (tuple(range(8)), tuple(range(8, 16)))
+    assert meshes["actor_gen"].strategy == ParallelStrategy(dp=4, pp=2, tp=2) and plan.weights_return
+    assert plan.microbatches == {"actor_gen": 2, "reward_inf": 16, "ref_inf": 32, "critic_inf": 16,
+                                 "critic_train": 8, "actor_train": 16}
+    assert searched.measured["critic_train"] == 28.1 and searched.end_to_end_s == 64.0
+    assert (searched.cluster, searched.workload) == (Cluster(2, 8), Workload(512, 1024, 1024, 8))
+    big = plans["70B+7B searched (Table 2)"]
+    assert (big.cluster.gpus, big.workload.samples, big.models["actor"].num_layers) == (128, 4096, 80)
+    assert big.models["critic"] == real.shapes["7B"]
+
+
+def test_real_table6_from_the_measured_calls_and_the_modelled_moves(real):
+    """Each end-to-end time within 10% of Table 6, nothing fitted: the heuristic plans run every call on one
+    layout (no weights move, the calls run one after another); the 7B searched plan's critical path is
+    ActorGen, RefInf, CriticInf and CriticTrain plus its four weight moves (ReaL's there and back); the batch's
+    transfers take milliseconds."""
+    simulated = real_appendix.simulate_table6(real)
+    for p in real.plans:
+        assert abs(simulated[p.name].seconds / p.end_to_end_s - 1) <= 0.1, p.name
+    for name in ("7B+7B heuristic (Table 5)", "70B+7B heuristic (Table 3)"):
+        p = next(p for p in real.plans if p.name == name)
+        assert not any(simulated[name].reshard_bytes.values())
+        assert simulated[name].seconds == pytest.approx(sum(p.measured.values()), abs=0.01)  # and the batch's moves
+    ev = simulated["7B+7B searched (Table 4)"]
+    moves = sum(ev.timeline.end[n] - ev.timeline.start[n] for n in ev.reshard_bytes)
+    assert len(ev.reshard_bytes) == 4 and ev.seconds == pytest.approx(16.3 + 8.0 + 4.7 + 28.1 + moves, abs=0.01)
+    assert [round(simulated[p.name].seconds, 2) for p in real.plans] == [57.75, 114.9, 361.37, 529.51]
+
+
+def test_real_held_out_prediction(real):
+    """Calibrated on one plan's calls (and iteration, for host_s), the cost model predicts the other three plans'
+    18 calls; the median and largest errors per calibration plan, as docs/planner.md reports them."""
+    fits = real_appendix.held_out(real)
+    assert [h.calibrated_on for h in fits] == [p.name for p in real.plans]
+    for h in fits:
+        assert len(h.errors()) == 18 and len(h.calls) == 24
+        fit = next(p for p in real.plans if p.name == h.calibrated_on)
+        ev = evaluate(fit.plan, fit.models, fit.workload, h.hardware, fit.cluster)
+        assert h.iterations[fit.name][0] == pytest.approx(ev.seconds)
+        assert ev.seconds == pytest.approx(fit.end_to_end_s) or h.hardware.host_s == 0  # host_s takes the rest
+    assert [(round(h.median_error, 3), round(h.largest_error, 3)) for h in fits] == [
+        (0.247, 0.464), (0.266, 0.897), (0.189, 0.441), (0.206, 1.0)]
+    assert round(statistics.median(abs(e) for h in fits for e in h.errors()), 3) == 0.233
+
+
+def test_planner_search_no_slower_than_reals_searched_plan_7b(real):
+    """7B+7B on 16 GPUs (the 70B+7B search takes minutes: benchmarks/planner.py runs it)."""
+    fits = real_appendix.held_out(real)
+    (found,) = real_appendix.search_beside_real(real, fits, micro_batch_sizes=(1,), settings=("7B+7B",))
+    assert found.calibrated_on == "7B+7B heuristic (Table 5)"
+    assert found.best.seconds <= found.real["7B+7B searched (Table 4)"] < found.real["7B+7B heuristic (Table 5)"]
+    _job_accepts(found.best.plan.placement(), real.plans[0].models, 16, replace(real.plans[0].workload,
+                                                                              micro_batch_size=1))
 
 
 # --- tools/plan_placement.py ---------------------------------------------------------------------------------------

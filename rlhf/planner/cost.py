@@ -11,7 +11,12 @@ Three kinds of call (``ROLE``), every time in seconds::
         max(weights + KV bytes read / (tp * hbm_bandwidth * hbm_efficiency),  FLOPs / (tp * gpu_flops * mfu))
         + TP all-reduces + PP sends; the KV read at the mean context P + R/2
 
-with m micro-batches per DP replica. The batch that saturates a decode step
+with m micro-batches per DP replica: the workload's micro-batch size, or a
+count given per call (ReaL's plans give one per call). Generation may be
+split into m micro-batches too and pipelined over pp stages: each token then
+takes max(m, pp) passes of one micro-batch through one stage (m = 1, pp = 1:
+one continuous batch, what our engine runs), so the step above is scaled by
+max(m, pp) / pp at a micro-batch of b / m samples. The batch that saturates a decode step
 (:func:`saturating_batch`) is where its two terms meet. An all-reduce of n
 bytes over g ranks takes 2 (g-1)/g n / bandwidth, the bandwidth of NVLink when
 the group sits in one node, of the network otherwise. Each call adds
@@ -137,14 +142,26 @@ def microbatches(samples: int, dp: int, micro_batch_size: int) -> int:
     return max(1, math.ceil(samples / (dp * micro_batch_size)))
 
 
+def split(samples: int, dp: int, wl: Workload, count: int | None) -> tuple[int, float]:
+    """(micro-batches per DP replica, samples per micro-batch) of ``samples`` over ``dp`` replicas: ``count``
+    micro-batches when given, else micro-batches of the workload's micro-batch size."""
+    if count is None:
+        return microbatches(samples, dp, wl.micro_batch_size), wl.micro_batch_size
+    return count, samples / (dp * count)
+
+
 def task_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
-              cluster: Cluster) -> TaskCost:
-    """Seconds and bytes per GPU of ``task`` running model ``cfg`` (``kind`` lm or value) on ``mesh``."""
+              cluster: Cluster, count: int | None = None) -> TaskCost:
+    """Seconds and bytes per GPU of ``task`` running model ``cfg`` (``kind`` lm or value) on ``mesh``, in
+    ``count`` micro-batches per DP replica (per mini-batch in training) when given (see the module
+    docstring)."""
     role = ROLE.get(task)
     if role is None:
         raise PlannerError(f"unknown task {task!r}; tasks: {', '.join(ROLE)}")
+    if count is not None and count < 1:
+        raise PlannerError(f"{task}: micro-batches={count!r} must be a positive integer")
     cost = {"training": _training, "inference": _inference, "generation": _generation}[role]
-    return cost(cfg, kind, mesh, wl, hw, cluster)
+    return cost(cfg, kind, mesh, wl, hw, cluster, count)
 
 
 def _stage_bytes(cfg: ModelConfig, kind: str, mesh: TaskMesh, per_param: float) -> float:
@@ -186,10 +203,10 @@ def pass_collectives(cfg: ModelConfig, kind: str, mesh: TaskMesh, role: str, bac
     return (layers + edge if s.tp > 1 else 0) + (s.pp > 1)
 
 
-def _training(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
+def _training(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     s = mesh.strategy
-    m = microbatches(wl.samples // wl.minibatches, s.dp, wl.micro_batch_size)
-    tokens = wl.micro_batch_size * wl.seq
+    m, samples = split(wl.samples // wl.minibatches, s.dp, wl, count)
+    tokens = samples * wl.seq
     f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
     updates = wl.minibatches * wl.ppo_epochs
     grads = allreduce_s(_stage_bytes(cfg, kind, mesh, BYTES), mesh.dp_ranks(0, 0), cluster, hw)
@@ -211,10 +228,10 @@ def _training(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
                     passes, collectives)
 
 
-def _inference(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
+def _inference(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     s = mesh.strategy
-    m = microbatches(wl.samples, s.dp, wl.micro_batch_size)
-    tokens = wl.micro_batch_size * wl.seq
+    m, samples = split(wl.samples, s.dp, wl, count)
+    tokens = samples * wl.seq
     f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
     passes = m + s.pp - 1
     collectives = passes * pass_collectives(cfg, kind, mesh, "inference")
@@ -255,20 +272,23 @@ def saturating_batch(cfg: ModelConfig, mesh: TaskMesh, context: float, hw: Hardw
     return max(1, math.ceil(weights_s / flops_s))
 
 
-def _generation(cfg, kind, mesh, wl, hw, cluster) -> TaskCost:
-    s = mesh.strategy
-    batch = math.ceil(wl.samples / s.dp)
+def _generation(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
+    s, m = mesh.strategy, count or 1
+    batch = math.ceil(wl.samples / s.dp)  # per DP replica, in m micro-batches of `part` samples
+    part = batch / m if m > 1 else batch
+    passes = max(m, s.pp)  # passes of one micro-batch through one stage per token
     prefill = forward_flops_per_token(cfg, "lm", wl.prompt_len) * batch * wl.prompt_len / (
-        s.tp * hw.gpu_flops * hw.mfu)
-    read, compute, comm = decode_terms(cfg, mesh, batch, wl.prompt_len + wl.response_len / 2, hw, cluster)
+        s.tp * hw.gpu_flops * hw.mfu) * ((m + s.pp - 1) / (m * s.pp))  # pipelined over the micro-batches
+    read, compute, comm = decode_terms(cfg, mesh, part, wl.prompt_len + wl.response_len / 2, hw, cluster)
     bound = "decode" if read >= compute else "decode_compute"  # memory-bound (the usual case) or not
     steps = wl.response_len  # the prefill step samples the first token, each decode step one more
-    # per engine step with tp > 1: the embedding's all-reduce, 2 per layer, the logits' all-gather
-    collectives = steps * (2 * cfg.num_layers + 2 if s.tp > 1 else 0)
-    parts = {"prefill": prefill, bound: (steps - 1) * max(read, compute), "decode_comm": steps * comm,
-             "latency": collectives * hw.collective_latency_s,
-             "overhead": hw.call_overhead_s + steps * _stage_units(cfg, 1) * hw.layer_overhead_s}
+    # per stage pass with tp > 1: 2 all-reduces per layer, the embedding's and the logits'; with pp > 1 a send
+    per_pass = (2 * (cfg.num_layers // s.pp) + 2 if s.tp > 1 else 0) + (s.pp > 1)
+    collectives = steps * passes * per_pass
+    parts = {"prefill": prefill, bound: (steps - 1) * (passes / s.pp) * max(read, compute),
+             "decode_comm": steps * (passes / s.pp) * comm, "latency": collectives * hw.collective_latency_s,
+             "overhead": hw.call_overhead_s + steps * passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
     kv = batch * wl.seq * kv_bytes_per_token(cfg) / (s.tp * s.pp)
-    logits = batch * cfg.vocab_size * 4 / s.tp
-    return TaskCost(sum(parts.values()), _stage_bytes(cfg, "lm", mesh, BYTES), kv + logits, parts, steps,
+    logits = part * cfg.vocab_size * 4 / s.tp
+    return TaskCost(sum(parts.values()), _stage_bytes(cfg, "lm", mesh, BYTES), kv + logits, parts, steps * passes,
                     collectives)

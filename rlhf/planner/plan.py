@@ -12,7 +12,13 @@ file's ``host_s``: advantages, metrics), and a point where all ranks meet:
 the trainer gathers the whole batch after inference.
 A reshard occupies both layouts' ranks for its worst rank's received bytes
 (rlhf.planner.reshard_bytes) over the link between them; it is left out when
-nothing moves. The samples move along the data edges (tokens, log-probs and
+nothing moves. With ``weights_return`` (how ReaL's runtime moves weights,
+for its plans) each move into a call's layout has a move back after it::
+
+    reshard actor -> actor_gen -> return actor -> ref_inf, reward_inf
+                                               -> reshard critic -> critic_inf -> return critic -> advantage ...
+
+The samples move along the data edges (tokens, log-probs and
 the scores as 4-byte values per token). With ``fuse_training`` the two
 training calls are one call on their shared ranks whose time is the serial
 time scaled by the greedy fused schedule's makespan over serial 1F1B
@@ -26,7 +32,7 @@ training calls when fused).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -49,6 +55,9 @@ from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, TASK_MODEL, TASKS
 FUSED_GENERATION = "actor_gen+inference"
 """The one call of generation and inference under inter-stage fusion."""
 RESHARDS = {"reshard actor": ("actor_train", "actor_gen"), "reshard critic": ("critic_train", "critic_inf")}
+"""Weight moves (source task, destination task) into the calls that hold a copy of a trained model."""
+RETURNS = {"return actor": ("actor_gen", "actor_train"), "return critic": ("critic_inf", "critic_train")}
+"""The moves back into training after those calls, where weights return (ReaL's runtime)."""
 BATCH_BYTES_PER_TOKEN = 16
 """Bytes per token of the batch moving between tasks: token id, log-probs, reference log-probs, values."""
 
@@ -64,6 +73,18 @@ class Plan:
     fuse_generation: bool = False
     migration_threshold: float | None = None
     """R of the fused generation; None: the fusion policy's choice."""
+    microbatches: dict = field(default_factory=dict)
+    """Micro-batches per DP replica of named tasks (per mini-batch in training; in generation pipelined
+    over its stages or run in turn), as ReaL's plans give them; a task not named splits by the workload's
+    micro-batch size (generation: one continuous batch, what our engine runs)."""
+    weights_return: bool = False
+    """ReaL's runtime: a trained model's weights move into a call's layout before the call and back into
+    the training layout after it. False: the trainer's, where the call's layout keeps its copy."""
+
+    def __post_init__(self):
+        if self.weights_return and self.fuse_generation:
+            raise PlannerError(f"plan {self.name!r}: fused generation keeps the actor's copy on its ranks; it "
+                               "cannot return the weights after generation (weights_return)")
 
     def placement(self) -> dict:
         """The plan as ``pretrain_rlhf.py --placement`` reads it (rlhf.parallel.placement)."""
@@ -128,38 +149,81 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
              durations: dict | None = None) -> Evaluation:
     """Predict ``plan``'s iteration (``models``: ModelConfig per model name). ``durations`` overrides
     the cost model's seconds of named tasks (e.g. measured per-call times)."""
-    costs = {task: cached_cost(task, models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl, hw, cluster)
-             for task, mesh in plan.meshes.items()}
+    costs = {task: cached_cost(task, models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl, hw, cluster,
+                               plan.microbatches.get(task)) for task, mesh in plan.meshes.items()}
     seconds = {task: c.seconds for task, c in costs.items()} | (durations or {})
-    calls, moved, reshards = [], {}, {}
-    for name, (src, dst) in RESHARDS.items():
-        model = TASK_MODEL[src]
-        moved[name] = most_received(models[model], MODEL_KIND[model], plan.meshes[src], plan.meshes[dst])
-        if moved[name]:
-            ranks = set(plan.meshes[src].ranks) | set(plan.meshes[dst].ranks)
-            reshards[name] = (ranks, moved[name] / cluster.bandwidth(ranks, hw))
-    mesh = plan.meshes
-    everyone = set().union(*(m.ranks for m in mesh.values()))
-    if "reshard actor" in reshards:
-        calls.append(Call("reshard actor", *reshards["reshard actor"]))
-    generated, threshold = _generation_calls(plan, models, wl, hw, cluster, seconds,
-                                             [("reshard actor", 0.0)] if "reshard actor" in reshards else [])
-    calls += generated
+    moved = {name: most_received(models[TASK_MODEL[src]], MODEL_KIND[TASK_MODEL[src]], plan.meshes[src],
+                                 plan.meshes[dst]) for name, (src, dst) in weight_moves(plan).items()}
+    moves = {name: _move_call(name, plan, nbytes, hw, cluster) for name, nbytes in moved.items() if nbytes}
+    everyone = set().union(*(m.ranks for m in plan.meshes.values()))
+    calls, scored, threshold = _rollout_calls(plan, models, wl, hw, cluster, seconds, moves)
     # each inference task sends one value per token, a quarter of the batch's bytes, from its own ranks
-    scored = generated[1:] or generated
     calls.append(Call("advantage", everyone, hw.host_s,
-                      [_batch_edge(c.name, c.ranks, everyone, wl, hw, cluster, 0.25) for c in scored]))
-    if plan.fuse_training:
-        fused = fused_training_seconds(plan, models, wl, hw, seconds["actor_train"] + seconds["critic_train"])
-        calls.append(Call("actor_train+critic_train", mesh["actor_train"].ranks, fused, [("advantage", 0.0)]))
-        trained = "actor_train+critic_train"
-    else:
-        calls += [Call(t, mesh[t].ranks, seconds[t], [("advantage", 0.0)]) for t in ("actor_train", "critic_train")]
-        trained = "critic_train"
-    if "reshard critic" in reshards:
-        calls.append(Call("reshard critic", *reshards["reshard critic"], [(trained, 0.0)]))
+                      [_batch_edge(c.name, c.ranks, everyone, wl, hw, cluster, 0.25) for c in scored]
+                      + _after(moves, "return critic")))
+    calls += _training_calls(plan, models, wl, hw, seconds, moves)
     return Evaluation(plan, schedule_calls(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved,
                       threshold)
+
+
+def weight_moves(plan: Plan) -> dict:
+    """The weight moves of ``plan``'s iteration, name -> (source task, destination task): into generation
+    and critic inference, and with ``weights_return`` back into training after them."""
+    return RESHARDS | (RETURNS if plan.weights_return else {})
+
+
+def _move_call(name: str, plan: Plan, nbytes: int, hw: Hardware, cluster: Cluster) -> Call:
+    """Weight move ``name`` as a call (inputs added by the graph): both layouts' ranks, for the busiest
+    rank's ``nbytes`` over the link between them."""
+    src, dst = weight_moves(plan)[name]
+    ranks = set(plan.meshes[src].ranks) | set(plan.meshes[dst].ranks)
+    return Call(name, ranks, nbytes / cluster.bandwidth(ranks, hw))
+
+
+def _after(moves: dict, name: str, inputs: list | None = None) -> list:
+    """The edge waiting for move ``name`` when it moves anything, else ``inputs`` (default none)."""
+    return [(name, 0.0)] if name in moves else list(inputs or [])
+
+
+def _placed(moves: dict, name: str, inputs: list) -> list[Call]:
+    """Move ``name`` after ``inputs``, when it moves anything."""
+    return [replace(moves[name], inputs=tuple(inputs))] if name in moves else []
+
+
+def _rollout_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Cluster, seconds: dict,
+                   moves: dict) -> tuple[list[Call], list[Call], float | None]:
+    """The calls up to advantage: the actor's move, generation, the inference calls it feeds and (with
+    ``weights_return``) the moves around them as ReaL's runtime makes them (back into training right
+    after a call, before its consumers; the critic's after generation, as its inference's own inputs);
+    the calls whose scores advantage waits for; the fused generation's R."""
+    calls = _placed(moves, "reshard actor", [])
+    if plan.fuse_generation:
+        fused, threshold = _fused_generation_call(plan, models, wl, hw, cluster, seconds,
+                                                  _after(moves, "reshard actor"))
+        return calls + [fused], [fused], threshold
+    mesh, gen = plan.meshes, plan.meshes["actor_gen"]
+    calls.append(Call("actor_gen", gen.ranks, seconds["actor_gen"], _after(moves, "reshard actor")))
+    calls += _placed(moves, "return actor", [("actor_gen", 0.0)])
+    generated = _after(moves, "return actor")
+    if plan.weights_return:
+        calls += _placed(moves, "reshard critic", generated or [("actor_gen", 0.0)])
+    ready = {t: _after(moves, "reshard critic", generated) if t == "critic_inf" and plan.weights_return
+             else generated for t in INFERENCE_TASKS}
+    inferring = [Call(t, mesh[t].ranks, seconds[t], [_batch_edge("actor_gen", gen.ranks, mesh[t].ranks, wl, hw,
+                                                                 cluster)] + ready[t]) for t in INFERENCE_TASKS]
+    return calls + inferring + _placed(moves, "return critic", [("critic_inf", 0.0)]), inferring, None
+
+
+def _training_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, seconds: dict, moves: dict) -> list[Call]:
+    """The training calls after advantage (one fused call with ``fuse_training``), and the critic's move
+    into its inference layout after them (the trainer's order; ReaL's moves it before its inference)."""
+    mesh = plan.meshes
+    if plan.fuse_training:
+        fused = fused_training_seconds(plan, models, wl, hw, seconds["actor_train"] + seconds["critic_train"])
+        calls = [Call("actor_train+critic_train", mesh["actor_train"].ranks, fused, [("advantage", 0.0)])]
+    else:
+        calls = [Call(t, mesh[t].ranks, seconds[t], [("advantage", 0.0)]) for t in ("actor_train", "critic_train")]
+    return calls + ([] if plan.weights_return else _placed(moves, "reshard critic", [(calls[-1].name, 0.0)]))
 
 
 def _batch_edge(src: str, src_ranks, dst_ranks, wl: Workload, hw: Hardware, cluster: Cluster,
@@ -169,24 +233,22 @@ def _batch_edge(src: str, src_ranks, dst_ranks, wl: Workload, hw: Hardware, clus
     return src, nbytes / cluster.bandwidth(set(src_ranks) | set(dst_ranks), hw)
 
 
-def _generation_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Cluster, seconds: dict,
-                      inputs: list) -> tuple[list[Call], float | None]:
-    """actor_gen and the inference calls it feeds, or with ``fuse_generation`` one fused call (and its R)
-    lasting their span times the fusion policy's fused over unfused time."""
+def _fused_generation_call(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Cluster, seconds: dict,
+                           inputs: list) -> tuple[Call, float]:
+    """Generation and inference as one call on actor_gen's ranks (and its R), lasting their unfused span
+    times the fusion policy's fused over unfused time."""
     mesh, gen = plan.meshes, plan.meshes["actor_gen"]
-    inferring = [Call(t, mesh[t].ranks, seconds[t], [_batch_edge("actor_gen", gen.ranks, mesh[t].ranks, wl, hw,
-                                                                 cluster)]) for t in INFERENCE_TASKS]
-    if not plan.fuse_generation:
-        return [Call("actor_gen", gen.ranks, seconds["actor_gen"], inputs)] + inferring, None
     why = fused_generation.refusal(mesh, hw)
     if why:
         raise PlannerError(why)
-    unfused = [Call("actor_gen", gen.ranks, seconds["actor_gen"])] + inferring
+    unfused = [Call("actor_gen", gen.ranks, seconds["actor_gen"])] + [
+        Call(t, mesh[t].ranks, seconds[t], [_batch_edge("actor_gen", gen.ranks, mesh[t].ranks, wl, hw, cluster)])
+        for t in INFERENCE_TASKS]
     span = schedule_calls(unfused, sharing(hw, cluster)).seconds
     cost = fused_generation.generation_cost(models["actor"], gen, wl, hw, cluster, seconds["actor_gen"],
-                                       span - seconds["actor_gen"])
+                                            span - seconds["actor_gen"])
     fused, threshold = fused_generation.fused_seconds(cost, wl, span, plan.migration_threshold)
-    return [Call(FUSED_GENERATION, gen.ranks, fused, inputs)], threshold
+    return Call(FUSED_GENERATION, gen.ranks, fused, inputs), threshold
 
 
 def sharing(hw: Hardware, cluster: Cluster) -> Sharing | None:
@@ -194,7 +256,7 @@ def sharing(hw: Hardware, cluster: Cluster) -> Sharing | None:
     return Sharing(cluster.gpus_per_node, hw.shared_cores) if hw.shared_cores else None
 
 
-STAGES = {"reshard": ("reshard actor", "reshard critic"), "generation": ("actor_gen", FUSED_GENERATION),
+STAGES = {"reshard": tuple(RESHARDS) + tuple(RETURNS), "generation": ("actor_gen", FUSED_GENERATION),
           "inference": INFERENCE_TASKS, "advantage": ("advantage",),
           "training": ("actor_train", "critic_train", "actor_train+critic_train")}
 """The trainer's timed stages (``time_<stage>_s``) and the calls of each."""
@@ -215,9 +277,9 @@ def stage_seconds(ev: Evaluation) -> dict:
 
 @lru_cache(maxsize=None)
 def cached_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
-                cluster: Cluster) -> TaskCost:
+                cluster: Cluster, count: int | None = None) -> TaskCost:
     """rlhf.planner.cost.task_cost, remembered (the search asks for the same layouts again and again)."""
-    return task_cost(task, cfg, kind, mesh, wl, hw, cluster)
+    return task_cost(task, cfg, kind, mesh, wl, hw, cluster, count)
 
 
 @lru_cache(maxsize=None)
