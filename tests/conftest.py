@@ -1,5 +1,15 @@
 """Suite-wide settings: CPU mode for every process the tests start, and the ``gpu`` marker.
 
+How the suite is laid out:
+
+- ``test_<x>.py`` tests what ``<x>`` names (a module, a tool, a behaviour), never a milestone.
+- A multi-rank test launches a ``scenario_<x>.py``: the code that runs on every rank of one gloo
+  process set (``rlhf.testing.distributed.launch(n, "scenario_<x>:run")``), returning what the
+  tests assert on. Only ``test_<x>*.py`` files use ``scenario_<x>.py`` (``test_fusion_runtime.py``
+  and ``test_fusion_transport.py`` share ``scenario_fusion.py``), and they share one launch per
+  module (a fixture), since each process pays the megatron import.
+- Shared helpers live in ``rlhf/testing/`` (importable; no test edits the import path).
+
 The multi-rank tests run gloo process sets on one host, which a single GPU
 cannot serve over NCCL, so ``RLHF_DEVICE=cpu`` is set for the whole session
 (spawned workers and subprocesses inherit it). Tests marked ``gpu`` need a

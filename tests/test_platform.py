@@ -1,7 +1,7 @@
 """rlhf.platform: backend choice and the CPU adaptation of megatron-core.
 
 The numerical check that the adaptation is right (TP2 / PP2 losses equal the
-unsharded loss with the same weights) is in test_foundation_distributed.py.
+unsharded loss with the same weights) is in test_task_meshes.py.
 """
 
 import subprocess

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # The pretrain_rlhf.py flags of a cluster example, shared by single_node.sh and slurm.sbatch, and by
-# tests/test_launch_examples.py, which dry-runs exactly what they launch. Sourced with ROOT set to the
+# tests/test_cluster_launch.py, which dry-runs exactly what they launch. Sourced with ROOT set to the
 # repository root (docs/launch.md).
 #
 # An example is a directory beside this file: job.sh (model shapes; PPO flags if not the defaults

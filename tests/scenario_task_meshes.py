@@ -1,4 +1,4 @@
-"""4-rank scenario for the foundation tests: meshes, sharded models, resharding.
+"""4-rank scenario of tests/test_task_meshes.py: six task meshes, sharded models, resharding.
 
 Every check compares a sharded computation against an unsharded model with
 the same weights, built on each rank from one seed. Returns max abs errors.

@@ -1,4 +1,4 @@
-"""Foundation acceptance: six task meshes in one 4-rank gloo process set.
+"""Six task meshes in one 4-rank gloo process set, each checked against one unsharded model.
 
 actor_train TP2xPP2, critic_train PP2xDP2 in reverse rank order, actor_gen
 TP2xDP2 and reward_inf TP1 on ranks {0, 1}; each runs forward/backward and
@@ -16,7 +16,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results():
-    return launch(4, "scenario_foundation:run")
+    return launch(4, "scenario_task_meshes:run")
 
 
 def _values(results, key):
