@@ -230,8 +230,11 @@ def main_outcome(main, argv):
 
 
 @pytest.mark.timeout(120)
-def test_search_schedule_numbers(tmp_path, capsys):
+def test_search_schedule_numbers(tmp_path, capsys, monkeypatch):
+    import rlhf.schedule.search as schedule_search
+
     tool = load_tool("search_schedule")
+    monkeypatch.setattr(schedule_search, "search_mpi", accept)
     path = tmp_path / "problem.json"
     path.write_text(json.dumps(good_problem().to_dict()))
     rng = random.Random(1605)
@@ -239,8 +242,7 @@ def test_search_schedule_numbers(tmp_path, capsys):
     for _ in range(TRIALS // 2):
         flag, text = rng.choice(flags), cli_number(rng)
         text = text + "x" if flag == "--mem-cap" and rng.random() < 0.3 else text
-        outcome = parse_outcome(lambda a: tool.check_inputs(tool.parse_args(a)),
-                                ["--problem", str(path), f"{flag}={text}"], UsageError)
+        outcome = main_outcome(tool.main, ["--problem", str(path), f"{flag}={text}"])
         if outcome is None and flag != "--seed":
             value = float(text.rstrip("x"))
             assert math.isfinite(value) and value >= 0, (flag, text)
@@ -248,12 +250,12 @@ def test_search_schedule_numbers(tmp_path, capsys):
     for _ in range(TRIALS // 3):
         flag, text = rng.choice(cost_flags), cli_number(rng)
         argv = ["--model", "name=a,size=7B,tp=1,pp=2,mb=2,direction=down", f"{flag}={text}", "--budget=0"]
-        outcome = parse_outcome(lambda a: tool.check_inputs(tool.parse_args(a)), argv, UsageError)
+        outcome = main_outcome(tool.main, argv)
         assert outcome is not None or math.isfinite(float(text)), (flag, text)
     for _ in range(TRIALS // 3):  # --model key=value pairs
         key = rng.choice(["layers", "hidden", "ffn", "heads", "kv_heads", "tp", "pp", "mb", "direction", "name"])
         argv = ["--model", f"name=a,size=7B,tp=1,pp=2,mb=2,direction=down,{key}={cli_number(rng)}", "--budget=0"]
-        parse_outcome(lambda a: tool.check_inputs(tool.parse_args(a)), argv, UsageError)
+        main_outcome(tool.main, argv)
     capsys.readouterr()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import rlhf.schedule.search as schedule_search
 from rlhf.schedule.io import load_schedule
 from rlhf.schedule.lower_bound import serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem
@@ -82,7 +83,7 @@ def refusal(tmp_path, capsys, monkeypatch):
     def start_search(*_):
         raise AssertionError("the search started")
 
-    monkeypatch.setattr(search_schedule, "search_mpi", start_search)
+    monkeypatch.setattr(schedule_search, "search_mpi", start_search)
 
     def run_main(argv):
         assert search_schedule.main(argv) == 2

@@ -23,46 +23,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlhf.cli import HelpFormatter, UsageError, check_out_path, check_range, quiet_unless_first_rank, report
+from rlhf.cli import HelpFormatter, UsageError, quiet_unless_first_rank, report
+from rlhf.schedule import search
 from rlhf.schedule.anneal import AnnealConfig
-from rlhf.schedule.cost_model import LLAMA, CostConfig, ModelShape, build_problem
-from rlhf.schedule.io import load_problem, save_schedule
-from rlhf.schedule.lower_bound import min_peak_memory, serial_peak_memory
-from rlhf.schedule.problem import Problem, ProblemError
+from rlhf.schedule.cost_model import CostConfig
+from rlhf.schedule.inputs import check_inputs
+from rlhf.schedule.io import save_schedule
 from rlhf.schedule.schedule import Schedule
-from rlhf.schedule.search import SearchConfig, format_summary, search_mpi, start_pool, world_comm
 
 PROGRAM = "search_schedule.py"
-INT_KEYS = {"layers", "hidden", "ffn", "heads", "kv_heads", "tp", "pp", "mb"}
-MODEL_KEYS = "name, size or layers/hidden/ffn/heads[/kv_heads], tp, pp, mb, direction"
-MAX_BUDGET = 1e6
-"""Largest --budget / --memory-budget in nominal seconds (the proposal count must stay a practical number)."""
-
-
-def parse_model(text: str) -> ModelShape:
-    """One ``--model`` value (key=value pairs) as a ModelShape; UsageError naming the flag and the bad pair."""
-    kv = {}
-    for part in text.split(","):
-        k, eq, v = (x.strip() for x in part.partition("="))
-        if not eq:
-            raise UsageError(f"--model: part {part!r} of {text!r} is not key=value; keys: {MODEL_KEYS}")
-        if k in INT_KEYS:
-            try:
-                kv[k] = int(v)
-            except ValueError:
-                raise UsageError(f"--model: {k}={v!r} must be an integer") from None
-        else:
-            kv[k] = v
-    size = kv.pop("size", None)
-    if size is not None:
-        if size not in LLAMA:
-            raise UsageError(f"--model: size={size!r} is not a LLaMA preset; known sizes {sorted(LLAMA)}")
-        kv = {**LLAMA[size], **kv}
-    kv["microbatches"] = kv.pop("mb", None)
-    try:
-        return ModelShape(**kv)
-    except (TypeError, ProblemError) as err:  # a missing or unknown key, a bad value
-        raise UsageError(f"--model: {text!r}: {err}; keys: {MODEL_KEYS}") from None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="nominal seconds of the memory phase (cap ladder, then the peak-memory pass), "
                          "in [0, 1e6]; makespan seconds left by an early stop at the lower bound are added "
                          "(default %(default)g)")
-    ap.add_argument("--makespan-slack", type=float, default=SearchConfig.makespan_slack,
+    ap.add_argument("--makespan-slack", type=float, default=search.SearchConfig.makespan_slack,
                     help="how much the memory phase may lengthen the best makespan found, as a fraction "
                          "in [0, 1] (never beyond 1%% over the lower bound unless the best already is; "
                          "default %(default)g, 0: the fastest schedule, then the least memory)")
@@ -110,79 +79,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build(args) -> Problem:
-    """The problem of ``--problem`` or of the ``--model`` flags and the cost model (UsageError naming the flag)."""
-    if args.problem is not None:
-        try:
-            return load_problem(args.problem)
-        except ProblemError as err:  # unreadable file, bad JSON, a bad value (named)
-            raise UsageError(f"--problem: {err}") from None
-    flags = {"tokens_per_microbatch": "--tokens", "seq_len": "--seq-len", "gpu_flops": "--gpu-tflops",
-             "mfu": "--mfu", "comm": "--comm", "gpus": "--gpus"}
-    try:
-        cfg = CostConfig(tokens_per_microbatch=args.tokens, seq_len=args.seq_len,
-                         gpu_flops=args.gpu_tflops * 1e12, mfu=args.mfu, comm=args.comm, gpus=args.gpus)
-    except ProblemError as err:
-        flag = next((f for k, f in flags.items() if f"CostConfig.{k}=" in str(err)), "cost model")
-        raise UsageError(f"{flag}: {err}") from None
-    try:
-        return build_problem([parse_model(text) for text in args.model], cfg)
-    except ProblemError as err:
-        raise UsageError(f"{'--gpus' if str(err).startswith('gpus=') else '--model'}: {err}") from None
-
-
-def resolve_cap(args, pb: Problem) -> tuple:
-    """(the activation cap per stage or None, what set it): ``--mem-cap`` (absolute, or ``1.25x`` of the
-    serial 1F1B peak), else the problem file's ``mem_cap``."""
-    text = args.mem_cap
-    if text is None:
-        return pb.mem_cap, f"--problem {args.problem}: mem_cap"
-    valid = f"a number ({pb.mem_unit}) or a multiple of the serial 1F1B peak such as 1.25x"
-    try:
-        number = float(text[:-1] if text.endswith("x") else text)
-    except ValueError:
-        raise UsageError(f"--mem-cap: {text!r} is not a number; give {valid}") from None
-    if not text.endswith("x"):
-        return check_range("--mem-cap", number, 0, low_open=True, unit=pb.mem_unit), "--mem-cap"
-    check_range("--mem-cap", number, 0, low_open=True, unit="(times the serial 1F1B peak, e.g. 1.25x)")
-    serial = max(serial_peak_memory(pb))
-    if serial == 0:
-        raise UsageError(f"--mem-cap: {text} of a serial 1F1B peak of 0: the problem holds no activation memory "
-                         "(act_mem is 0); drop --mem-cap")
-    return number * serial, "--mem-cap"
-
-
-def check_cap(pb: Problem, cap, flag: str) -> None:
-    """Refuse a cap that no schedule meets (below :func:`min_peak_memory`), or one that none of the search's
-    start schedules meets, before the search starts; the message gives the feasible minimum."""
-    if cap is None:
-        return
-    unit, need, serial = pb.mem_unit, max(min_peak_memory(pb)), max(serial_peak_memory(pb))
-    if cap < need - 1e-9:
-        raise UsageError(f"{flag}: {cap:g} {unit} is below the feasible minimum {need:g} {unit} (the largest "
-                         f"activation of one micro-batch on one stage); give at least {need:g} (serial 1F1B "
-                         f"needs {serial:g}, 1x)")
-    if cap < serial - 1e-9 and not start_pool(pb, cap):
-        raise UsageError(f"{flag}: the search finds no start schedule within {cap:g} {unit} (the feasible minimum "
-                         f"is {need:g}); give a larger cap, at most the serial 1F1B peak {serial:g} (1x), which "
-                         "always works")
-
-
-def check_inputs(args) -> tuple:
-    """(problem, cap) of the flags, with every number and output path checked before the search starts."""
-    check_range("--budget", args.budget, 0, MAX_BUDGET, unit="nominal seconds")
-    check_range("--memory-budget", args.memory_budget, 0, MAX_BUDGET, unit="nominal seconds")
-    check_range("--t0-scale", args.t0_scale, 0, low_open=True)
-    check_range("--makespan-slack", args.makespan_slack, 0, 1)
-    for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path is not None:
-            check_out_path(flag, path)
-    pb = build(args)
-    cap, flag = resolve_cap(args, pb)
-    check_cap(pb, cap, flag)
-    return pb, cap
-
-
 def main(argv=None) -> int:
     try:
         with quiet_unless_first_rank():  # under mpiexec every rank parses the same flags
@@ -190,13 +86,14 @@ def main(argv=None) -> int:
         pb, cap = check_inputs(args)
     except UsageError as err:
         return report(PROGRAM, err)
-    cfg = SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget, seed=args.seed, mem_cap=cap,
-                       makespan_slack=args.makespan_slack, anneal=AnnealConfig(t0_scale=args.t0_scale))
-    res = search_mpi(pb, cfg)
-    comm = world_comm()
+    cfg = search.SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget, seed=args.seed,
+                              mem_cap=cap, makespan_slack=args.makespan_slack,
+                              anneal=AnnealConfig(t0_scale=args.t0_scale))
+    res = search.search_mpi(pb, cfg)
+    comm = search.world_comm()
     if comm is not None and comm.Get_rank() != 0:
         return 0
-    print(format_summary(res))
+    print(search.format_summary(res))
     if args.out:
         out_pb = pb.with_mem_cap(cap) if cap is not None else pb
         save_schedule(args.out, Schedule.from_orders(out_pb, res.orders, res.metrics()))
