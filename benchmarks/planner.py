@@ -136,13 +136,13 @@ def real_held_out(app: RealAppendix) -> tuple[list, str]:
     for h in fits:
         print(f"    calibrated on {h.calibrated_on}: " + ", ".join(
             f"{k} {getattr(h.hardware, k):.3g}" for k in HELD_OUT_TERMS + ("host_s",)))
-        print(f"      {'plan':28s} {'call':12s} {'predicted s':>11} {'measured s':>10} {'error':>7}")
+        print(f"      {'plan':28s} {'call':15s} {'predicted s':>11} {'measured s':>10} {'error':>7}")
         for (plan, task), (got, want) in h.calls.items():
             if plan != h.calibrated_on:
-                print(f"      {plan:28s} {task:12s} {got:11.2f} {want:10.2f} {got / want - 1:+7.1%}")
+                print(f"      {plan:28s} {task:15s} {got:11.2f} {want:10.2f} {got / want - 1:+7.1%}")
         for plan, (got, want) in h.iterations.items():
-            label = "iteration (fitted)" if plan == h.calibrated_on else "iteration"
-            print(f"      {plan:28s} {label:12s} {got:11.2f} {want:10.2f} {got / want - 1:+7.1%}")
+            label = "iteration (fit)" if plan == h.calibrated_on else "iteration"
+            print(f"      {plan:28s} {label:15s} {got:11.2f} {want:10.2f} {got / want - 1:+7.1%}")
         print(f"      held-out calls: median error {h.median_error:.1%}, largest {h.largest_error:.1%}")
     overall = statistics.median(abs(e) for h in fits for e in h.errors())
     print(f"    all {sum(len(h.errors()) for h in fits)} held-out calls: median error {overall:.1%}")
