@@ -5,7 +5,8 @@ checkout): Table 1's four LLaMA-3-style shapes, the four execution plans of
 Tables 2-5 (per call a mesh of nodes, tp, pp, dp, micro-batches and the
 measured seconds) and Table 6's end-to-end seconds, in ReaL's base setting
 (512 samples of a 1024-token prompt generated to a 2048-token context, 8 PPO
-mini-batches, 8 GPUs per node). :func:`load_appendix` turns them into
+mini-batches, 8 GPUs per node; the 128-GPU plans at 4096 samples, see
+:func:`workload`). :func:`load_appendix` turns them into
 :class:`~rlhf.planner.plan.Plan` objects that run as ReaL's runtime runs
 them: every call on its own mesh with its own micro-batch count, and a
 trained model's weights moved into a call's layout before it and back after
@@ -17,6 +18,8 @@ it (``Plan.weights_return``).
 * :func:`held_out`: the hardware file calibrated (rlhf.planner.calibrate) on
   one plan's call seconds and iteration, predicting the other plans' call
   seconds and iterations.
+* :func:`search_beside_real`: the planner's own search on each setting,
+  beside ReaL's plans predicted by the same hardware file.
 
 ``REAL_HARDWARE`` is the assumption about ReaL's cluster: H100 SXM compute
 and HBM (the ``h100`` preset) with the links ReaL's own reallocation
@@ -118,11 +121,13 @@ def _plan(key: str, calls: dict, shapes: dict, base: dict, end_to_end_s: float) 
     table, actor, critic, kind = re.fullmatch(r"table(\d+)_(\d+)b_actor_(\d+)b_critic_(\w+)", key).groups()
     gpus_per_node = base["gpus_per_node"]
     meshes, microbatches, measured = {}, {}, {}
-    for call, c in calls.items():
+    for call, entry in calls.items():
         task = CALLS[call]
-        ranks = tuple(r for node in _nodes(c["mesh"]) for r in range(node * gpus_per_node, (node + 1) * gpus_per_node))
-        meshes[task] = TaskMesh(task, ranks, ParallelStrategy(dp=c["dp"], pp=c["pp"], tp=c["tp"]))
-        microbatches[task], measured[task] = _pipelined(task, c["micro_batches"], c["pp"]), c["seconds"]
+        ranks = tuple(r for node in _nodes(entry["mesh"]) for r in range(node * gpus_per_node,
+                                                                         (node + 1) * gpus_per_node))
+        meshes[task] = TaskMesh(task, ranks, ParallelStrategy(dp=entry["dp"], pp=entry["pp"], tp=entry["tp"]))
+        microbatches[task] = _pipelined(task, entry["micro_batches"], entry["pp"])
+        measured[task] = entry["seconds"]
     a, c = shapes[f"{actor}B"], shapes[f"{critic}B"]
     nodes = 1 + max(r for m in meshes.values() for r in m.ranks) // gpus_per_node
     name = f"{actor}B+{critic}B {kind} (Table {table})"
@@ -138,8 +143,9 @@ def workload(base: dict, gpus: int) -> Workload:
     with that many GPUs (512 on 16, 4096 on 128).
 
     The appendix gives one base batch (512); the 70B+7B plans run on 128 GPUs, the weak-scaling point of
-    batch 4096. Read at 512 their calls take 10-18x what the cost model predicts, at 4096 1.1-2.7x, as
-    the 7B+7B plans' calls do at 512 (docs/planner.md), so they are read at 4096."""
+    batch 4096. Read at 512 their calls (generation aside) take 10-18x what the uncalibrated cost model
+    predicts, at 4096 1.1-2.7x, as the 7B+7B plans' calls do at 512 (docs/planner.md), so they are read at
+    4096: an inference from the numbers, not something the paper says."""
     scaling = dict(zip(base["weak_scaling"]["gpus"], base["weak_scaling"]["batch_size"]))
     prompt = base["max_prompt_length"]
     return Workload(scaling.get(gpus, base["global_batch_size"]), prompt, base["context_length"] - prompt,
