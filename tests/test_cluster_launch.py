@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 
 import pretrain_rlhf
 from rlhf.checkpoint.hf import hf_config_dict
-from rlhf.ppo.dry_run import parameter_count, stage_parameter_counts
+from rlhf.planner.shapes import parameter_count, stage_parameters
 from rlhf.models.config import ModelConfig
 from rlhf.testing.tools import load_tool
 
@@ -100,11 +100,11 @@ def test_parameter_counts_match_transformers():
     llama13 = ModelConfig.from_dict(json.loads((CLUSTER / "models" / "llama2-13b.json").read_text()))
     assert parameter_count(llama7, "lm") == 6_738_415_616  # Llama-2-7b-hf
     assert parameter_count(llama13, "lm") == 13_015_864_320  # Llama-2-13b-hf
-    assert stage_parameter_counts(llama7, "lm", 4) == hf_counts(llama7, "lm", 4)
-    assert stage_parameter_counts(llama13, "value", 8) == hf_counts(llama13, "value", 8)
+    assert stage_parameters(llama7, "lm", 4) == hf_counts(llama7, "lm", 4)
+    assert stage_parameters(llama13, "value", 8) == hf_counts(llama13, "value", 8)
     qwen = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=8, num_kv_heads=2,
                        vocab_size=300, qkv_bias=True)
-    assert stage_parameter_counts(qwen, "lm", 2) == hf_counts(qwen, "lm", 2)
+    assert stage_parameters(qwen, "lm", 2) == hf_counts(qwen, "lm", 2)
 
 
 # ---------------------------------------------------------------- the examples' launches

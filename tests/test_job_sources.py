@@ -352,7 +352,7 @@ def test_both_formats_give_the_same_reward_model(files, tmp_path):
 
 def test_load_reward_fn_names_what_is_missing():
     from rlhf.data.synthetic import gold_reward
-    from rlhf.ppo.job import load_reward_fn
+    from rlhf.ppo.reward_fn import load_reward_fn
 
     assert load_reward_fn("rlhf.data.synthetic:gold_reward") is gold_reward
     for spec, message in [("no_such_module_xyz:f", "no_such_module_xyz:f: cannot import module 'no_such_module_xyz' "
@@ -376,7 +376,7 @@ def _boom(prompts, responses):
     (lambda p, r: [1.0, math.nan], "test_job_sources:<lambda> returned nan for sample 1"),
 ])
 def test_checked_scores_refuse_what_is_not_one_number_per_sample(fn, message):
-    from rlhf.ppo.trainer import checked_scores
+    from rlhf.ppo.reward_fn import checked_scores
 
     with pytest.raises(ConfigError) as exc:
         checked_scores(fn, [[1], [2]], [[3], [4]])
@@ -384,7 +384,7 @@ def test_checked_scores_refuse_what_is_not_one_number_per_sample(fn, message):
 
 
 def test_checked_scores_take_lists_and_arrays():
-    from rlhf.ppo.trainer import checked_scores
+    from rlhf.ppo.reward_fn import checked_scores
 
     assert checked_scores(lambda p, r: np.array([0.5, 2]), [[1], [2]], [[3], [4]]) == [0.5, 2.0]
     assert checked_scores(lambda p, r: (1, 0.25), [[1], [2]], [[3], [4]]) == [1.0, 0.25]

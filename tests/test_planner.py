@@ -9,6 +9,7 @@ timelines; written plans against pretrain_rlhf.py's own --dry-run checks.
 """
 
 import json
+import math
 import random
 import re
 import statistics
@@ -70,15 +71,27 @@ def test_counts_match_transformers_llama(name):
     assert sum(p.numel() for p in model.parameters()) == parameter_count(cfg, "lm")
 
 
-def test_counts_match_the_dry_run_per_stage_and_kind():
-    from rlhf.ppo.dry_run import stage_parameter_counts
+def test_counts_match_the_hf_tensors_per_stage_and_kind():
+    """Against the HF tensors a model converts from (rlhf/checkpoint/hf.py), each on the stage that holds it."""
+    from rlhf.checkpoint.hf import hf_shapes, hf_sources
+
+    def hf_stage_counts(cfg, kind, pp):
+        shapes, counts = hf_shapes(cfg), [0] * pp
+        for name, sources in hf_sources(cfg, "lm_head" if kind == "lm" else "score").items():
+            layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
+            if layer is None:
+                stage = 0 if name.startswith("embedding.") else pp - 1
+            else:
+                stage = layer * pp // cfg.num_layers
+            counts[stage] += sum(math.prod(shapes[source]) for source in sources)
+        return counts
 
     qwen = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
                        vocab_size=300, qkv_bias=True)
     for cfg in (TINY, qwen, LLAMA_SHAPES["llama-13b"]):
         for kind in ("lm", "value"):
             for pp in (p for p in (1, 2, 4) if cfg.num_layers % p == 0):
-                assert stage_parameters(cfg, kind, pp) == stage_parameter_counts(cfg, kind, pp)
+                assert stage_parameters(cfg, kind, pp) == hf_stage_counts(cfg, kind, pp)
 
 
 def test_unknown_preset_is_one_line():

@@ -36,7 +36,7 @@ import json
 import sys
 from pathlib import Path
 
-from rlhf.ppo.arguments import fraction_or_auto
+from rlhf.cli import fraction_or_auto
 from rlhf.cli import HelpFormatter, UsageError, check_out_path, report
 from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError
 from rlhf.planner.calibrate import DEFAULT_TERMS, OVERHEAD_TERMS, TERMS, calibrate

@@ -3,46 +3,22 @@
 ``pretrain_rlhf.py --dry-run --world-size N [flags]`` runs every check the
 job makes before it builds a model (the flags, the placement on N ranks
 against the models' shapes and the batch sizes, the fused schedule against
-the training placements: ``rlhf.ppo.layout.build_placement``) and describes the
-result: each model's size, each task's ranks and layout. It starts no
+the training placements: ``rlhf.ppo.layout.build_placement``) and describes
+the result: each model's size, each task's ranks and layout. It starts no
 process, opens no process group and builds no model: shapes come from
-presets, JSON files or the config files of model directories, parameters are
-counted from the shapes. Not checked here (the job checks them at start-up,
-before any model is built): the tokenizer, the prompt file's records, the
-reward function's import and a ``--load`` root's checkpoints.
+presets, JSON files or the config files of model directories, parameters
+are counted from the shapes by the planner's count (rlhf/planner/shapes.py).
+Not checked here (the job checks them at start-up, before any model is
+built): the tokenizer, the prompt file's records, the reward function's
+import and a ``--load`` root's checkpoints.
 """
 
 from __future__ import annotations
 
-import math
-
-from rlhf.checkpoint.hf import hf_shapes, hf_sources
+from rlhf.planner.shapes import parameter_count, stage_parameters
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
-from rlhf.models.config import ModelConfig
 from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
-
-
-def stage_parameter_counts(cfg: ModelConfig, kind: str, pp: int) -> list[int]:
-    """Parameters of each of the ``pp`` pipeline stages of a model of ``kind`` ("lm": an output layer of
-    [vocab, hidden]; "value": a value head of [1, hidden]) with layers split evenly, the embedding on the
-    first stage and the final norm and head on the last; counted from the HF tensors the model converts
-    from (rlhf/checkpoint/hf.py), with untied embeddings as our models keep them."""
-    shapes = hf_shapes(cfg)
-    per_stage = cfg.num_layers // pp
-    counts = [0] * pp
-    for name, sources in hf_sources(cfg, "lm_head" if kind == "lm" else "score").items():
-        if name.startswith("decoder.layers."):
-            stage = int(name.split(".")[2]) // per_stage
-        else:
-            stage = 0 if name.startswith("embedding.") else pp - 1
-        counts[stage] += sum(math.prod(shapes[source]) for source in sources)
-    return counts
-
-
-def parameter_count(cfg: ModelConfig, kind: str) -> int:
-    """Parameters of a whole model of ``kind`` ("lm" or "value"; see :func:`stage_parameter_counts`)."""
-    return sum(stage_parameter_counts(cfg, kind, 1))
 
 
 def short_count(count: float) -> str:
@@ -81,7 +57,7 @@ def dry_run(config: JobConfig, world_size: int) -> str:
     trained = set(config.trained_tasks().values())
     for task, line in zip(placement.meshes, describe_placement(placement)):
         mesh, model = placement[task], TASK_MODEL[task]
-        stages = stage_parameter_counts(config.models[model], MODEL_KIND[model], mesh.strategy.pp)
+        stages = stage_parameters(config.models[model], MODEL_KIND[model], mesh.strategy.pp)
         line += f"; {short_count(max(stages) / mesh.strategy.tp)}/rank"
         if task in trained:
             line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
