@@ -144,12 +144,13 @@ def _megatron_lm_save(root: str, case: dict, ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def _ours(path: str, groups, ids: torch.Tensor, expected: torch.Tensor) -> dict:
-    """Load ``path`` into our actor on ``groups`` as the job does; the last stage's largest logit error."""
+    """Load ``path`` into our actor on ``groups`` as the job does; the last stage's largest logit error and
+    the largest logit (float32 rounding grows with it)."""
     source = open_source(path, "actor")
     model = build_model(source.config, "lm", groups.pg_collection, groups.stage, seed=99)
     load_full_weights(model, groups, read_weights(source, list(named_global_parameters(model)), head_seed=0))
     out = pipeline_forward(model.eval(), groups, ids)
-    return {} if out is None else {"err": (out - expected).abs().max().item()}
+    return {} if out is None else {"err": (out - expected).abs().max().item(), "scale": expected.abs().max().item()}
 
 
 def run(root: str, cases: list, ours_to_megatron: str, ids: torch.Tensor) -> dict:

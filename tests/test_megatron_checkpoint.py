@@ -84,8 +84,12 @@ def setup(tmp_path_factory):
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
 def test_megatron_lm_checkpoint_loads_into_our_actor(setup, name, layout):
     errs = [r[f"{name}/{layout}"]["err"] for r in setup["results"] if r[f"{name}/{layout}"]]
+    scale = max(r[f"{name}/{layout}"]["scale"] for r in setup["results"] if r[f"{name}/{layout}"])
     assert len(errs) == (2 if layout == "tp1" else 1)  # both DP replicas / the last stage report
-    assert max(errs) < 1e-5
+    # TP2 (the saving model) and TP1/PP2 (ours) sum in different orders: float32 rounding, which grows with
+    # the logits (up to 8.3 here; 1.1e-5 measured on an AMD EPYC host, under 1e-5 on others). A conversion
+    # error (a swapped head, a missed norm or bias) is of the logits' own size.
+    assert max(errs) < 4e-6 * scale, (max(errs), scale)
 
 
 @pytest.mark.parametrize("name", [c["name"] for c in CASES])
