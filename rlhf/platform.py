@@ -135,18 +135,18 @@ def setup_megatron() -> None:
 
     megatron's global parallel state is deliberately left uninitialised: every
     model receives an explicit process-group collection. Only the global memory
-    buffer (a scratch allocator) is created here.
+    buffer (a scratch allocator) is created here, again if it was destroyed (a
+    test that ran Megatron-LM's own global-state code and tore it down calls
+    this to return to our state).
     """
     global _MEGATRON_READY
-    if _MEGATRON_READY:
-        return
-    if not has_accelerator():
+    if not _MEGATRON_READY and not has_accelerator():
         _adapt_megatron_to_cpu()
+    _MEGATRON_READY = True
     from megatron.core import parallel_state
 
     if parallel_state.get_global_memory_buffer.__globals__["_GLOBAL_MEMORY_BUFFER"] is None:
         parallel_state._set_global_memory_buffer()
-    _MEGATRON_READY = True
 
 
 def seed_model_parallel_rng(seed: int) -> None:

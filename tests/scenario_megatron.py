@@ -164,7 +164,7 @@ def run(root: str, cases: list, ours_to_megatron: str, ids: torch.Tensor) -> dic
         results["expected"][case["name"]] = _megatron_lm_save(root, case, ids)
     ps.destroy_model_parallel()
     ps.destroy_global_memory_buffer()
-    ps._set_global_memory_buffer()  # our models run without the global state, as setup_megatron leaves it
+    platform.setup_megatron()  # our models run without the global state, as setup_megatron leaves it
     groups = build_task_groups(Placement.from_plan(PLAN, dist.get_world_size()))
     for case in cases:
         for layout, task in LAYOUTS.items():

@@ -5,7 +5,7 @@ This module owns telling them apart, reading a model's shape from either
 without reading tensors (flags are parsed before any process group exists),
 checking that what a directory holds can play its part, and reading its
 full starting tensors by global name, only those asked for (a rank asks for
-its own pipeline stage's, one model at a time: ``Trainer._load_initial``).
+its own pipeline stage's, one model at a time, as the Trainer loads its starting weights).
 
     part       HF directory                            our checkpoint root (its latest iteration)
     actor      *ForCausalLM                            model "actor" (role lm)
