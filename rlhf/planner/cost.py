@@ -137,7 +137,7 @@ def allreduce_s(nbytes: float, ranks, cluster: Cluster, hw: Hardware) -> float:
     return 0.0 if g <= 1 else 2 * (g - 1) / g * nbytes / cluster.bandwidth(ranks, hw)
 
 
-def microbatches(samples: int, dp: int, micro_batch_size: int) -> int:
+def microbatches_per_replica(samples: int, dp: int, micro_batch_size: int) -> int:
     """Micro-batches one DP replica runs for ``samples`` samples."""
     return max(1, math.ceil(samples / (dp * micro_batch_size)))
 
@@ -146,7 +146,7 @@ def split(samples: int, dp: int, wl: Workload, count: int | None) -> tuple[int, 
     """(micro-batches per DP replica, samples per micro-batch) of ``samples`` over ``dp`` replicas: ``count``
     micro-batches when given, else micro-batches of the workload's micro-batch size."""
     if count is None:
-        return microbatches(samples, dp, wl.micro_batch_size), wl.micro_batch_size
+        return microbatches_per_replica(samples, dp, wl.micro_batch_size), wl.micro_batch_size
     return count, samples / (dp * count)
 
 

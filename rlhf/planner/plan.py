@@ -40,7 +40,7 @@ from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import PlacementError, TaskMesh
 from rlhf.parallel.placement import Placement
 from rlhf.planner import fused_generation
-from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches, task_cost
+from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches_per_replica, task_cost
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.shapes import schedule_shape
@@ -307,8 +307,9 @@ def fused_training_seconds(plan: Plan, models: dict, wl: Workload, hw: Hardware,
     a, c = plan.meshes["actor_train"], plan.meshes["critic_train"]
     if set(a.ranks) != set(c.ranks):
         raise PlannerError("intra-stage fusion needs actor_train and critic_train on the same ranks")
+    minibatch = wl.samples // wl.minibatches
     shapes = [schedule_shape(models[TASK_MODEL[t]], TASK_MODEL[t], mesh.strategy.tp, mesh.strategy.pp,
-                             microbatches(wl.samples // wl.minibatches, mesh.strategy.dp, wl.micro_batch_size), d)
+                             microbatches_per_replica(minibatch, mesh.strategy.dp, wl.micro_batch_size), d)
               for t, mesh, d in (("actor_train", a, "down"), ("critic_train", c, "up"))]
     try:
         pb = build_problem(shapes, CostConfig(tokens_per_microbatch=wl.micro_batch_size * wl.seq,

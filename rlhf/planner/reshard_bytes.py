@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from rlhf.models.config import ModelConfig, padded_vocab_size
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
-from rlhf.planner.shapes import BYTES, Weight, model_weights, owning_stage
+from rlhf.planner.shapes import BYTES, Weight, model_weights, weight_stage
 
 
 def _overlap(w: Weight, src_tp: int, s: int, dst_tp: int, d: int) -> int:
@@ -47,8 +47,8 @@ def received_bytes(cfg: ModelConfig, kind: str, src: TaskMesh, dst: TaskMesh,
     out = {r: 0 for r in dst.ranks}
     weights: dict = {}  # layers repeat: count each (weight, source stage, destination stage) once
     for w in model_weights(cfg, kind, rows):
-        key = (w.numel, w.rows, w.stride, w.parallel, owning_stage(w.place, cfg.num_layers, s.pp),
-               owning_stage(w.place, cfg.num_layers, t.pp))
+        key = (w.numel, w.rows, w.stride, w.parallel, weight_stage(w.place, cfg.num_layers, s.pp),
+               weight_stage(w.place, cfg.num_layers, t.pp))
         weights[key] = weights.get(key, 0) + 1
     for (numel, n_rows, stride, parallel, s_stage, d_stage), count in weights.items():
         w = Weight(0, numel, n_rows, stride, parallel)

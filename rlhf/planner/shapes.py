@@ -111,8 +111,9 @@ def model_weights(cfg: ModelConfig, kind: str, vocab_rows: int | None = None) ->
                                                          head]                                 # output | value head
 
 
-def owning_stage(place: int | str, num_layers: int, pp: int) -> int:
-    """The pipeline stage of ``pp`` holding a weight at ``place`` (rlhf.models.naming.owning_stage)."""
+def weight_stage(place: int | str, num_layers: int, pp: int) -> int:
+    """The pipeline stage of ``pp`` holding a weight at ``place`` (as rlhf.models.naming.owning_stage places
+    a named parameter)."""
     if place == "first":
         return 0
     return pp - 1 if place == "last" else place // (num_layers // pp)
@@ -122,7 +123,7 @@ def owning_stage(place: int | str, num_layers: int, pp: int) -> int:
 def _stage_counts(cfg: ModelConfig, kind: str, pp: int) -> tuple[int, ...]:
     counts = [0] * pp
     for w in model_weights(cfg, kind):
-        counts[owning_stage(w.place, cfg.num_layers, pp)] += w.numel
+        counts[weight_stage(w.place, cfg.num_layers, pp)] += w.numel
     return tuple(counts)
 
 
