@@ -169,6 +169,13 @@ class LoggingConfig:
             raise ConfigError(f"trace_iteration must be None or an integer >= 1 (iterations count from 1), "
                               f"got {it!r}", "logging.trace_iteration")
 
+    def check_traced_iteration(self, run: RunConfig) -> None:
+        """Refuse a ``trace_iteration`` past the run's last iteration (a job config calls it with its run)."""
+        trace = self.trace_iteration
+        if trace is not None and trace > run.iterations:
+            raise ConfigError(f"trace_iteration {trace} is past the last iteration {run.iterations}",
+                              "logging.trace_iteration")
+
 
 def _check_path(value: str, name: str, kind: str) -> None:
     """Raise a ConfigError naming ``logging.<name>`` if the path ``value`` is an existing entry of the

@@ -348,10 +348,7 @@ class JobConfig:
 
     def __post_init__(self):
         check_field_types("job", self)
-        trace = self.logging.trace_iteration
-        if trace is not None and trace > self.run.iterations:
-            raise ConfigError(f"trace_iteration {trace} is past the last iteration {self.run.iterations}",
-                              "logging.trace_iteration")
+        self.logging.check_traced_iteration(self.run)
         used = [m for m in MODELS if any(TASK_MODEL[t] == m for t in self.needed_tasks())]  # the models built
         self.models.check_reads_actor_ids([m for m in ("reference", "critic", "reward") if m in used])
         total = self.generation.max_prompt_len + self.generation.max_response_len

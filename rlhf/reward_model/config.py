@@ -124,10 +124,7 @@ class RewardJobConfig:
         if unknown:
             raise ConfigError(f"train_reward.py places only {TASK} (the reward model's mesh), not {unknown}",
                               "placement.overrides")
-        trace = self.logging.trace_iteration
-        if trace is not None and trace > self.run.iterations:
-            raise ConfigError(f"trace_iteration {trace} is past the last iteration {self.run.iterations}",
-                              "logging.trace_iteration")
+        self.logging.check_traced_iteration(self.run)
         if self.data.max_len is not None and self.data.max_len > self.model.max_seq_len:
             raise ConfigError(f"max_len={self.data.max_len} exceeds the model's context max_seq_len="
                               f"{self.model.max_seq_len}; lower it or give a model with a longer context",
