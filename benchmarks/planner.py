@@ -204,9 +204,10 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
 
     from rlhf.ppo.arguments import parse_args
     from rlhf.ppo.job import build_trainer
+    from rlhf.ppo.layout import build_placement
 
     config = parse_args(job_flags)
-    trainer = build_trainer(config, config.build_placement(dist.get_world_size()))
+    trainer = build_trainer(config, build_placement(config, dist.get_world_size()))
     calls = time_calls(trainer)
     for _ in range(warmup):
         trainer.step()
@@ -220,9 +221,10 @@ def measure(job_flags: list, iterations: int, warmup: int) -> list:
 
 def time_calls(trainer) -> dict:
     """The (start, end) of each task call on this rank, on the machine-wide monotonic clock, in call order
-    (the dict returned, filled as the trainer runs): the engine's ``generate``, ``Trainer._infer_on_device``
-    per task and the executor's ``run_step`` per trained model, wrapped where the trainer looks them up."""
-    import rlhf.ppo.trainer
+    (the dict returned, filled as the trainer runs): the engine's ``generate``, the inference runner's
+    ``infer`` per task and the executor's ``run_step`` per trained model, wrapped where the trainer looks
+    them up."""
+    import rlhf.ppo.update
 
     intervals: dict = {}
 
@@ -237,8 +239,9 @@ def time_calls(trainer) -> dict:
 
     if trainer.engine is not None:
         trainer.engine.generate = timed(trainer.engine.generate, lambda *_: "actor_gen")
-    trainer._infer_on_device = timed(trainer._infer_on_device, lambda task, *_: task)
-    rlhf.ppo.trainer.run_step = timed(rlhf.ppo.trainer.run_step, lambda _, runtimes: "+".join(f"{m}_train" for m in runtimes))
+    trainer.inference.infer = timed(trainer.inference.infer, lambda task, *_: task)
+    rlhf.ppo.update.run_step = timed(rlhf.ppo.update.run_step,
+                                     lambda _, runtimes: "+".join(f"{m}_train" for m in runtimes))
     return intervals
 
 
@@ -296,6 +299,8 @@ def cpu_table(table: dict) -> tuple[str, str]:
     relative error of any run, the profiling run's included)."""
     from e2e import WORLD_SIZE, check_job
 
+    from rlhf.ppo.layout import build_placement
+
     runs = list(table["runs"].items())
     configs = {}
     for name, run in runs:
@@ -308,7 +313,7 @@ def cpu_table(table: dict) -> tuple[str, str]:
                   ppo.minibatches, ppo.micro_batch_size, ppo.ppo_epochs)
     models = {m: config.models[m] for m in ("actor", "critic", "reference", "reward")}
     cluster = Cluster(1, WORLD_SIZE)
-    plans = {name: Plan(name, dict(configs[name].build_placement(WORLD_SIZE).meshes)) for name, _ in runs}
+    plans = {name: Plan(name, dict(build_placement(configs[name], WORLD_SIZE).meshes)) for name, _ in runs}
     profile, profiled = runs[0]
     start = replace(HARDWARE_PRESETS["cpu"], shared_cores=table["cores"])  # the 4 ranks share the machine's cores
     hw = calibrate(start, plans[profile], models, wl, cluster, profiled["seconds"], OVERHEAD_TERMS)

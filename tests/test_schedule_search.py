@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from rlhf.schedule.anneal import AnnealConfig, _Mover, anneal_makespan, anneal_memory
+from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory
 from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, model_alone, rule_schedule,
                                       serial_1f1b, serial_1f1b_makespan)
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
@@ -252,7 +252,7 @@ def test_safe_earlier_jumps_never_deadlock():
         pb = random_problem(rng, stages=rng.choice([2, 4]), max_mb=4)
         orders, _ = anneal_makespan(pb, greedy_fused(pb), AnnealConfig(iters=200, t0_scale=0.5), trial)
         end = simulate(pb, orders).end
-        mover = _Mover(pb, AnnealConfig(window=96), rng)
+        mover = StageMover(pb, AnnealConfig(window=96), rng)
         for s, order in enumerate(orders):
             for i in range(len(order)):
                 for k in range(1, mover.reach_earlier(order, i, end) + 1):

@@ -113,8 +113,8 @@ class AnnealStats:
         self.seconds += other.seconds
 
 
-class _Mover:
-    """Draws a valid-looking edit of one stage (same-stage F-before-B kept)."""
+class StageMover:
+    """Draws a valid-looking edit of one stage (same-stage F-before-B kept); public so its moves are tested."""
 
     def __init__(self, pb: Problem, cfg: AnnealConfig, rng: random.Random):
         arr = pb.arrays
@@ -328,7 +328,7 @@ def anneal_makespan(pb: Problem, orders, cfg: AnnealConfig, seed: int,
     """Anneal ``orders`` for makespan; returns (best orders, AnnealStats).
     Stops early once the makespan reaches ``target`` (e.g. the lower bound)."""
     rng = random.Random(seed)
-    mover = _Mover(pb, cfg, rng)
+    mover = StageMover(pb, cfg, rng)
     dur, mem = pb.arrays.dur, pb.arrays.mem
     cur = [list(o) for o in orders]
     res = simulate(pb, cur)
@@ -391,7 +391,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
     without a new best."""
     rng = random.Random(seed)
     # no critical-path moves: they serve the makespan, which only has to stay within the limit
-    mover = _Mover(pb, replace(cfg, move_weights=cfg.move_weights[:3] + (0.0,)), rng)
+    mover = StageMover(pb, replace(cfg, move_weights=cfg.move_weights[:3] + (0.0,)), rng)
     dur, mem = pb.arrays.dur, pb.arrays.mem
     cur = [list(o) for o in orders]
     peaks = [order_peak(o, mem) for o in cur]
