@@ -1,12 +1,13 @@
 """2-rank scenario for the generation engine (one launch, several checks).
 
 Rank 0: greedy tokens vs HF generate and vs a full-recompute loop on the
-training model, log-probs vs the training model, preemption with a tiny pool,
-and the source side of migration. Rank 1: prefix-sharing block accounting for
-n=8, seeded sampling independent of batching, capacity errors, and the
-destination side of migration. Both: TP2 engine (weights resharded from a
-DP2 training layout) vs a TP1 engine. Every check returns small values; the
-test module asserts.
+training model, log-probs vs the training model (raw, and tempered at T=0.7:
+log_softmax(logits / T) of the plain model), preemption with a tiny pool, and
+the source side of migration. Rank 1: prefix-sharing block accounting for
+n=8, seeded sampling independent of batching, two stop ids, capacity errors,
+and the destination side of migration. Both: TP2 engine (weights resharded
+from a DP2 training layout) vs a TP1 engine, and its tempered log-probs vs the
+plain TP1 model. Every check returns small values; the test module asserts.
 """
 
 from dataclasses import replace
@@ -31,6 +32,7 @@ PLAN = {"actor_train": {"ranks": "0-1", "dp": 2}, "actor_gen": {"ranks": "0-1", 
 SEED = 21
 GREEDY = SamplingParams(max_new_tokens=14)
 SAMPLED = SamplingParams(max_new_tokens=14, temperature=0.9, top_k=40, top_p=0.9, seed=5)
+TEMPERED = replace(SAMPLED, temperature=0.7)  # logprobs_of="tempered", the default
 
 
 def _prompts(count, lo=3, hi=20, seed=0):
@@ -96,12 +98,18 @@ def naive_greedy(model, prompt, steps):
     return ids[len(prompt):]
 
 
-def training_logprobs(model, prompt, tokens, tp_group):
-    """The training model's log p(token) for each generated token."""
+def training_logprobs(model, prompt, tokens, tp_group, temperature=1.0):
+    """The training model's log p(token) for each generated token, from its logits divided by ``temperature``."""
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
-        lp = vocab_parallel_log_probs(stage_forward(model, ids)[:, :-1], ids[:, 1:], tp_group)[0]
+        lp = vocab_parallel_log_probs(stage_forward(model, ids)[:, :-1] / temperature, ids[:, 1:], tp_group)[0]
     return lp[len(prompt) - 1:]
+
+
+def logprob_err(model, results, tp_group, temperature=1.0) -> float:
+    """Largest |engine - training model| log-prob over ``results``, the model's logits divided by ``temperature``."""
+    return max((training_logprobs(model, r.prompt, r.tokens, tp_group, temperature) - torch.tensor(r.logprobs))
+               .abs().max().item() for r in results)
 
 
 def check_vs_training_model(model, local) -> dict:
@@ -110,14 +118,16 @@ def check_vs_training_model(model, local) -> dict:
     cfg = EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16)
     results = Engine(model, local, CFG, cfg).generate(_requests(prompts, GREEDY))
     naive = [naive_greedy(model, p, GREEDY.max_new_tokens) for p in prompts]
-    sampled = Engine(model, local, CFG, cfg).generate(_requests(prompts, SAMPLED))
-    lp_err = max((training_logprobs(model, r.prompt, r.tokens, local.tp) - torch.tensor(r.logprobs)).abs().max().item()
-                 for r in results + sampled)
+    raw = Engine(model, local, CFG, cfg).generate(_requests(prompts, replace(TEMPERED, logprobs_of="raw")))
+    tempered = Engine(model, local, CFG, cfg).generate(_requests(prompts, TEMPERED))
     big = Engine(model, local, CFG, EngineConfig(num_blocks=256, block_size=4))
     unconstrained = _tokens(big.generate(_requests(prompts * 2, GREEDY)))
     tiny = Engine(model, local, CFG, EngineConfig(num_blocks=12, block_size=4, max_tokens_per_step=32))
     constrained = _tokens(tiny.generate(_requests(prompts * 2, GREEDY)))
-    return {"naive_equal": _tokens(results) == naive, "logprob_err": lp_err,
+    return {"naive_equal": _tokens(results) == naive, "logprob_err": logprob_err(model, results + raw, local.tp),
+            "tempered_logprob_err": logprob_err(model, tempered, local.tp, TEMPERED.temperature),
+            "tempered_vs_raw": logprob_err(model, tempered, local.tp),
+            "raw_tokens_equal": _tokens(raw) == _tokens(tempered),
             "finish_reasons": sorted({r.finish_reason for r in results}),
             "preempt_equal": constrained == unconstrained, "preemptions": tiny.stats.preemptions,
             "tiny_blocks_free_after": tiny.kv.pool.num_free}
@@ -157,8 +167,8 @@ def check_sampling_and_errors(model, local) -> dict:
     alone = _tokens(Engine(model, local, CFG).generate(_requests(prompts[:1], SAMPLED)))
     crowd = _tokens(Engine(model, local, CFG, EngineConfig(max_tokens_per_step=8)).generate(
         _requests(prompts, SAMPLED)))
-    stop = Engine(model, local, CFG).generate(
-        [Request("r0", prompts[0], replace(SAMPLED, stop_token_ids=(alone[0][3],)))])[0]
+    stop_ids = (min(set(range(CFG.vocab_size)) - set(alone[0])), alone[0][3])  # the second id is the one drawn
+    stop = Engine(model, local, CFG).generate([Request("r0", prompts[0], replace(SAMPLED, stop_token_ids=stop_ids))])[0]
     eng = Engine(model, local, CFG, EngineConfig(num_blocks=4, block_size=4))
     errors = []
     for req in (Request("long", [1] * CFG.max_seq_len), Request("big", [1] * 8, SamplingParams(max_new_tokens=20))):
@@ -166,9 +176,9 @@ def check_sampling_and_errors(model, local) -> dict:
             eng.add_request(req)
         except NeverFitsError as e:
             errors.append(str(e))
-    until_stop = alone[0][:alone[0].index(alone[0][3]) + 1]  # up to and including the stop token
     return {"seeded_equal": alone[0] == crowd[0], "never_fits": len(errors),
-            "stop_reason": stop.finish_reason, "stop_last": list(stop.tokens) == until_stop}
+            "stop_reason": stop.finish_reason, "stop_tokens": list(stop.tokens), "stop_logprobs": len(stop.logprobs),
+            "until_stop": alone[0][:alone[0].index(stop_ids[1]) + 1]}  # up to and including the stop token
 
 
 # ---- both ranks -------------------------------------------------------------------
@@ -178,7 +188,7 @@ def check_tp2(groups, placement, local) -> dict:
     """TP2 engine on weights resharded from DP2 training replicas vs TP1; then a second reshard."""
     g, train_g = groups["actor_gen"], groups["actor_train"]
     gen = build_model(CFG, "lm", g.pg_collection, g.stage, seed=999)
-    reqs = _requests(_prompts(4, seed=5), GREEDY) + _requests(_prompts(2, seed=6), SAMPLED, tag="s")
+    reqs = _requests(_prompts(4, seed=5), GREEDY) + _requests(_prompts(2, seed=6), TEMPERED, tag="s")
     cfg = EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=24)
     engine, out, rounds = None, {}, []
     for round_, seed in enumerate((SEED, SEED + 1)):  # the engine sees each reshard without reloading
@@ -186,11 +196,13 @@ def check_tp2(groups, placement, local) -> dict:
         reshard(placement["actor_train"], (train_g, train), placement["actor_gen"], (g, gen), CFG.num_layers)
         engine = engine or Engine(gen, g, CFG, cfg)
         tp2 = engine.generate(reqs)
-        tp1 = Engine(build_model(CFG, "lm", local.pg_collection, local.stage, seed=seed), local, CFG, cfg).generate(reqs)
+        plain = build_model(CFG, "lm", local.pg_collection, local.stage, seed=seed)  # unsharded, the same weights
+        tp1 = Engine(plain, local, CFG, cfg).generate(reqs)
         rounds.append(_tokens(tp2))
         out[f"tp2_equal_{round_}"] = _tokens(tp2) == _tokens(tp1)
         out[f"tp2_logprob_err_{round_}"] = max(abs(a - b) for x, y in zip(tp1, tp2)
                                                for a, b in zip(x.logprobs, y.logprobs))
+        out[f"tp2_tempered_err_{round_}"] = logprob_err(plain, tp2[4:], local.tp, TEMPERED.temperature)
     out["rounds_differ"] = rounds[0] != rounds[1]
     return out
 

@@ -26,7 +26,13 @@ def test_greedy_equals_full_recompute_on_the_training_model(results):
 
 
 def test_logprobs_equal_the_training_models(results):
-    assert results[0]["logprob_err"] < 1e-4
+    """Greedy and logprobs_of="raw": log_softmax(logits); the default "tempered" at T=0.7 (top-k 40, top-p 0.9):
+    log_softmax(logits / 0.7) of the same plain model, top-k/top-p ignored."""
+    r = results[0]
+    assert r["logprob_err"] < 1e-4
+    assert r["tempered_logprob_err"] < 1e-4
+    assert r["tempered_vs_raw"] > 1e-2  # the check above tells the two apart
+    assert r["raw_tokens_equal"]  # the mode changes what is reported, never what is drawn
 
 
 def test_preemption_with_a_tiny_pool_gives_the_unconstrained_tokens(results):
@@ -53,8 +59,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(results):
 
 
 def test_stop_tokens_and_never_fits(results):
-    assert results[1]["stop_reason"] == "stop" and results[1]["stop_last"]
-    assert results[1]["never_fits"] == 2
+    """Either of two stop ids ends a sample, which keeps its stop token (and its log-prob) as the last one."""
+    r = results[1]
+    assert r["stop_reason"] == "stop" and r["stop_tokens"] == r["until_stop"]
+    assert r["stop_logprobs"] == len(r["stop_tokens"])
+    assert r["never_fits"] == 2
 
 
 def test_migrated_samples_end_like_unmoved_ones(results):
@@ -73,6 +82,7 @@ def test_tp2_equals_tp1_and_follows_each_reshard(results):
         for round_ in (0, 1):
             assert r[f"tp2_equal_{round_}"], round_
             assert r[f"tp2_logprob_err_{round_}"] < 1e-5
+            assert r[f"tp2_tempered_err_{round_}"] < 1e-4  # T=0.7 at TP2 vs log_softmax(logits / 0.7) unsharded
         assert r["rounds_differ"]  # the second reshard's weights were used by the same engine
 
 

@@ -11,12 +11,13 @@ from rlhf.engine.block_pool import BlockPool
 from rlhf.engine.engine import Engine, EngineStats
 from rlhf.engine.kv_manager import KVManager
 from rlhf.engine.migration import MigratedSequence
+from rlhf.engine.sampler import mixed_seed
 from rlhf.engine.scheduler import Scheduler, SchedulerOutput
-from rlhf.engine.types import (CapacityError, EngineConfig, EngineConfigError, NeverFitsError, OutOfBlocksError,
-                               Request, SampleResult, SamplingParams)
+from rlhf.engine.types import (LOGPROB_MODES, CapacityError, EngineConfig, EngineConfigError, NeverFitsError,
+                               OutOfBlocksError, Request, SampleResult, SamplingParams)
 
 __all__ = [
-    "BlockPool", "CapacityError", "Engine", "EngineConfig", "EngineConfigError", "EngineStats", "KVManager",
-    "MigratedSequence", "NeverFitsError", "OutOfBlocksError", "Request", "SampleResult", "SamplingParams",
-    "Scheduler", "SchedulerOutput",
+    "LOGPROB_MODES", "BlockPool", "CapacityError", "Engine", "EngineConfig", "EngineConfigError", "EngineStats",
+    "KVManager", "MigratedSequence", "NeverFitsError", "OutOfBlocksError", "Request", "SampleResult", "SamplingParams",
+    "Scheduler", "SchedulerOutput", "mixed_seed",
 ]

@@ -24,7 +24,7 @@ from rlhf.engine.attention import AttentionMeta
 from rlhf.engine.decoder import StepInputs, TPDecoder
 from rlhf.engine.kv_manager import KVManager, blocks_for
 from rlhf.engine.migration import MigratedSequence
-from rlhf.engine.sampler import sample
+from rlhf.engine.sampler import mixed_seed, sample
 from rlhf.engine.scheduler import Scheduler, SchedulerOutput
 from rlhf.engine.sequence import Sequence, Status, make_generator
 from rlhf.engine.types import (EngineConfig, NeverFitsError, OutOfBlocksError, Request, SampleResult)
@@ -104,7 +104,7 @@ class Engine:
         if key in self._seqs:
             raise ValueError(f"sample {index} of request {request_id!r} is already running in this engine")
         seq = Sequence(next(self._ids), request_id, index, len(prompt), list(prompt), params,
-                       make_generator(params.seed + index))
+                       make_generator(mixed_seed(params.seed, index)))
         self._seqs[key] = seq
         return seq
 

@@ -78,17 +78,26 @@ class EngineConfig:
                self.attention_backend, "one of 'auto', 'torch', 'flash'")
 
 
+LOGPROB_MODES = ("tempered", "raw", "sampling")
+"""What `SampleResult.logprobs` holds (see `SamplingParams`)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's continuations.
 
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable
-    those filters. ``seed`` seeds a per-sample ``torch.Generator`` (sample i
-    of a request uses ``seed + i``), so results do not depend on batching.
-    ``logprobs_of="raw"`` returns log-softmax of the raw logits (temperature 1,
-    no filtering), which is what the training model computes for the same
-    tokens; ``"sampling"`` returns the log-prob under the distribution that
-    was actually sampled from (temperature and top-k/top-p applied).
+    those filters. ``seed`` (an int in [0, 2**64)) seeds a per-sample
+    ``torch.Generator`` (sample i of a request uses
+    ``rlhf.engine.sampler.mixed_seed(seed, i)``), so results do not depend on
+    batching. ``stop_token_ids``: generation stops after any of them, which
+    stays the sample's last token. ``logprobs_of`` says what each token's
+    log-prob is (greedy samples report raw log-probs in every mode):
+    ``"tempered"`` (default) log_softmax(logits / temperature), top-k/top-p
+    ignored, as verl, OpenRLHF and TRL compute training log-probs;
+    ``"raw"`` log_softmax(logits) (temperature 1); ``"sampling"`` the log-prob
+    under the distribution actually sampled from (temperature and
+    top-k/top-p applied, renormalised).
     ``sample_max_new_tokens`` (one per sample, each <= ``max_new_tokens``)
     gives each sample its own length limit, as a declared workload does
     (empty: ``max_new_tokens`` for all).
@@ -101,7 +110,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
-    logprobs_of: str = "raw"
+    logprobs_of: str = "tempered"
     sample_max_new_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
@@ -111,8 +120,12 @@ class SamplingParams:
         _check(self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 disables)")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
         _check(self.n >= 1, "n", self.n, ">= 1")
-        _check(self.logprobs_of in ("raw", "sampling"), "logprobs_of", self.logprobs_of, "'raw' or 'sampling'")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(isinstance(self.seed, int) and 0 <= self.seed < 2**64, "seed", self.seed, "an int in [0, 2**64)")
+        _check(self.logprobs_of in LOGPROB_MODES, "logprobs_of", self.logprobs_of,
+               f"one of {', '.join(map(repr, LOGPROB_MODES))}")
+        stop = tuple(int(t) for t in self.stop_token_ids)
+        _check(all(t >= 0 for t in stop), "stop_token_ids", stop, "token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", stop)
         limits = tuple(int(t) for t in self.sample_max_new_tokens)
         _check(not limits or (len(limits) == self.n and all(1 <= t <= self.max_new_tokens for t in limits)),
                "sample_max_new_tokens", limits, f"empty or {self.n} (n) limits in [1, max_new_tokens]")
