@@ -156,3 +156,38 @@ def test_hf_pad_defaults_to_eos(tmp_path):
         json.dump(cfg, open(cfg_path, "w"))
     tok = build_tokenizer(path, backend="tokenizers")
     assert tok.pad_id == tok.eos_id == 2
+
+
+# ----------------------------------------------------------------------------- stop ids
+def test_byte_stop_ids_are_its_eos():
+    assert ByteTokenizer().stop_token_ids == (258,)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "tokenizers"])
+@pytest.mark.parametrize("eos_token_id, stop", [
+    (None, (2,)),          # no generation_config.json
+    ({}, (2,)),            # no eos_token_id in it
+    (13, (2, 13)),         # an int
+    ([5, 2, 13, 5], (2, 5, 13)),  # a list: the EOS first, then the file's order, each id once
+])
+def test_hf_stop_ids_add_generation_config_eos_ids(tmp_path, backend, eos_token_id, stop):
+    path = make_hf_dir(tmp_path / "tok")
+    if eos_token_id is not None:
+        config = eos_token_id if isinstance(eos_token_id, dict) else {"eos_token_id": eos_token_id}
+        (tmp_path / "tok" / "generation_config.json").write_text(json.dumps(config))
+    assert build_tokenizer(path, backend=backend).stop_token_ids == stop
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"eos_token_id": [2, -1]}', r"eos_token_id -1 is invalid: it must be a token id \(an int >= 0\) or a list"),
+    ('{"eos_token_id": "</s>"}', r"eos_token_id '</s>' is invalid"),
+    ('{"eos_token_id": true}', r"eos_token_id True is invalid"),
+    ('[2]', r"holds a JSON list; expected an object"),
+    ('{"eos_token_id": ', r"cannot read .*generation_config.json: Expecting value"),
+])
+def test_hf_bad_generation_config_names_the_file_and_value(tmp_path, content, match):
+    path = make_hf_dir(tmp_path / "tok")
+    (tmp_path / "tok" / "generation_config.json").write_text(content)
+    with pytest.raises(TokenizerError, match=match) as refused:
+        build_tokenizer(path, backend="tokenizers")
+    assert str(tmp_path / "tok" / "generation_config.json") in str(refused.value)

@@ -13,7 +13,10 @@ Two implementations:
   the ``tokenizers`` library (chat templates then rendered with jinja2).
 
 ``build_tokenizer("byte")`` gives the built-in one; any other string is a
-directory path. Nothing here reaches the network.
+directory path. ``stop_token_ids`` lists the ids that end a response: the EOS
+and, for an HF directory, every ``eos_token_id`` of its
+``generation_config.json`` (an instruct model's end-of-turn token). Nothing
+here reaches the network.
 """
 from __future__ import annotations
 
@@ -117,6 +120,11 @@ class Tokenizer(abc.ABC):
     def bos_id(self) -> Optional[int]:
         """Beginning-of-sequence id, or ``None`` when the tokenizer has none."""
         return None
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generated response, the EOS first (generation passes them all as stop ids)."""
+        return (self.eos_id,)
 
     @abc.abstractmethod
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -271,6 +279,7 @@ class HFTokenizer(Tokenizer):
                                  f"set eos_token in its tokenizer_config.json")
         self._eos, self._bos = int(eos), (None if bos is None else int(bos))
         self._pad = int(eos if pad is None else pad)
+        self._stop = tuple(dict.fromkeys((self._eos, *_generation_eos_ids(self.path))))
 
     # -- interface ------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -302,6 +311,12 @@ class HFTokenizer(Tokenizer):
     @property
     def bos_id(self) -> Optional[int]:
         return self._bos
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The EOS, then every ``eos_token_id`` of the directory's ``generation_config.json`` (an instruct
+        model's end-of-turn ids), each once."""
+        return self._stop
 
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._hf is not None:
@@ -342,6 +357,28 @@ def _check_tokenizer_dir(path: str) -> None:
     if not is_tokenizer_dir(path):
         raise TokenizerError(f"directory {path} holds no tokenizer (expected one of "
                              f"{', '.join(_DEFINING_FILES)})")
+
+
+def _generation_eos_ids(path: str) -> list[int]:
+    """The ``eos_token_id`` (an int, a list of ints, or absent/null) of ``path``/generation_config.json."""
+    config_path = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(config_path):
+        return []
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"cannot read {config_path}: {e}") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{config_path} holds a JSON {type(config).__name__}; expected an object such as "
+                             '{"eos_token_id": [2, 32000]}')
+    ids = config.get("eos_token_id")
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+    if bad:
+        raise TokenizerError(f"{config_path}: eos_token_id {bad[0]!r} is invalid: it must be a token id (an int "
+                             ">= 0) or a list of them")
+    return ids
 
 
 def _load_transformers(path: str):
