@@ -7,6 +7,15 @@ Estimators of KL(pi || ref) from tokens sampled from pi, with
     k1 = log_ratio                          unbiased, can be negative
     k2 = 0.5 * log_ratio**2                 biased, low variance, >= 0
     k3 = exp(-log_ratio) - 1 + log_ratio    unbiased, low variance, >= 0
+
+k3 is clamped as verl's "low_var_kl" (and OpenRLHF's k3): the log-ratio to
+[-20, 20] before exp, the estimate to [-10, 10]. Values equal the unclamped
+formula's wherever it is below 10; above, the token's estimate is 10 and its
+gradient 0 (never inf or nan). k1 and k2 are not clamped (verl's are not).
+
+The same estimate is the KL *loss term* of the actor (verl ``use_kl_loss``,
+TRL ``beta``): call ``kl_estimate`` on the current log-probs (with grad); the
+gradient then flows through ``logprobs`` only, as in the peers.
 """
 from __future__ import annotations
 
@@ -17,22 +26,34 @@ import torch
 
 from rlhf.config import ConfigError
 
+# verl's bounds (core_algos.kl_penalty_forward, "low_var_kl"); LOG_RATIO_BOUND also
+# bounds the log-ratios of the policy loss and of TIS before exp.
+LOG_RATIO_BOUND = 20.0
+K3_MAX = 10.0
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    safe = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return (torch.expm1(-safe) + safe).clamp(-K3_MAX, K3_MAX)
+
+
 KL_ESTIMATORS: Dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": lambda log_ratio: log_ratio,
     "k2": lambda log_ratio: 0.5 * log_ratio.square(),
-    "k3": lambda log_ratio: torch.expm1(-log_ratio) + log_ratio,
+    "k3": _k3,
 }
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate.
+    """Per-token KL(pi || ref) estimate: the KL in the rewards (``token_rewards``)
+    and, on current log-probs with grad, the per-token KL loss term.
 
     Args:
         logprobs, ref_logprobs: [B, T] log-probs of the sampled tokens under the
             policy and the reference model.
         estimator: "k1", "k2" or "k3" (module docstring).
     Returns:
-        [B, T] estimate (unmasked; mask it where you aggregate).
+        [B, T] float32 estimate (unmasked: aggregate it with the loss's mask and mode).
     """
     if estimator not in KL_ESTIMATORS:
         raise KeyError(f"unknown KL estimator {estimator!r}; known: {sorted(KL_ESTIMATORS)}")
@@ -113,6 +134,15 @@ def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, positions, torch.zeros_like(positions)).amax(dim=1)
 
 
+def scores_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B] sequence scores -> [B, T] float32: each score on its row's last valid
+    token, 0 elsewhere (a row with no valid token gets none)."""
+    valid = mask > 0
+    placed = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    score = (scores.float() * valid.any(dim=1)).unsqueeze(1)
+    return placed.scatter_(1, last_valid_index(mask).unsqueeze(1), score)
+
+
 def token_rewards(
     scores: torch.Tensor,
     logprobs: torch.Tensor,
@@ -134,9 +164,5 @@ def token_rewards(
         (rewards [B, T] float32, kl [B, T] float32), both 0 at masked tokens.
         A row with no valid token gets no score.
     """
-    valid = mask > 0
-    kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, estimator), torch.zeros((), device=mask.device))
-    rewards = -kl_coef * kl
-    last = last_valid_index(mask).unsqueeze(1)
-    score = (scores.float() * valid.any(dim=1)).unsqueeze(1)
-    return rewards.scatter_add(1, last, score), kl
+    kl = torch.where(mask > 0, kl_estimate(logprobs, ref_logprobs, estimator), torch.zeros((), device=mask.device))
+    return -kl_coef * kl + scores_at_last_token(scores, mask), kl
