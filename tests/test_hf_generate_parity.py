@@ -5,10 +5,13 @@ each saved with a byte-level BPE tokenizer of 300 ids that defines ``<s>`` but
 adds nothing ("plain"), and with the same tokenizer plus a post-processor that
 prepends ``<s>`` ("bos"). generate.py must tokenize like
 ``AutoTokenizer(dir)(text)`` and may pick ids 300..319 (past the tokenizer,
-inside the model's vocabulary) exactly when transformers does.
+inside the model's vocabulary) exactly when transformers does. A copy of
+the plain Llama whose generation_config.json adds an end-of-turn id to
+``eos_token_id`` must stop where transformers stops on either id.
 """
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -90,6 +93,23 @@ def build_dirs(tmp) -> dict:
     return dirs
 
 
+def with_end_of_turn(plain: tuple, tmp) -> tuple:
+    """A copy of the ``plain`` (directory, model) whose generation_config.json lists ``[EOS, turn]``: ``turn`` is
+    a token the greedy continuation of the longest prompt draws a quarter of the way in (an instruct model's
+    end-of-turn token, here an ordinary id, so that stopping on it shows)."""
+    from transformers import AutoTokenizer
+
+    path, model = plain
+    turn = hf_greedy(model, AutoTokenizer.from_pretrained(path)(PROMPTS[-1]).input_ids)[NEW_TOKENS // 4]
+    copy = str(tmp / "llama_stop")
+    shutil.copytree(path, copy)
+    with open(f"{copy}/generation_config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    with open(f"{copy}/generation_config.json", "w", encoding="utf-8") as f:
+        json.dump(dict(config, eos_token_id=[EOS, turn]), f)
+    return copy, model
+
+
 def run_generate(dirs: dict, prompts: str, tmp) -> dict:
     """Run ``tools/generate.py --greedy`` on every directory in one subprocess; config -> output records."""
     outs = {cfg: str(tmp / f"{cfg[0]}_{cfg[1]}.jsonl") for cfg in dirs}
@@ -102,28 +122,31 @@ def run_generate(dirs: dict, prompts: str, tmp) -> dict:
     return {cfg: [json.loads(line) for line in open(out)] for cfg, out in outs.items()}
 
 
-def hf_greedy(model, ids: list[int]) -> list[int]:
-    """transformers' greedy continuation of ``ids`` (EOS included when reached)."""
+def hf_greedy(model, ids: list[int], eos=EOS) -> list[int]:
+    """transformers' greedy continuation of ``ids``, stopping at ``eos`` (an id or a list; included when reached)."""
     prompt = torch.tensor([ids])
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                         max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=EOS)
+                         max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=EOS)
     return out[0, len(ids):].tolist()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     tmp = tmp_path_factory.mktemp("hf_parity")
     dirs = build_dirs(tmp)
+    dirs["llama", "stop"] = with_end_of_turn(dirs["llama", "plain"], tmp)
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(PROMPTS)))
     outputs = run_generate(dirs, str(prompts), tmp)
     results = {}
     for cfg, (path, model) in dirs.items():
         hf_ids = [AutoTokenizer.from_pretrained(path)(p).input_ids for p in PROMPTS]
-        expected = [hf_greedy(model, ids) for ids in hf_ids]
-        results[cfg] = dict(path=path, prompts=str(prompts), hf_ids=hf_ids, expected=expected, out=outputs[cfg])
+        eos = GenerationConfig.from_pretrained(path).eos_token_id  # as transformers reads the directory
+        expected = [hf_greedy(model, ids, eos) for ids in hf_ids]
+        results[cfg] = dict(path=path, prompts=str(prompts), hf_ids=hf_ids, expected=expected, out=outputs[cfg],
+                            eos=eos)
     return results
 
 
@@ -144,7 +167,7 @@ def test_prompt_ids_are_the_tokenizers_own(runs, tok_kind):
     assert ids[True] == [[BOS] + i for i in text_ids]
 
 
-@pytest.mark.parametrize("family, tok_kind", CONFIGS)
+@pytest.mark.parametrize("family, tok_kind", CONFIGS + [("llama", "stop")])
 def test_greedy_ids_equal_transformers_generate(runs, family, tok_kind):
     run = runs[family, tok_kind]
     assert [r["id"] for r in run["out"]] == list(range(len(PROMPTS)))
@@ -157,3 +180,17 @@ def test_reference_picks_ids_past_the_tokenizer_and_eos(runs):
     expected = [ids for run in runs.values() for ids in run["expected"]]
     assert any(i >= TOKENIZER_VOCAB for ids in expected for i in ids)
     assert any(ids[-1] == EOS and len(ids) < NEW_TOKENS for ids in expected)
+
+
+def test_generation_config_end_of_turn_id_stops_generation(runs):
+    """Every eos_token_id of generation_config.json stops generation (the tokenizer's stop_token_ids), the stop
+    token kept as the completion's last id, as transformers returns it."""
+    from rlhf.data import build_tokenizer
+
+    run, plain = runs["llama", "stop"], runs["llama", "plain"]
+    eos, turn = run["eos"]
+    assert eos == EOS and build_tokenizer(run["path"]).stop_token_ids == (EOS, turn)
+    stopped = [r["completion_ids"] for r in run["out"]]
+    assert any(ids[-1] == turn and turn not in ids[:-1] and len(ids) < NEW_TOKENS for ids in stopped)
+    for ids, unstopped in zip(stopped, (r["completion_ids"] for r in plain["out"])):
+        assert ids == unstopped[:len(ids)]  # the same greedy tokens, up to the first stop id

@@ -3,7 +3,8 @@
 
 Each input line is {"prompt": "..."} (other fields are carried over); each output
 line adds "completion" (decoded, special tokens skipped) and "completion_ids"
-(generated ids, the EOS included when reached). --load takes our checkpoint root
+(generated ids, the stop token included when reached: the tokenizer's EOS or an
+eos_token_id of its directory's generation_config.json). --load takes our checkpoint root
 or a Hugging Face model directory. Prompts are tokenized as the tokenizer's own
 rules say (an HF tokenizer as AutoTokenizer(dir)(text): a BOS only where it adds
 one; the byte tokenizer prepends its BOS); --add-bos / --no-bos override that.
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy, like --greedy)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1: off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**32-1] (prompt i uses seed + i)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**32-1] (prompt i's seed is mixed "
+                   "from it and i)")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks of 16 tokens; "
                    "fewer blocks only means more preemption, never lost samples")
     return p

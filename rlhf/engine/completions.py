@@ -22,6 +22,7 @@ from rlhf.checkpoint.storage import CheckpointError
 from rlhf.cli import UsageError, check_out_path, check_range
 from rlhf.data import PromptDataError, TokenizerError, build_tokenizer, encode_prompt, load_prompt_records
 from rlhf.engine.engine import Engine
+from rlhf.engine.sampler import mixed_seed
 from rlhf.engine.types import EngineConfig, EngineConfigError, NeverFitsError, Request, SamplingParams
 
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
@@ -66,18 +67,20 @@ def read_prompts(path: str, tokenizer, add_bos: bool | None, vocab_size: int | N
     return prompts
 
 
-def sampling_params(args, index: int, eos_id: int) -> SamplingParams:
-    """Engine sampling parameters of prompt ``index`` (temperature 0 is greedy)."""
+def sampling_params(args, index: int, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+    """Engine sampling parameters of prompt ``index`` (temperature 0 is greedy; its seed mixed from ``--seed``
+    and ``index``), stopping at any of ``stop_token_ids`` (the tokenizer's)."""
     return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed + index, stop_token_ids=(eos_id,))
+                          top_k=args.top_k, top_p=args.top_p, seed=mixed_seed(args.seed, index),
+                          stop_token_ids=stop_token_ids)
 
 
 def engine_config(args) -> EngineConfig:
     """The engine config of the flags, with the sampling flags checked too, before any work (UsageError naming
-    the flag); the seed must fit torch's generator with one seed per prompt."""
+    the flag)."""
     check_range("--seed", args.seed, 0, MAX_SEED)
     try:
-        sampling_params(args, 0, eos_id=0)
+        sampling_params(args, 0, stop_token_ids=())
         return EngineConfig(num_blocks=args.kv_blocks)
     except EngineConfigError as e:
         flag = FLAGS.get(e.field_name)
@@ -102,7 +105,7 @@ def generate_completions(args) -> int:
         raise UsageError(f"{'--tokenizer: ' if args.tokenizer else ''}{e}") from None
     prompts = read_prompts(args.prompts, tokenizer, args.add_bos, cfg.vocab_size)
     engine = Engine(model, None, cfg, engine_cfg)
-    requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.eos_id))
+    requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.stop_token_ids))
                 for i, p in enumerate(prompts)]
     for prompt, request in zip(prompts, requests):
         try:
