@@ -1,4 +1,5 @@
-"""Advantage-estimator registry and the GAE / GRPO / REINFORCE++ estimators."""
+"""Advantage-estimator registry and the estimators against plain loops (OpenRLHF's experience maker for the
+outcome estimators: baseline on the scores, the KL penalty of the rewards summed from each token on)."""
 import math
 
 import pytest
@@ -13,11 +14,12 @@ from rlhf.algorithms import (
     get_advantage_estimator,
     masked_whiten,
     register_advantage_estimator,
+    token_rewards,
 )
 
 
 def test_registry_lists_names_and_rejects_duplicates():
-    assert {"gae", "grpo", "reinforce++"} <= set(advantage_estimators())
+    assert {"gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline"} <= set(advantage_estimators())
     with pytest.raises(KeyError, match=r"'gae', 'grpo', 'reinforce\+\+'"):
         get_advantage_estimator("ppo2")
     with pytest.raises(ValueError, match="already registered"):
@@ -28,13 +30,16 @@ def test_grpo_group_normalisation_by_hand():
     scores = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0])
     groups = torch.tensor([7, 7, 3, 3, 9])  # last group has one sample
     mask = torch.tensor([[1, 1, 0]] * 5)
-    inputs = AdvantageInputs(token_rewards=torch.zeros(5, 3), mask=mask, scores=scores, group_index=groups)
+    rewards, _ = token_rewards(scores, torch.zeros(5, 3), torch.zeros(5, 3), mask, kl_coef=0.0)
+    inputs = AdvantageInputs(rewards, mask=mask, scores=scores, group_index=groups)
     adv, ret = compute_advantages(inputs, AdvantageConfig(estimator="grpo", eps=1e-6))
     per_sample = torch.tensor([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0, 0.0, 5.0])
     torch.testing.assert_close(adv, per_sample[:, None] * mask)
     torch.testing.assert_close(ret, adv)
     unscaled, _ = compute_advantages(inputs, AdvantageConfig(estimator="grpo", norm_by_std=False))
     torch.testing.assert_close(unscaled[:, 0], torch.tensor([-1.0, 1.0, 0.0, 0.0, 5.0]))
+    dr_grpo, _ = compute_advantages(inputs, AdvantageConfig(estimator="dr-grpo"))
+    torch.testing.assert_close(dr_grpo, unscaled, rtol=0, atol=0)
     with pytest.raises(ValueError, match="group_index"):
         compute_advantages(AdvantageInputs(torch.zeros(5, 3), mask, scores=scores), AdvantageConfig(estimator="grpo"))
 
@@ -66,3 +71,80 @@ def test_gae_estimator_is_whitened_compute_gae():
 def test_config_validation():
     with pytest.raises(ValueError, match="AdvantageConfig.lam"):
         AdvantageConfig(lam=1.5)
+
+
+SCORES = [1.0, 3.0, 2.0, 0.5, 4.0, 2.0, -1.0]
+GROUPS = [7, 7, 7, 3, 3, 3, 9]  # the last group has one sample
+BETA = 0.1
+
+
+def _outcome_batch():
+    """Scores, groups, a mask with holes and padding, and KL-penalised token rewards (k1, BETA)."""
+    gen = torch.Generator().manual_seed(5)
+    mask = (torch.rand(7, 6, generator=gen) > 0.25).long()
+    mask[:, 0] = 1
+    logp, ref = -torch.rand(7, 6, generator=gen), -torch.rand(7, 6, generator=gen)
+    scores = torch.tensor(SCORES)
+    rewards, kl = token_rewards(scores, logp, ref, mask, kl_coef=BETA, estimator="k1")
+    return AdvantageInputs(rewards, mask, scores=scores, group_index=torch.tensor(GROUPS)), kl
+
+
+def _loop_reference(kl, mask, per_sequence):
+    """[B, T] per_sequence(i) - BETA * (sum of kl over valid tokens j >= t), on valid tokens."""
+    out = torch.zeros(mask.shape)
+    for i in range(mask.shape[0]):
+        to_go = 0.0
+        for t in reversed(range(mask.shape[1])):
+            if mask[i, t]:
+                to_go -= BETA * kl[i, t].item()
+                out[i, t] = per_sequence(i) + to_go
+    return out
+
+
+def _group(i):
+    """The scores of sample i's group, its own first."""
+    return [SCORES[i]] + [SCORES[j] for j in range(len(SCORES)) if GROUPS[j] == GROUPS[i] and j != i]
+
+
+def _minus_group_mean(i):
+    group = _group(i)
+    return SCORES[i] - sum(group) / len(group) if len(group) > 1 else SCORES[i]
+
+
+def _minus_leave_one_out(i):
+    others = _group(i)[1:]
+    return SCORES[i] - sum(others) / len(others) if others else SCORES[i]
+
+
+def _grpo(i, eps=AdvantageConfig().eps):
+    group = torch.tensor(_group(i))
+    return _minus_group_mean(i) / (group.std().item() + eps) if len(group) > 1 else SCORES[i]
+
+
+def _whiten(x, mask, eps):
+    valid = x[mask > 0]
+    out = torch.zeros_like(x)
+    out[mask > 0] = (valid - valid.mean()) / torch.sqrt(valid.var() + eps)
+    return out
+
+
+@pytest.mark.parametrize("estimator, per_sequence", [("rloo", _minus_leave_one_out), ("grpo", _grpo),
+                                                     ("dr-grpo", _minus_group_mean)])
+def test_outcome_estimators_match_the_loop(estimator, per_sequence):
+    inputs, kl = _outcome_batch()
+    adv, ret = compute_advantages(inputs, AdvantageConfig(estimator=estimator))
+    torch.testing.assert_close(adv, _loop_reference(kl, inputs.mask, per_sequence))
+    torch.testing.assert_close(ret, adv)
+    # The KL in the rewards acts under every outcome estimator (GRPO used to ignore it).
+    no_kl = AdvantageInputs(token_rewards(inputs.scores, kl, kl, inputs.mask, 0.0)[0], inputs.mask,
+                            scores=inputs.scores, group_index=inputs.group_index)
+    assert not torch.allclose(compute_advantages(no_kl, AdvantageConfig(estimator=estimator))[0], adv)
+
+
+def test_reinforce_pp_baseline_whitens_the_group_baseline_plus_the_kl_to_go():
+    inputs, kl = _outcome_batch()
+    config = AdvantageConfig(estimator="reinforce++-baseline")
+    adv, ret = compute_advantages(inputs, config)
+    want = _loop_reference(kl, inputs.mask, _minus_group_mean)
+    torch.testing.assert_close(ret, want)
+    torch.testing.assert_close(adv, _whiten(want, inputs.mask, config.eps), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,13 @@
 """Advantage estimators, registered by name with one signature (owns the
-registry and the GAE / GRPO / REINFORCE++ estimators).
+registry and the GAE, GRPO, Dr. GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline
+estimators).
+
+The outcome estimators (grpo, dr-grpo, rloo, reinforce++-baseline) build one
+advantage per sequence from ``scores`` and add the KL penalty that
+``token_rewards`` holds as a reward-to-go (OpenRLHF's semantics), so they need
+``token_rewards`` exactly as ``rlhf.algorithms.token_rewards`` makes it: the
+penalty on every valid token plus the score on the last one (kl_coef = 0 when
+the KL is a loss term instead).
 
     @register_advantage_estimator("name")
     def fn(inputs: AdvantageInputs, config: AdvantageConfig) -> (advantages, returns)
@@ -14,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 import torch
 
 from rlhf.algorithms.gae import compute_gae, discounted_returns
+from rlhf.algorithms.kl import scores_at_last_token
 from rlhf.algorithms.losses import masked_whiten
 from rlhf.config import ConfigError
 
@@ -25,11 +34,11 @@ if TYPE_CHECKING:
 class AdvantageConfig:
     """Estimator settings.
 
-    estimator: registered name ("gae", "grpo", "reinforce++").
+    estimator: registered name (``advantage_estimators()``).
     gamma, lam: discount and GAE lambda in [0, 1].
     whiten: whiten GAE advantages over the batch's valid tokens.
-    norm_by_std: GRPO divides by the group std (False = Dr. GRPO style).
-    eps: added to the GRPO group std and inside the REINFORCE++ whitening
+    norm_by_std: "grpo" divides by the group std (False = "dr-grpo").
+    eps: added to the GRPO group std and inside the REINFORCE++(-baseline) whitening
         (GAE whitening keeps ``masked_whiten``'s own eps).
     """
 
@@ -56,8 +65,8 @@ class AdvantageInputs:
     token_rewards: [B, T] per-token rewards (KL penalty + score at the last token).
     mask: [B, T] 0/1 valid response tokens.
     values: [B, T] critic values (GAE only).
-    scores: [B] sequence scores (GRPO).
-    group_index: [B] int64 prompt id of each sample (GRPO: n samples per prompt).
+    scores: [B] sequence scores (the outcome estimators).
+    group_index: [B] int64 prompt id of each sample (the outcome estimators: n samples per prompt).
     """
 
     token_rewards: torch.Tensor
@@ -148,35 +157,83 @@ def gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[tor
     return advantages, returns
 
 
-def group_statistics(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and unbiased std of its group's scores ([B] each).
+def group_statistics(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample mean, unbiased std and size of its group's scores ([B] each).
 
     Groups of one sample get mean 0 and std 1 (their score passes through)."""
     # unique() sizes its output from the data (a host sync on accelerators): once per batch.
     groups, inverse = torch.unique(group_index, return_inverse=True)
-    count = torch.zeros(groups.shape[0], dtype=scores.dtype, device=scores.device).index_add_(
-        0, inverse, torch.ones_like(scores)
-    )
-    total = torch.zeros_like(count).index_add_(0, inverse, scores)
-    mean = (total / count)[inverse]
-    sq = torch.zeros_like(count).index_add_(0, inverse, (scores - mean).square())
-    std = (sq / (count - 1).clamp(min=1)).sqrt()[inverse]
-    single = count[inverse] == 1
-    return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std)
+
+    def group_sum(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(groups.shape[0], dtype=x.dtype, device=x.device).index_add_(0, inverse, x)[inverse]
+
+    count = group_sum(torch.ones_like(scores))
+    mean = group_sum(scores) / count
+    std = (group_sum((scores - mean).square()) / (count - 1).clamp(min=1)).sqrt()
+    single = count == 1
+    return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std), count
+
+
+def kl_reward_to_go(inputs: AdvantageInputs) -> torch.Tensor:
+    """[B, T] sum of the KL penalty in ``token_rewards`` from each valid token to
+    the end (undiscounted; 0 when the KL is not in the rewards). Outcome
+    estimators add it to their per-sequence advantage, as OpenRLHF does."""
+    penalty = inputs.token_rewards.float() - scores_at_last_token(inputs.scores, inputs.mask)
+    return discounted_returns(penalty, inputs.mask, 1.0)
+
+
+def outcome_advantages(inputs: AdvantageInputs, per_sequence: torch.Tensor) -> torch.Tensor:
+    """[B] per-sequence advantage -> [B, T]: on every valid token, plus the KL
+    reward-to-go; 0 at masked tokens."""
+    advantages = per_sequence.unsqueeze(1) + kl_reward_to_go(inputs)
+    return torch.where(inputs.mask > 0, advantages, torch.zeros((), device=advantages.device))
+
+
+def group_normalised(inputs: AdvantageInputs, estimator: str, norm_by_std: bool, eps: float) -> torch.Tensor:
+    """GRPO's [B, T] advantages: score - group mean, divided by (group std + eps) when ``norm_by_std``."""
+    inputs.require(estimator, "scores", "group_index")
+    scores = inputs.scores.float()
+    mean, std, _ = group_statistics(scores, inputs.group_index)
+    normalised = (scores - mean) / (std + eps) if norm_by_std else scores - mean
+    return outcome_advantages(inputs, normalised)
 
 
 @register_advantage_estimator("grpo")
 def grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: (score - group mean) / (group std + eps), same value on every valid
-    token of the sample; no critic. Returns equal the advantages."""
-    inputs.require("grpo", "scores", "group_index")
-    scores = inputs.scores.float()
-    mean, std = group_statistics(scores, inputs.group_index)
-    normalised = scores - mean
-    if config.norm_by_std:
-        normalised = normalised / (std + config.eps)
-    advantages = torch.where(inputs.mask > 0, normalised.unsqueeze(1), torch.zeros((), device=scores.device))
+    """GRPO: (score - group mean) / (group std + eps) on every valid token of the
+    sample (+ the KL reward-to-go); no critic. Returns equal the advantages."""
+    advantages = group_normalised(inputs, "grpo", config.norm_by_std, config.eps)
     return advantages, advantages
+
+
+@register_advantage_estimator("dr-grpo")
+def dr_grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dr. GRPO (Liu et al. 2025): score - group mean, no std division (+ the KL
+    reward-to-go); pair it with the "seq-mean-token-sum-norm" loss aggregation."""
+    advantages = group_normalised(inputs, "dr-grpo", False, config.eps)
+    return advantages, advantages
+
+
+@register_advantage_estimator("rloo")
+def rloo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024): score - mean of the *other* samples of its
+    group (+ the KL reward-to-go); a group of one keeps its score. No critic."""
+    inputs.require("rloo", "scores", "group_index")
+    scores = inputs.scores.float()
+    mean, _, count = group_statistics(scores, inputs.group_index)
+    others = torch.where(count > 1, (count * mean - scores) / (count - 1).clamp(min=1), torch.zeros_like(scores))
+    advantages = outcome_advantages(inputs, scores - others)
+    return advantages, advantages
+
+
+@register_advantage_estimator("reinforce++-baseline")
+def reinforce_pp_baseline_estimator(inputs: AdvantageInputs,
+                                    config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu et al. 2025): score - group mean (+ the KL
+    reward-to-go), whitened over all valid tokens of the batch. Returns are the
+    values before whitening."""
+    returns = group_normalised(inputs, "reinforce++-baseline", False, config.eps)
+    return masked_whiten(returns, inputs.mask, eps=config.eps), returns
 
 
 @register_advantage_estimator("reinforce++")
