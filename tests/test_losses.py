@@ -18,6 +18,7 @@ from rlhf.algorithms import (
     policy_loss,
     token_rewards,
     value_loss,
+    value_loss_per_token,
 )
 
 
@@ -168,6 +169,8 @@ def test_value_loss_by_hand():
     # Token 0: unclipped 0.25 > clipped (0.2 - 0.5)^2; token 1: clipped (0.8 - 0)^2 = 0.64 wins.
     torch.testing.assert_close(loss, torch.tensor(0.5 * (0.25 + 0.64) / 2))
     torch.testing.assert_close(metrics["vf_clipfrac"], torch.tensor(0.5))
+    per_token, _ = value_loss_per_token(values, old, returns, torch.ones(1, 2), clip_eps=0.2)
+    torch.testing.assert_close(per_token, torch.tensor([[0.5 * 0.25, 0.5 * 0.64]]))
     unclipped, _ = value_loss(values, old, returns, torch.ones(1, 2), clip_eps=None)
     torch.testing.assert_close(unclipped, torch.tensor(0.5 * (0.25 + 0.01) / 2))
 

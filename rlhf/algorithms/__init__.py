@@ -45,6 +45,7 @@ from rlhf.algorithms.losses import (
     preference_loss,
     truncated_is_weights,
     value_loss,
+    value_loss_per_token,
 )
 
 __all__ = [
@@ -83,4 +84,5 @@ __all__ = [
     "token_rewards",
     "truncated_is_weights",
     "value_loss",
+    "value_loss_per_token",
 ]

@@ -157,7 +157,8 @@ def gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[tor
     return advantages, returns
 
 
-def group_statistics(scores: torch.Tensor, group_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def group_statistics(scores: torch.Tensor,
+                     group_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample mean, unbiased std and size of its group's scores ([B] each).
 
     Groups of one sample get mean 0 and std 1 (their score passes through)."""

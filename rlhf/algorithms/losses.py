@@ -232,22 +232,21 @@ def truncated_is_weights(
                      "tis_capped_fraction": masked_mean((raw > cap).float(), mask)}
 
 
-def value_loss(
+def value_loss_per_token(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: Optional[float] = 0.2,
-    agg: str = "token-mean",
 ) -> Tuple[torch.Tensor, Metrics]:
-    """Clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), with
+    """Clipped value loss per token, 0.5 * max((V - R)^2, (V_clip - R)^2), with
     V_clip = V_old + clip(V - V_old, -eps, eps); ``clip_eps=None`` disables clipping.
 
     Args:
         values: [B, T] current critic values (with grad); old_values: [B, T] at
             sampling time; returns: [B, T] targets; mask: [B, T] 0/1.
     Returns:
-        (loss 0-dim, metrics: vf_clipfrac, value_mean).
+        (losses [B, T], unmasked; metrics: vf_clipfrac, value_mean over valid tokens).
     """
     unclipped = (values - returns).square()
     if clip_eps is None:
@@ -257,8 +256,21 @@ def value_loss(
         clipped = (clipped_values - returns).square()
         losses = torch.maximum(unclipped, clipped)
         clipfrac = masked_mean((clipped > unclipped).float(), mask).detach()
-    metrics = {"vf_clipfrac": clipfrac, "value_mean": masked_mean(values, mask).detach()}
-    return 0.5 * aggregate_loss(losses, mask, agg), metrics
+    return 0.5 * losses, {"vf_clipfrac": clipfrac, "value_mean": masked_mean(values, mask).detach()}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: Optional[float] = 0.2,
+    agg: str = "token-mean",
+) -> Tuple[torch.Tensor, Metrics]:
+    """``value_loss_per_token`` reduced by ``aggregate_loss(..., agg)`` on this batch alone:
+    (loss 0-dim, metrics)."""
+    losses, metrics = value_loss_per_token(values, old_values, returns, mask, clip_eps)
+    return aggregate_loss(losses, mask, agg), metrics
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
