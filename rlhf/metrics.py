@@ -6,9 +6,13 @@ What the trainer calls, once per iteration::
     with timer.stage("generation"): ...         and this rank's Timeline on a traced iteration
     local = {**timer.metrics(), ...}          floats or 0-dim tensors, any keys per rank
     metrics = with_rates(reduce_metrics(local))   collective: one dict, equal on every rank
-    writer.log(it, metrics)                   MetricsWriter: progress bar, JSON Lines,
-                                                TensorBoard (rank 0 only)
+    writer.log(it, metrics)                   MetricsWriter: progress bar, JSON Lines, TensorBoard,
+                                                W&B, MLflow (rank 0 only)
+    writer.print_text(sample)                 a block of text above the bar (rank 0)
     if timer.timeline is not None: write_trace(path, timer.timeline)   collective: one trace
+
+and the writer, closed after the last iteration, prints the run's summary line
+(:class:`RunSummary`). docs/logging.md describes every output.
 
 Reduction rule (:func:`reduce_op`): a key's name says how it is reduced over
 the ranks that reported it, so every rank agrees without a shared table and a
@@ -30,10 +34,13 @@ import json
 import logging
 import math
 import os
+import sys
 import time
+from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Mapping
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -41,7 +48,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from rlhf import platform
-from rlhf.config import LoggingConfig
+from rlhf.config import CheckpointConfig, LoggingConfig
 from rlhf.pipeline.timeline import Event, Timeline, gather, write_chrome_trace
 
 logger = logging.getLogger(__name__)
@@ -49,9 +56,18 @@ logger = logging.getLogger(__name__)
 STAGE_KIND = "STAGE"
 """Category of stage spans in the Chrome trace (executor instructions use FORWARD/BACKWARD/...)."""
 
-POSTFIX = (("reward", "reward_mean"), ("kl", "kl_mean"), ("len", "response_length_mean"),
-           ("samples/s", "samples_per_s"))
-"""(label, metric key) shown in the progress bar's postfix when the key is present."""
+POSTFIX = (("reward", "reward_mean"), ("gold", "gold_reward_mean"), ("kl", "kl_mean"),
+           ("len", "response_length_mean"), ("samples/s", "samples_per_s"))
+"""(label, metric key) shown in the progress bar's postfix when the key is present (PPO's)."""
+
+SUMMARY_KEYS = {"ppo": ("reward_mean", "gold_reward_mean"), "reward": ("loss", "accuracy", "eval_accuracy")}
+"""Per program (the writer's ``desc``): the metrics whose first and last windows the end-of-run line averages."""
+
+SUMMARY_WINDOW = 10
+"""Iterations averaged at the start and the end of a run (tools/plot_metrics.py's default window too)."""
+
+RUNS_FILE = "logging_runs.json"
+"""Kept in the checkpoint root (``--save``): the W&B and MLflow runs that a run resumed from it continues."""
 
 
 class StageTimer:
@@ -202,37 +218,42 @@ def write_trace(path: str | Path, timeline: Timeline, group=None) -> None:
 
 
 class MetricsWriter:
-    """Owns the run's outputs: a progress bar, the JSON Lines file and TensorBoard events.
+    """Owns the run's outputs: a progress bar, the JSON Lines file, TensorBoard events, the optional
+    Weights & Biases and MLflow runs (docs/logging.md), and the line that ends a run.
 
     Built on every rank; only ``rank == 0`` writes. ``start_iteration`` is the
     number of iterations already done (a resumed checkpoint's iteration; 0 for a
     fresh run), so the first :meth:`log` is iteration ``start_iteration + 1``.
-    ``desc`` names the progress bar and ``postfix`` lists the (label, metric
-    key) pairs shown after it (default: PPO's).
+    ``desc`` names the progress bar and the program, ``postfix`` lists the
+    (label, metric key) pairs shown after the bar (default: PPO's) and
+    ``summary`` the keys whose first and last 10 iterations the end line
+    averages (default: the program's, :data:`SUMMARY_KEYS`). ``checkpoint``
+    (the job's checkpoint section) is where the W&B and MLflow run ids are kept
+    so a resumed run continues the same runs (:data:`RUNS_FILE`).
 
     Resume rule: the outputs describe the run that is writing them. Lines of
     ``metrics_file`` with ``iteration > start_iteration`` (an abandoned future
     this run recomputes, or a fresh run's predecessor) and unreadable lines (a
     partial line from a killed run) are dropped before appending; TensorBoard
     events from step ``start_iteration + 1`` on are hidden through
-    ``SummaryWriter(purge_step=...)``.
+    ``SummaryWriter(purge_step=...)``. W&B and MLflow keep what they were sent:
+    there a recomputed iteration is dropped (W&B: steps only increase) or
+    logged a second time at its step (MLflow).
     """
 
     def __init__(self, config: LoggingConfig, total_iterations: int, rank: int, start_iteration: int = 0,
-                 desc: str = "ppo", postfix: tuple = POSTFIX):
+                 desc: str = "ppo", postfix: tuple = POSTFIX, summary: tuple | None = None,
+                 checkpoint: CheckpointConfig | None = None):
         self.active = rank == 0
+        self.desc, self.total_iterations = desc, total_iterations
         self.last_iteration = start_iteration
         self.postfix = postfix
-        self._file = self._tb = None
+        self.summary = RunSummary(SUMMARY_KEYS.get(desc, ()) if summary is None else summary)
+        self.metrics_file = config.metrics_file
+        self._sinks: list | None = (_open_sinks(config, start_iteration, checkpoint, desc, self.summary)
+                                    if self.active else [])
         self._bar = tqdm(total=total_iterations, initial=start_iteration, desc=desc, unit="it",
                          dynamic_ncols=True, disable=not (self.active and config.progress))
-        if not self.active:
-            return
-        if config.metrics_file is not None:
-            _drop_lines_after(Path(config.metrics_file), start_iteration)
-            self._file = open(config.metrics_file, "a", encoding="utf-8")
-        if config.tensorboard_dir is not None:
-            self._tb = SummaryWriter(config.tensorboard_dir, purge_step=start_iteration + 1)
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
         """Record iteration ``iteration``'s reduced metrics (floats) everywhere configured."""
@@ -242,41 +263,246 @@ class MetricsWriter:
         self.last_iteration = iteration
         if not self.active:
             return
-        if self._file is not None:
-            record = {k: v if math.isfinite(v) else None for k, v in metrics.items()}  # strict JSON: no NaN/inf
-            self._file.write(json.dumps({"iteration": iteration, **record}, sort_keys=True) + "\n")
-            self._file.flush()  # a killed run keeps every finished iteration
-        if self._tb is not None:
-            for key, value in metrics.items():
-                self._tb.add_scalar(key, value, global_step=iteration)
-            self._tb.flush()
+        for sink in self._sinks:
+            sink.log(iteration, metrics)
+        self.summary.add(iteration, metrics)
         self._bar.set_postfix({label: f"{metrics[key]:.4g}" for label, key in self.postfix if key in metrics},
                               refresh=False)
         self._bar.update(1)
 
-    def close(self) -> None:
-        """Close the bar, the file and the TensorBoard writer (idempotent)."""
+    def print_text(self, text: str) -> None:
+        """Print ``text`` (any lines: a decoded sample, its reward) on rank 0 above the progress bar,
+        which is cleared and drawn again below it."""
+        if self.active:
+            tqdm.write(text, file=sys.stdout)
+            sys.stdout.flush()  # shows up in a redirected log as it happens
+
+    def close(self, failed: bool = False) -> None:
+        """Close the bar and every output (idempotent); W&B and MLflow record ``failed``. A run that
+        reached its last iteration ends with the summary line (:meth:`RunSummary.line`) on rank 0."""
         self._bar.close()
-        for handle in (self._file, self._tb):
-            if handle is not None:
-                handle.close()
-        self._file = self._tb = None
+        if self._sinks is None:
+            return
+        for sink in self._sinks:
+            sink.close(failed)
+        if self.active and not failed and self.last_iteration == self.total_iterations:
+            self.print_text(self.summary.line(self.desc, [s.where for s in self._sinks], self.metrics_file))
+        self._sinks = None
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *_) -> None:
+        self.close(failed=exc_type is not None)
 
 
-def _drop_lines_after(path: Path, last_kept: int) -> None:
-    """Rewrite ``path`` (atomically) keeping only readable lines with ``iteration <= last_kept``."""
+def _open_sinks(config: LoggingConfig, start_iteration: int, checkpoint: CheckpointConfig | None, desc: str,
+                summary: RunSummary) -> list:
+    """Rank 0's outputs, each with ``log(iteration, metrics)``, ``close(failed)`` and ``where``; the W&B
+    and MLflow runs continue those kept under ``checkpoint.load`` when resuming, and are kept under
+    ``checkpoint.save``."""
+    sinks: list = []
+    if config.metrics_file is not None:
+        sinks.append(JsonLinesSink(config.metrics_file, start_iteration, summary))
+    if config.tensorboard_dir is not None:
+        sinks.append(TensorBoardSink(config.tensorboard_dir, start_iteration))
+    resumed = start_iteration > 0 and checkpoint is not None and checkpoint.load is not None
+    kept = _read_runs(Path(checkpoint.load) / RUNS_FILE) if resumed else {}
+    runs = [sink(config, kept.get(sink.name), desc) for switch, sink in
+            ((config.wandb_project, WandbSink), (config.mlflow_tracking_uri, MlflowSink)) if switch is not None]
+    if runs and checkpoint is not None and checkpoint.save is not None:
+        _write_runs(Path(checkpoint.save) / RUNS_FILE, {run.name: run.kept for run in runs})
+    return sinks + runs
+
+
+class JsonLinesSink:
+    """The metrics file: one JSON object per iteration, keys sorted, NaN and infinity as null (strict
+    JSON), flushed per line. Opening it applies the resume rule; the lines it keeps go to ``summary``."""
+
+    def __init__(self, path: str, start_iteration: int, summary: RunSummary):
+        _drop_lines_after(Path(path), start_iteration, summary)
+        self._file = open(path, "a", encoding="utf-8")
+        self.where = f"metrics: {path}"
+
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        record = {k: v if math.isfinite(v) else None for k, v in metrics.items()}
+        self._file.write(json.dumps({"iteration": iteration, **record}, sort_keys=True) + "\n")
+        self._file.flush()  # a killed run keeps every finished iteration
+
+    def close(self, failed: bool) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """TensorBoard scalars, one tag per key at step = iteration; steps after ``start_iteration`` are purged."""
+
+    def __init__(self, log_dir: str, start_iteration: int):
+        self._writer = SummaryWriter(log_dir, purge_step=start_iteration + 1)
+        self.where = f"TensorBoard: {log_dir} (tensorboard --logdir {log_dir})"
+
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self._writer.add_scalar(key, value, global_step=iteration)
+        self._writer.flush()
+
+    def close(self, failed: bool) -> None:
+        self._writer.close()
+
+
+class WandbSink:
+    """A Weights & Biases run: every key at step = iteration (history ``_step``). A resumed run continues
+    the ``kept`` run of the same project (``resume="allow"``; offline, W&B writes a second local folder
+    with the same run id, which ``wandb sync`` appends). Where it goes: WANDB_MODE, WANDB_DIR."""
+
+    name = "wandb"
+
+    def __init__(self, config: LoggingConfig, kept: Mapping | None, desc: str):
+        import wandb
+
+        project = config.wandb_project
+        run_id = kept["id"] if kept and kept.get("project") == project else None  # None: a new run
+        self._run = wandb.init(project=project, name=config.wandb_run_name, id=run_id,
+                               resume="allow" if run_id else None, job_type=desc)
+        self.kept = {"project": project, "id": self._run.id}
+        local = Path(self._run.dir).parent
+        self.where = (f"W&B: offline run {local} (wandb sync {local} uploads it)" if self._run.offline
+                      else f"W&B: {self._run.url}")
+
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(dict(metrics), step=iteration)
+
+    def close(self, failed: bool) -> None:
+        self._run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowSink:
+    """An MLflow run: every key at step = iteration. A resumed run continues the ``kept`` run of the same
+    tracking URI and experiment (set RUNNING again) while the store still has it; otherwise a new run. A
+    local URI (``file:DIR`` or a path) is the file store, which mlflow 3 opens only with
+    MLFLOW_ALLOW_FILE_STORE=true: the URI asked for it, so that is set (unless already set) in this process."""
+
+    name = "mlflow"
+
+    def __init__(self, config: LoggingConfig, kept: Mapping | None, desc: str):
+        uri = config.mlflow_tracking_uri
+        if urlparse(uri).scheme in ("", "file"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=uri)
+        experiment_id = self._experiment_id(config.mlflow_experiment)
+        same = kept and kept.get("tracking_uri") == uri and kept.get("experiment_id") == experiment_id
+        self._run_id = self._continued(kept["run_id"]) if same else None
+        if self._run_id is None:
+            self._run_id = self._client.create_run(experiment_id, tags={"rlhf.program": desc}).info.run_id
+        self.kept = {"tracking_uri": uri, "experiment_id": experiment_id, "run_id": self._run_id}
+        self.where = f"MLflow: {uri} experiment {config.mlflow_experiment or 'Default'} run {self._run_id}"
+
+    def _continued(self, run_id: str) -> str | None:
+        """``run_id``, set RUNNING again; None (a warning) when the store has no such run any more."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.update_run(run_id, status="RUNNING")
+        except MlflowException as exc:
+            logger.warning("MLflow run %s cannot be continued (%s); starting a new run", run_id, exc)
+            return None
+        return run_id
+
+    def _experiment_id(self, name: str | None) -> str:
+        """The id of experiment ``name``, created when missing; None: MLflow's Default experiment ("0")."""
+        if name is None:
+            return "0"
+        experiment = self._client.get_experiment_by_name(name)
+        return experiment.experiment_id if experiment is not None else self._client.create_experiment(name)
+
+    def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._client.log_batch(self._run_id, metrics=[Metric(k, v, now, iteration) for k, v in metrics.items()])
+
+    def close(self, failed: bool) -> None:
+        self._client.set_terminated(self._run_id, "FAILED" if failed else "FINISHED")
+
+
+def _read_runs(path: Path) -> dict:
+    """The backend runs kept in ``path`` ({} when there is none: saved before a backend was on)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+
+
+def _write_runs(path: Path, runs: Mapping) -> None:
+    """Keep ``runs`` ({backend: its run}) in ``path`` (atomically; the folder is made when missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(runs, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class RunSummary:
+    """Owns what the line that ends a run says: the first and the last ``window`` values of each of
+    ``keys`` (a value logged as NaN, or null in the file, counts as NaN), the span of iterations seen
+    and the mean ``time_iteration_s``."""
+
+    def __init__(self, keys: tuple, window: int = SUMMARY_WINDOW):
+        self.keys, self.window = tuple(keys), window
+        self.first: dict[str, list] = {k: [] for k in self.keys}
+        self.last: dict[str, deque] = {k: deque(maxlen=window) for k in self.keys}
+        self.span: tuple[int, int] | None = None
+        self.seconds, self.timed = 0.0, 0
+
+    def add(self, iteration: int, record: Mapping) -> None:
+        """Count iteration ``iteration``'s metrics (floats, or None for a null of the file)."""
+        for key in self.keys:
+            if key in record:
+                pair = (iteration, math.nan if record[key] is None else record[key])
+                if len(self.first[key]) < self.window:
+                    self.first[key].append(pair)
+                self.last[key].append(pair)
+        if record.get("time_iteration_s") is not None:
+            self.seconds += record["time_iteration_s"]
+            self.timed += 1
+        self.span = (iteration if self.span is None else self.span[0], iteration)
+
+    def line(self, desc: str, places: list[str], metrics_file: str | None) -> str:
+        """``<desc> done: iterations A-B, S s/iteration; <key> <first mean> (A-..) -> <last mean> (..-B); ...;
+        <where each output went>; plot: <command>``; ``places``: where each output went."""
+        if self.span is None:
+            return f"{desc} done: no iteration logged; " + "; ".join(places)
+        head = f"{desc} done: iterations {self.span[0]}-{self.span[1]}"
+        parts = [head + (f", {self.seconds / self.timed:.3g} s/iteration" if self.timed else "")]
+        present = [k for k in self.keys if self.first[k]]
+        parts += [f"{k} {_window_mean(self.first[k])} -> {_window_mean(self.last[k])}" for k in present]
+        parts += places
+        if metrics_file is None:
+            parts.append("no metrics file (--metrics-file FILE keeps one to plot)")
+        elif present:
+            png = Path(metrics_file).with_suffix(".png")
+            parts.append(f"plot: python tools/plot_metrics.py --metrics {metrics_file} --out {png} "
+                         f"--keys {' '.join(present)}")
+        return "; ".join(parts)
+
+
+def _window_mean(pairs) -> str:
+    """``0.1234 (1-10)``: the mean of (iteration, value) pairs and the iterations they span."""
+    values = [v for _, v in pairs]
+    return f"{sum(values) / len(values):.4g} ({pairs[0][0]}-{pairs[-1][0]})"
+
+
+def _drop_lines_after(path: Path, last_kept: int, summary: RunSummary) -> None:
+    """Rewrite ``path`` (atomically) keeping only readable lines with ``iteration <= last_kept``;
+    each kept record is added to ``summary``."""
     if not path.exists():
         return
     kept, dropped = [], 0
     for line in path.read_text(encoding="utf-8").splitlines():
-        if _line_iteration(line) <= last_kept:
+        record = _line_record(line)
+        if record is not None and record["iteration"] <= last_kept:
             kept.append(line + "\n")
+            summary.add(record["iteration"], record)
         else:
             dropped += 1
     if dropped:
@@ -286,10 +512,11 @@ def _drop_lines_after(path: Path, last_kept: int) -> None:
     os.replace(tmp, path)
 
 
-def _line_iteration(line: str) -> float:
-    """The ``iteration`` of a metrics line; +inf for a line that is not a complete record."""
+def _line_record(line: str) -> dict | None:
+    """A metrics line's record; None for a line that is not a complete record with an int ``iteration``."""
     try:
-        iteration = json.loads(line)["iteration"]
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-    return iteration if isinstance(iteration, int) else math.inf
+        record = json.loads(line)
+    except ValueError:
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("iteration"), int)
+    return record if ok else None
