@@ -286,13 +286,13 @@ LOGGING_FLAGS = (LoggingConfig, "logging", [
                              "(counting from 1)"),
     ("trace_file", str, "where --trace-iteration writes its trace"),
     ("progress", bool, "show the progress bar on rank 0"),
-    ("wandb_project", str, "also log to this Weights & Biases project (needs the wandb package; set "
-                           "WANDB_MODE=offline to write locally; docs/logging.md)"),
-    ("wandb_run_name", str, "the W&B run's display name (with --wandb-project; default: W&B picks one)"),
+    ("wandb_project", str, "also log to this Weights & Biases project (the wandb package; WANDB_MODE=offline "
+                           "writes it locally; docs/logging.md)"),
+    ("wandb_run_name", str, "the W&B run's display name, with --wandb-project (None: W&B picks one)"),
     ("mlflow_tracking_uri", str, "also log to MLflow at this tracking URI: file:DIR (a local store), "
-                                 "http(s)://HOST (a server) or a SQL store (needs mlflow, not mlflow-skinny)"),
-    ("mlflow_experiment", str, "the MLflow experiment, created when missing (with --mlflow-tracking-uri; "
-                               "default: MLflow's Default)"),
+                                 "http(s)://HOST (a server) or a SQL store (the full mlflow package)"),
+    ("mlflow_experiment", str, "the MLflow experiment, created when missing, with --mlflow-tracking-uri "
+                               "(None: MLflow's Default)"),
 ])
 """The logging section's flags, the same in both programs."""
 
