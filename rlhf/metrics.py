@@ -366,7 +366,7 @@ class WandbSink:
         self.kept = {"project": project, "id": self._run.id}
         local = Path(self._run.dir).parent
         self.where = (f"W&B: offline run {local} (wandb sync {local} uploads it)" if self._run.offline
-                      else f"W&B: {self._run.url}")
+                      else f"W&B: {self._run.url or 'disabled (WANDB_MODE)'}")
 
     def log(self, iteration: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=iteration)

@@ -266,12 +266,16 @@ def _nan_as_none(values: dict) -> dict:
 
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
-    """W&B in offline mode writing under ``tmp_path`` only."""
+    """W&B in offline mode writing under ``tmp_path`` only. W&B reads its environment once per process
+    (its first ``wandb.init``): ``wandb.teardown()`` after the test makes the next one read it again."""
+    import wandb
+
     for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    return tmp_path / "wandb"
+    yield tmp_path / "wandb"
+    wandb.teardown()
 
 
 def _wandb_history(run_dir: Path) -> list[dict]:
@@ -361,6 +365,7 @@ def test_backends_write_from_rank_0_only_and_a_failed_run_says_so(tmp_path, wand
             raise RuntimeError("a rank died")
     [run] = MlflowClient(tracking_uri=mlflow_store).search_runs(["0"])  # MLflow's Default experiment
     assert run.info.status == "FAILED"
+    assert len(list(wandb_offline.glob("offline-run-*"))) == 1  # its own folder: W&B read this test's WANDB_DIR
 
 
 # --- the end of a run --------------------------------------------------------------------------
