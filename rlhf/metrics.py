@@ -224,10 +224,9 @@ class MetricsWriter:
     Built on every rank; only ``rank == 0`` writes. ``start_iteration`` is the
     number of iterations already done (a resumed checkpoint's iteration; 0 for a
     fresh run), so the first :meth:`log` is iteration ``start_iteration + 1``.
-    ``desc`` names the progress bar and the program, ``postfix`` lists the
-    (label, metric key) pairs shown after the bar (default: PPO's) and
-    ``summary`` the keys whose first and last 10 iterations the end line
-    averages (default: the program's, :data:`SUMMARY_KEYS`). ``checkpoint``
+    ``desc`` names the progress bar and the program (whose keys the end line
+    averages, :data:`SUMMARY_KEYS`), ``postfix`` lists the (label, metric
+    key) pairs shown after the bar (default: PPO's). ``checkpoint``
     (the job's checkpoint section) is where the W&B and MLflow run ids are kept
     so a resumed run continues the same runs (:data:`RUNS_FILE`).
 
@@ -242,13 +241,12 @@ class MetricsWriter:
     """
 
     def __init__(self, config: LoggingConfig, total_iterations: int, rank: int, start_iteration: int = 0,
-                 desc: str = "ppo", postfix: tuple = POSTFIX, summary: tuple | None = None,
-                 checkpoint: CheckpointConfig | None = None):
+                 desc: str = "ppo", postfix: tuple = POSTFIX, checkpoint: CheckpointConfig | None = None):
         self.active = rank == 0
         self.desc, self.total_iterations = desc, total_iterations
         self.last_iteration = start_iteration
         self.postfix = postfix
-        self.summary = RunSummary(SUMMARY_KEYS.get(desc, ()) if summary is None else summary)
+        self.summary = RunSummary(SUMMARY_KEYS.get(desc, ()))
         self.metrics_file = config.metrics_file
         self._sinks: list | None = (_open_sinks(config, start_iteration, checkpoint, desc, self.summary)
                                     if self.active else [])
