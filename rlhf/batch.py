@@ -16,9 +16,10 @@ Padding convention (the only one)
         sample 1 (P=1, R=4):   p r r r r . .
         sample 2 (P=4, R=3):   p p p p r r r        (. = pad_id, T = 7)
 
-    Response-aligned fields [N, R] (``old_logprobs``, ``ref_logprobs``,
-    ``values``, ``advantages``, ``returns``): column k is response token k of
-    the sample, right-padded with zeros past ``response_lengths``.
+    Response-aligned fields [N, R] (``rollout_logprobs``, ``old_logprobs``,
+    ``ref_logprobs``, ``values``, ``advantages``, ``returns``): column k is
+    response token k of the sample, right-padded with zeros past
+    ``response_lengths``.
 
 Where things live
     The per-sample metadata (lengths, prompt ids, sample indices, finish
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 FINISH_REASONS = ("stop", "length", "context")
 HOST_FIELDS = ("prompt_lengths", "response_lengths", "prompt_ids", "sample_indices")
-RESPONSE_FIELDS = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
 OPTIONAL_FIELDS = RESPONSE_FIELDS + ("scores",)
 TENSOR_FIELDS = ("tokens",) + HOST_FIELDS + OPTIONAL_FIELDS
 
@@ -81,9 +82,10 @@ class Batch:
     "length" | "context"; response-aligned fields [N, R] floating, one R for
     the batch, R >= max(response_lengths); scores [N] floating;
     T >= max(prompt_lengths + response_lengths). Optional fields are None
-    until their stage ran: old_logprobs (generation), ref_logprobs
-    (reference), scores (reward), values (critic), advantages and returns
-    (advantage estimation).
+    until their stage ran: rollout_logprobs (generation: the engine's, kept
+    as they were sampled), old_logprobs (generation, or recomputed by the
+    trainer), ref_logprobs (reference), scores (reward), values (critic),
+    advantages and returns (advantage estimation).
 
     prompt_ids: the prompt's index in this iteration's prompts (the n samples
     of one prompt share it; GRPO groups by it); sample_indices: which of those
@@ -97,6 +99,7 @@ class Batch:
     prompt_ids: torch.Tensor
     sample_indices: torch.Tensor
     finish_reasons: tuple[str, ...]
+    rollout_logprobs: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     values: Optional[torch.Tensor] = None
@@ -315,7 +318,7 @@ class Batch:
     @classmethod
     def from_samples(cls, samples: Sequence[SampleResult], pad_id: int, prompt_ids: Mapping[str, int]) -> Batch:
         """The engine's results as a batch, one row per sample in ``samples`` order,
-        with ``old_logprobs`` from the engine's log-probs (float32).
+        with ``rollout_logprobs`` and ``old_logprobs`` both the engine's log-probs (float32).
 
         ``prompt_ids`` maps each ``request_id`` to its prompt id (e.g. the
         prompt's index in the iteration's prompt batch), given by whoever built
@@ -337,6 +340,7 @@ class Batch:
         tokens = [[*s.prompt, *s.tokens] + [pad_id] * (width - p - r)
                   for s, p, r in zip(samples, prompt_lengths, response_lengths)]
         logprobs = [[*s.logprobs] + [0.0] * (response_width - r) for s, r in zip(samples, response_lengths)]
+        logprobs = torch.tensor(logprobs, dtype=torch.float32).reshape(len(samples), response_width)
         return cls(
             tokens=torch.tensor(tokens, dtype=torch.int64).reshape(len(samples), width),
             pad_id=pad_id,
@@ -345,7 +349,8 @@ class Batch:
             prompt_ids=torch.tensor([prompt_ids[s.request_id] for s in samples], dtype=torch.int64),
             sample_indices=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
             finish_reasons=tuple(s.finish_reason for s in samples),
-            old_logprobs=torch.tensor(logprobs, dtype=torch.float32).reshape(len(samples), response_width),
+            rollout_logprobs=logprobs,
+            old_logprobs=logprobs,
         )
 
 

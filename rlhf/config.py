@@ -98,7 +98,8 @@ def check_range(section: str, name: str, value, low: float, high: float, what: s
 
 
 MAX_SEED = 2**28 - 1
-"""Largest run seed: the per-sample seeds derived from it (rlhf/ppo/trainer.py) must fit torch's 64-bit generator."""
+"""Largest run seed (the documented range of --seed; requests and samples get 64-bit seeds mixed from it,
+rlhf.engine.sampler.mixed_seed)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,9 @@ class LoggingConfig:
     ``--trace-iteration`` (1-based; traced into ``trace_file``), ``--no-progress``, and the optional
     backends (docs/logging.md): Weights & Biases when ``wandb_project`` is set (``wandb_run_name`` names
     the run), MLflow when ``mlflow_tracking_uri`` is set (``mlflow_experiment``: None is MLflow's
-    Default). A backend whose package is missing is refused here, on every rank alike, before any work."""
+    Default). A backend whose package is missing is refused here, on every rank alike, before any work.
+    ``log_samples``: every this many iterations the PPO program prints one decoded prompt and response
+    with its reward (0: never; train_reward.py has no such flag)."""
 
     metrics_file: str | None = None
     tensorboard_dir: str | None = None
@@ -164,6 +167,7 @@ class LoggingConfig:
     wandb_run_name: str | None = None
     mlflow_tracking_uri: str | None = None
     mlflow_experiment: str | None = None
+    log_samples: int = 10
 
     def __post_init__(self):
         check_field_types("logging", self)
@@ -176,6 +180,7 @@ class LoggingConfig:
         if it is not None and it < 1:
             raise ConfigError(f"trace_iteration must be None or an integer >= 1 (iterations count from 1), "
                               f"got {it!r}", "logging.trace_iteration")
+        check_range("logging", "log_samples", self.log_samples, 0, float("inf"), ">= 0 iterations (0: never)")
         self._check_backends()
 
     def _check_backends(self) -> None:

@@ -155,6 +155,7 @@ class ModelOptimizer:
         with platform.megatron_scope():
             self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
+        self.last_step: dict[str, float] = {}  # the last step's grad_norm and lr (step)
 
     def _build_optimizer(self):
         from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig as MegatronConfig
@@ -214,7 +215,8 @@ class ModelOptimizer:
         """Clip, update, advance the LR schedule and zero the gradients.
 
         Returns ``grad_norm`` (global, before clipping) and ``lr`` (used by this
-        update) as Python floats: megatron syncs the norm to the host to clip.
+        update) as Python floats: megatron syncs the norm to the host to clip. The
+        same dict stays in ``last_step`` for whoever logs it (the executor calls step).
         """
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
@@ -223,7 +225,8 @@ class ModelOptimizer:
             _, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         self.zero_grad()
-        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+        self.last_step = {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return self.last_step
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer and drop ``param.grad`` (megatron points it into the buffer)."""

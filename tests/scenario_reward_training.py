@@ -22,7 +22,7 @@ from rlhf.data import ByteTokenizer, PreferenceDataset
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import stage_forward
 from rlhf.parallel.groups import build_task_groups
-from rlhf.ppo import layout
+from rlhf.ppo.layout import build_placement as build_ppo_placement
 from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
 from rlhf.ppo.job import directory_weights
 from rlhf.ppo.trainer import Trainer
@@ -145,7 +145,7 @@ def _as_ppo_reward_model(data, trained: dict, root: str) -> dict:
                                      micro_batch_size=2, advantage_estimator="grpo"),
                        placement=PlacementConfig(overrides={"reward_inf": {"ranks": "0-3", "tp": 2},
                                                             "critic_inf": None, "critic_train": None}))
-    placement = layout.build_placement(config, dist.get_world_size())
+    placement = build_ppo_placement(config, dist.get_world_size())
     trainer = Trainer(config, placement, prompts=None, tokenizer=ByteTokenizer(),
                       initial_weights={"reward": directory_weights(config, "reward")})
     batch = pair_batch(list(data), 0, PAD)  # as PPO samples: the engine's log-probs fix the response width

@@ -54,6 +54,7 @@ PLAN = {
 PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=8, ppo_epochs=2,
                 micro_batch_size=2, lr=5e-4, critic_lr=1e-3, clip_grad=0.05, clip_eps=0.2, value_clip=0.2,
                 kl_coef=0.1, gamma=1.0, lam=0.95)
+TEMPERATURE = 0.7  # every log-prob of the iteration is of logits / T (the engine sampled at T)
 BETAS = (0.9, 0.95)  # rlhf.optim.OptimizerConfig's defaults
 # Adam's first steps move a weight by about lr whatever its gradient's size, so a gradient element
 # near 0 turns float noise into up to ~1e-2 lr of difference (1.006e-5 seen at lr 1e-3): lr stays small.
@@ -71,7 +72,7 @@ def _samples(actor) -> list:
         response = torch.randint(0, ACTOR.vocab_size, (r,), generator=g).tolist()
         with torch.no_grad():
             tokens = torch.tensor([prompt + response], device=platform.device())
-            lp = plain_logprobs(actor, tokens, len(prompt), r)[0]
+            lp = plain_logprobs(actor, tokens, len(prompt), r, TEMPERATURE)[0]
         out.append(SampleResult(str(s // 2), s % 2, tuple(prompt), tuple(response), tuple(lp.tolist()),
                                 "length", 0.0))
     return out
@@ -89,7 +90,7 @@ def _textbook_iteration(full: dict, samples: list) -> dict:
 
     with torch.no_grad():
         old = padded([torch.tensor(s.logprobs) for s in samples])
-        ref = padded([plain_logprobs(reference, t, p, r)[0] for t, p, r in seqs])
+        ref = padded([plain_logprobs(reference, t, p, r, TEMPERATURE)[0] for t, p, r in seqs])
         score = torch.stack([stage_forward(reward, t)[0, p + r - 1] for t, p, r in seqs])
         old_values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
     mask = padded([torch.ones(r) for _, _, r in seqs])
@@ -105,7 +106,7 @@ def _textbook_iteration(full: dict, samples: list) -> dict:
     c_opt = torch.optim.AdamW(critic.parameters(), lr=PPO.critic_lr, betas=BETAS, weight_decay=0.0)
     tokens, norms = mask.sum(), []
     for _ in range(PPO.ppo_epochs):  # one mini-batch holds every sample
-        new = padded([plain_logprobs(actor, t, p, r)[0] for t, p, r in seqs])
+        new = padded([plain_logprobs(actor, t, p, r, TEMPERATURE)[0] for t, p, r in seqs])
         ratio = torch.exp(new - old)
         surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - PPO.clip_eps, 1 + PPO.clip_eps))
         a_loss = (surrogate * mask).sum() / tokens
@@ -142,13 +143,30 @@ def run(root: str) -> dict:
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
     out.update(_fusion(root))
+    out.update(_critic_warmup(placement))
+    return out
+
+
+def _critic_warmup(placement) -> dict:
+    """``critic_warmup=1``: the first iteration trains the critic alone (the actor stays where it started),
+    the second trains both. Per iteration: how far each model moved and whether a policy loss was logged."""
+    full = synthetic_weights(51)
+    trainer = synthetic_trainer(placement, full, mini_batch=8, critic_warmup=1)
+    out = {}
+    for iteration in (1, 2):
+        before = trained_weights(trainer)
+        metrics = trainer.step().metrics
+        after = trained_weights(trainer)
+        out[f"warmup_{iteration}"] = {
+            "policy_loss_logged": "policy_loss" in metrics, "value_loss_logged": "value_loss" in metrics,
+            **{f"{m}_moved": max((after[m][k] - before[m][k]).abs().max().item() for k in after[m]) for m in after}}
     return out
 
 
 def learn_fixed_samples(placement) -> tuple:
     """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights)."""
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
-                       ppo=PPO)
+                       generation=GenerationConfig(temperature=TEMPERATURE), ppo=PPO)
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
             "reward": full_weights("value", CRITIC, 303)}
     samples = _samples(unsharded("lm", ACTOR, full["actor"]))
@@ -167,6 +185,8 @@ def _against_textbook(placement) -> dict:
             out[f"{name}_max_diff"] = max((after[name][k] - ref[name][k]).abs().max().item() for k in ref[name])
             out[f"{name}_moved"] = max((after[name][k] - full[name][k]).abs().max().item() for k in ref[name])
         out["smallest_grad_norm"] = min(ref["norms"])
+        out["grad_norms"] = {"actor": sum(ref["norms"][0::2]) / PPO.ppo_epochs,  # the steps' mean, as logged
+                             "critic": sum(ref["norms"][1::2]) / PPO.ppo_epochs}
         for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
             out[f"{field}_max_diff"] = (getattr(result.batch, field) - ref[field]).abs().max().item()
     return out

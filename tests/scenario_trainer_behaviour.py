@@ -12,6 +12,11 @@ the tiny presets, the byte tokenizer and the synthetic prompts, 4 prompts x
   Rank 0 recomputes the engine's samples' log-probs with an unsharded actor
   from the same start weights (plain log-softmax).
 - REINFORCE++ (gamma 0.9), one ``step()``.
+- The RL semantics of issue #26, one ``step()`` each from the same weights and seed: GRPO with its KL in
+  the loss at two coefficients (the update must differ); REINFORCE++ sampling at T=0.3 and T=1.0 (the
+  entropy of the tempered policy must be lower at 0.3); and the on-policy gates on one mini-batch with
+  recomputed log-probs (the first update starts at ratio 1 and approximate KL 0, and the engine's
+  log-probs equal the trainer's).
 
 Start weights are made here: the actor's with EOS made likely (so responses
 end at different lengths), a reference of another seed (so the KL penalty is
@@ -40,8 +45,8 @@ PPO = dict(rollout_batch_size=4, n_samples_per_prompt=4, ppo_mini_batch_size=8, 
 KL_TARGET = 2.0  # the first iterations' KL (about 2.1, then 0.5) exercise the controller unclipped, then clipped
 EOS_PROBABILITY = 0.15
 SEED = 7
-FIELDS = ("tokens", "prompt_lengths", "response_lengths", "prompt_ids", "scores", "old_logprobs",
-          "ref_logprobs", "advantages", "returns")
+FIELDS = ("tokens", "prompt_lengths", "response_lengths", "prompt_ids", "scores", "rollout_logprobs",
+          "old_logprobs", "ref_logprobs", "advantages", "returns", "finish_reasons")
 """Batch fields rank 0 returns (as lists)."""
 
 
@@ -67,10 +72,10 @@ def _start_weights(eos_id: int) -> dict:
             "reward": full_weights("value", MODELS["reward"], 303)}
 
 
-def _trainer(placement, weights: dict, **ppo) -> Trainer:
+def _trainer(placement, weights: dict, generation: GenerationConfig = GENERATION, **ppo) -> Trainer:
     """A Trainer of the synthetic task from ``weights`` with PPO settings ``PPO`` + ``ppo`` (collective)."""
-    config = JobConfig(models=MODELS, run=RunConfig(iterations=3, seed=SEED), generation=GENERATION,
-                       ppo=PPOConfig(**PPO, **ppo))
+    config = JobConfig(models=MODELS, run=RunConfig(iterations=3, seed=SEED), generation=generation,
+                       ppo=PPOConfig(**{**PPO, **ppo}))
     dataset = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=64, max_length=GENERATION.max_prompt_len))
     prompts = PromptBatchIterator(dataset, config.ppo.rollout_batch_size, seed=SEED)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=weights, reward_fn=gold_reward)
@@ -95,7 +100,38 @@ def _unsharded_logprobs(full: dict, batch) -> torch.Tensor:
 def _record(result) -> dict:
     """An iteration's metrics and batch fields as plain Python values."""
     batch = result.batch
-    return {"metrics": dict(result.metrics), **{name: getattr(batch, name).tolist() for name in FIELDS}}
+    return {"metrics": dict(result.metrics), **{name: _plain(getattr(batch, name)) for name in FIELDS}}
+
+
+def _plain(value):
+    """A batch field as plain Python values (lists; finish reasons as they are)."""
+    return list(value) if isinstance(value, tuple) else value.tolist()
+
+
+def _semantics(placement, weights: dict) -> dict:
+    """One step of each trainer issue #26's semantics are checked on: their metrics, and how far the GRPO
+    actors moved apart (the same samples, a KL coefficient of 0 against 1 in the loss)."""
+    out = {}
+    actors = {}
+    for coef in (0.0, 1.0):
+        trainer = _trainer(placement, weights, advantage_estimator="grpo", kl_coef=coef)
+        out[f"grpo_kl{coef:g}"] = dict(trainer.step().metrics)
+        actors[coef] = _actor_weights(trainer)
+    out["grpo_kl_actor_diff"] = max((actors[0.0][k] - actors[1.0][k]).abs().max().item() for k in actors[0.0])
+    for temperature in (0.3, 1.0):
+        trainer = _trainer(placement, weights, generation=GenerationConfig(max_response_len=8,
+                                                                           temperature=temperature),
+                           advantage_estimator="reinforce++")
+        out[f"entropy_t{temperature:g}"] = trainer.step().metrics["entropy_mean"]
+    gates = _trainer(placement, weights, advantage_estimator="grpo", recompute_logprobs=True,
+                     ppo_mini_batch_size=PPO["rollout_batch_size"] * PPO["n_samples_per_prompt"])
+    out["gates"] = dict(gates.step().metrics)
+    return out
+
+
+def _actor_weights(trainer: Trainer) -> dict:
+    """This rank's actor_train parameters (every rank holds the same stage layout in both trainers)."""
+    return {name: p.detach().clone() for name, p in trainer.models["actor_train"].named_parameters()}
 
 
 def _placed(trainer: Trainer) -> dict:
@@ -113,6 +149,10 @@ def run() -> dict:
     reinforce = _trainer(placement, weights, advantage_estimator="reinforce++", gamma=0.9)
     reinforce_result = reinforce.step()
     out = {"grpo_placed": _placed(grpo), "reinforce_placed": _placed(reinforce)}
+    semantics = _semantics(placement, weights)
+    diffs = [None] * dist.get_world_size()
+    dist.all_gather_object(diffs, semantics.pop("grpo_kl_actor_diff"))  # every rank holds an actor stage
+    semantics["grpo_kl_actor_diff"] = max(diffs)
     if dist.get_rank() == 0:
         reference = _unsharded_logprobs(weights["actor"], generated)
         valid = generated.response_mask > 0
@@ -125,5 +165,5 @@ def run() -> dict:
                    kl_target=KL_TARGET, kl_horizon=grpo.config.ppo.kl_config.horizon,
                    grpo_eps=grpo.config.ppo.advantage_config.eps,
                    reinforce_eps=reinforce.config.ppo.advantage_config.eps,
-                   reinforce_gamma=reinforce.config.ppo.gamma, kl_coef=PPO["kl_coef"])
+                   reinforce_gamma=reinforce.config.ppo.gamma, kl_coef=PPO["kl_coef"], **semantics)
     return out

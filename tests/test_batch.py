@@ -35,8 +35,9 @@ def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batc
     return Batch(tokens=tokens, pad_id=PAD, prompt_lengths=prompt_lengths, response_lengths=response_lengths,
                  prompt_ids=torch.arange(n) // 2, sample_indices=torch.arange(n) % 2,
                  finish_reasons=tuple(("stop", "length", "context")[i % 3] for i in range(n)),
-                 old_logprobs=response_field(), ref_logprobs=response_field(), values=response_field(),
-                 advantages=response_field(), returns=response_field(), scores=torch.randn(n, generator=g))
+                 rollout_logprobs=response_field(), old_logprobs=response_field(), ref_logprobs=response_field(),
+                 values=response_field(), advantages=response_field(), returns=response_field(),
+                 scores=torch.randn(n, generator=g))
 
 
 def _assert_same(a: Batch, b: Batch) -> None:
@@ -173,7 +174,7 @@ def test_with_fields_from_puts_outputs_back_by_sample():
     mask = batch.response_mask
     ref = torch.randn(6, batch.response_width) * mask
     scores = torch.randn(6)
-    bare = batch.with_fields(old_logprobs=None, values=None, advantages=None, returns=None)
+    bare = batch.with_fields(rollout_logprobs=None, old_logprobs=None, values=None, advantages=None, returns=None)
     parts = []
     for index in ([4, 1], [0, 5, 2], [3]):  # three replicas' shares
         part = bare.select(index)
@@ -199,9 +200,9 @@ def _validation_cases():
     return [
         ("prompt_ids", r"Batch.prompt_ids: got shape \(3,\).*N = 2", _bad(b, prompt_ids=torch.tensor([0, 0, 0]))),
         ("values rows", r"Batch.values: got shape \(3, 2\).*N = 2", _bad(b, values=torch.zeros(3, 2))),
-        ("R too small", r"Batch.old_logprobs: got shape \(2, 1\).*R >= 2 = max\(response_lengths\)",
-         _bad(b, old_logprobs=torch.zeros(2, 1))),
-        ("R differs", r"Batch.values: got shape \(2, 3\).*R = 2 columns, as old_logprobs",
+        ("R too small", r"Batch.rollout_logprobs: got shape \(2, 1\).*R >= 2 = max\(response_lengths\)",
+         _bad(b, rollout_logprobs=torch.zeros(2, 1), old_logprobs=torch.zeros(2, 1))),
+        ("R differs", r"Batch.values: got shape \(2, 3\).*R = 2 columns, as rollout_logprobs",
          _bad(b, values=torch.zeros(2, 3))),
         ("T too small", r"Batch.tokens: got shape \(2, 3\).*T >= 4", _bad(b, tokens=b.tokens[:, :3])),
         ("tokens dtype", r"Batch.tokens: got shape \(2, 4\) torch.float32.*int64", _bad(b, tokens=b.tokens.float())),

@@ -1,4 +1,5 @@
-"""The PPO trainer against textbook PPO (one iteration on given samples) and exact resume, 4 gloo ranks.
+"""The PPO trainer against textbook PPO (one iteration on given samples, every log-prob of logits / T at
+T=0.7) and exact resume, 4 gloo ranks.
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
 subsets; two PPO epochs of one mini-batch each; the same against the placement the planner picks for
@@ -32,6 +33,15 @@ def test_parameters_match_textbook_ppo(results, model):
     assert results[0]["smallest_grad_norm"] > 0.05  # every step clipped (PPO.clip_grad)
     assert results[0][f"{model}_moved"] > 1e-4  # the iteration changed the weights
     assert results[0][f"{model}_max_diff"] < TOL
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_logged_grad_norm_and_lr_are_the_updates(results, model):
+    """``<model>_grad_norm`` is the mean over the iteration's steps of the global norm before clipping, as the
+    textbook's torch clip_grad_norm_ returns it; ``<model>_lr`` the learning rate they used."""
+    metrics = results[0]["metrics"]
+    assert metrics[f"{model}_grad_norm"] == pytest.approx(results[0]["grad_norms"][model], rel=1e-5)
+    assert metrics[f"{model}_lr"] == pytest.approx({"actor": 5e-4, "critic": 1e-3}[model])
 
 
 def test_the_planners_placement_trains_like_textbook_ppo(results):
@@ -116,3 +126,10 @@ def test_stage_bytes_are_reported_as_metrics(results):
         assert kept[key] == max(results[rank]["kept_bytes"][stage] for rank in range(4))
         assert lean[key] == max(results[rank]["lean_bytes"][stage] for rank in range(4))
     assert lean["memory_training_bytes_max"] < kept["memory_training_bytes_max"]
+
+
+def test_critic_warmup_trains_the_critic_alone_first(results):
+    first, second = results[0]["warmup_1"], results[0]["warmup_2"]
+    assert first["actor_moved"] == 0.0 and first["critic_moved"] > 1e-5
+    assert not first["policy_loss_logged"] and first["value_loss_logged"]
+    assert second["actor_moved"] > 1e-5 and second["policy_loss_logged"]

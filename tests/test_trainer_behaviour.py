@@ -141,3 +141,51 @@ def test_metrics_are_statistics_of_the_batch(results, trainer, index):
     prompts = [row[:p] for row, p in zip(rec["tokens"], rec["prompt_lengths"])]
     responses = [row[p:p + r] for row, p, r in zip(rec["tokens"], rec["prompt_lengths"], lengths)]
     assert abs(metrics["gold_reward_mean"] - sum(gold_reward(prompts, responses)) / n) < TOL
+
+
+def test_new_metrics_are_statistics_of_the_batch(results):
+    """Issue #26's batch statistics against the batch: extremes, truncation, advantages and returns over the
+    response tokens, and (GRPO recomputes its old log-probs) the engine's rollout log-probs against them."""
+    for trainer, index in ITERATIONS:
+        rec = _record(results, trainer, index)
+        metrics, lengths, scores = rec["metrics"], rec["response_lengths"], rec["scores"]
+        assert metrics["response_length_min"] == min(lengths)
+        assert abs(metrics["reward_min"] - min(scores)) < TOL and abs(metrics["reward_max"] - max(scores)) < TOL
+        truncated = sum(r == "length" for r in rec["finish_reasons"]) / len(lengths)
+        assert metrics["truncated_fraction"] == pytest.approx(truncated)
+        advantages = [a for row in _valid(rec, "advantages") for a in row]
+        mean = sum(advantages) / len(advantages)
+        assert abs(metrics["advantage_mean"] - mean) < TOL
+        std = math.sqrt(sum((a - mean) ** 2 for a in advantages) / len(advantages))
+        assert abs(metrics["advantage_std"] - std) < TOL
+        returns = [g for row in _valid(rec, "returns") for g in row]
+        assert abs(metrics["return_mean"] - sum(returns) / len(returns)) < TOL
+        if trainer == "grpo":
+            pairs = [(o, r) for old, roll in zip(_valid(rec, "old_logprobs"), _valid(rec, "rollout_logprobs"))
+                     for o, r in zip(old, roll)]
+            k3 = [math.exp(o - r) - 1 - (o - r) for o, r in pairs]  # KL(rollout || trainer) on rollout samples
+            assert abs(metrics["mismatch_kl"] - sum(k3) / len(k3)) < TOL
+            assert metrics["mismatch_logprob_abs_max"] == pytest.approx(max(abs(o - r) for o, r in pairs), abs=TOL)
+
+
+def test_grpo_update_changes_with_the_kl_coefficient(results):
+    """GRPO's KL acts as a loss term (TRL's beta): the same samples and advantages, another update."""
+    zero, one = results[0]["grpo_kl0"], results[0]["grpo_kl1"]
+    for key in ("reward_mean", "advantage_mean", "advantage_std", "kl_mean"):
+        assert zero[key] == one[key], key  # the same samples, advantages and KL before the update
+    assert "kl_loss" not in zero and one["kl_loss"] > 0
+    assert results[0]["grpo_kl_actor_diff"] > 1e-5
+
+
+def test_a_lower_temperature_gives_a_lower_entropy(results):
+    """The entropy of softmax(logits / T) the update logs, on the same seed."""
+    assert results[0]["entropy_t0.3"] < results[0]["entropy_t1"]
+
+
+def test_the_first_update_starts_on_policy(results):
+    """Gates as slime and NeMo-RL keep them: on one mini-batch the first update's ratio is 1 and its
+    approximate KL 0, and the engine's rollout log-probs equal the trainer's (fp32)."""
+    gates = results[0]["gates"]
+    assert gates["approx_kl"] < 1e-8
+    assert abs(gates["ratio_mean"] - 1) < 1e-5 and abs(gates["ratio_max"] - 1) < 1e-5
+    assert gates["mismatch_kl"] < 1e-4

@@ -22,17 +22,19 @@ from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.tasks import INFERENCE_FIELDS, task_kind
 
 
-def response_logprobs(logits: torch.Tensor, mb: Batch, g) -> torch.Tensor:
-    """[b, R] log-probs of the response tokens from vocab-parallel logits [b, T, V/tp]."""
-    return mb.response_from_positions(vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], g.tp))
+def response_logprobs(logits: torch.Tensor, mb: Batch, g, temperature: float = 1.0) -> torch.Tensor:
+    """[b, R] log-probs of the response tokens under softmax(logits / ``temperature``), from vocab-parallel
+    logits [b, T, V/tp]: the distribution the engine sampled from, before top-k / top-p (as the peers)."""
+    logits = logits[:, :-1] if temperature == 1.0 else logits[:, :-1] / temperature
+    return mb.response_from_positions(vocab_parallel_log_probs(logits, mb.tokens[:, 1:], g.tp))
 
 
-def task_output(task: str, out: torch.Tensor, mb: Batch, g) -> torch.Tensor:
-    """What ``task``'s last stage makes of a micro-batch's model output: [b, R] response log-probs (a
-    language model), [b] scores (the reward model's value at each sample's last token, prompt +
-    response) or [b, R] values (the critic's, per response token)."""
+def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float = 1.0) -> torch.Tensor:
+    """What ``task``'s last stage makes of a micro-batch's model output: [b, R] response log-probs at
+    ``temperature`` (a language model), [b] scores (the reward model's value at each sample's last
+    token, prompt + response) or [b, R] values (the critic's, per response token)."""
     if task_kind(task) == "lm":
-        return response_logprobs(out, mb, g)
+        return response_logprobs(out, mb, g, temperature)
     if INFERENCE_FIELDS[task] == "scores":
         return mb.last_token_values(out).float()
     return mb.response_from_positions(out.float())
@@ -45,10 +47,13 @@ def micro_batch_count(n: int, size: int) -> int:
 
 class InferenceRunner:
     """This rank's inference tasks: ``models``/``groups`` by task, ``memory`` (offloaded models are
-    loaded for their pass, and what a pass holds is noted), ``micro_batch_size`` samples per pass."""
+    loaded for their pass, and what a pass holds is noted), ``micro_batch_size`` samples per pass, and
+    the sampling ``temperature`` the log-probs are taken at (the engine's, 1 when greedy)."""
 
-    def __init__(self, models: dict, groups: dict, memory: StageMemory, micro_batch_size: int):
+    def __init__(self, models: dict, groups: dict, memory: StageMemory, micro_batch_size: int,
+                 temperature: float = 1.0):
         self.models, self.groups, self.memory, self.micro_batch_size = models, groups, memory, micro_batch_size
+        self.temperature = temperature
 
     def infer(self, task: str, part: Batch) -> Batch | None:
         """``task``'s outputs for the samples of ``part``, which this rank's replica runs (collective over
@@ -60,7 +65,7 @@ class InferenceRunner:
             for mb in part.split(micro_batch_count(len(part), self.micro_batch_size)):
                 out = pipeline_forward(model, g, mb.tokens)
                 if out is not None:
-                    outputs.append(task_output(task, out, mb, g).cpu())
+                    outputs.append(task_output(task, out, mb, g, self.temperature).cpu())
             self.memory.note("inference")
         if not outputs or g.tp_rank != 0:
             return None

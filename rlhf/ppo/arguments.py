@@ -27,6 +27,19 @@ def _optional_float(text: str):
     return None if text.lower() in ("none", "off") else float(text)
 
 
+def _auto_or_name(text: str):
+    """'auto' -> None (the estimator's default), else the name."""
+    return None if text.lower() == "auto" else text
+
+
+def _token_ids(text: str) -> tuple:
+    """'2,32000' -> (2, 32000)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+
+
 def _auto_switch(text: str):
     """'auto' -> None (the platform decides), 'on' -> True, 'off' -> False."""
     choices = {"auto": None, "on": True, "off": False}
@@ -50,6 +63,9 @@ SECTIONS = {
         ("long_tail_median", int, "the long-tailed measurement workload (0: off): each sample's response "
                                   "length is drawn from a lognormal with this median in tokens (p99.9 about 12x "
                                   "it), capped at --max-response-len, and EOS is ignored (docs/fusion.md)"),
+        ("stop_token_ids", _token_ids, "more ids that end a response, 'ID,ID', besides the tokenizer's EOS and every "
+                                       "eos_token_id of the model's generation_config.json (the response keeps its "
+                                       "stop token)"),
     ]),
     "ppo": (PPOConfig, "PPO", [
         ("rollout_batch_size", int, "prompts per iteration"),
@@ -71,19 +87,42 @@ SECTIONS = {
                                             "(megatron's distributed optimizer, ZeRO-1)"),
         ("overlap_grad_reduce", _auto_switch, "start each gradient bucket's DP reduction during the last "
                                               "micro-batch's backward: auto (on where a GPU computes; None), on, off"),
-        ("clip_eps", float, "PPO ratio clip range"),
+        ("clip_eps", float, "PPO ratio clip range (the lower one with --clip-eps-high)"),
+        ("clip_eps_high", _optional_float, "upper ratio clip range, clip-higher as DAPO ('none': --clip-eps)"),
+        ("dual_clip", _optional_float, "dual-clip constant c > 1: a negative advantage's loss is capped at -c A "
+                                       "('none': off)"),
         ("value_clip", _optional_float, "value clip range around the old values ('none': off)"),
         ("kl_coef", float, "KL penalty coefficient (the initial one with --kl-target)"),
         ("kl_target", _optional_float, "KL per sequence the adaptive controller aims at ('none': fixed "
-                                       "coefficient)"),
-        ("kl_estimator", str, "per-token KL estimator: k1, k2 or k3"),
+                                       "coefficient); peers' targets are per token: multiply by the mean response "
+                                       "length"),
+        ("kl_horizon", int, "the adaptive controller's horizon in samples"),
+        ("kl_estimator", str, "per-token KL estimator: k1, k2 or k3 (k3 clamped as verl and OpenRLHF)"),
+        ("kl_in", _auto_or_name, "where the KL penalty acts: reward (in the token rewards) or loss (a term of the "
+                                 "actor loss); auto: loss for grpo and dr-grpo, reward otherwise"),
         ("gamma", float, "discount"),
         ("lam", float, "GAE lambda"),
-        ("advantage_estimator", str, "gae (needs a critic), grpo or reinforce++ (no critic tasks run)"),
+        ("advantage_estimator", str, "gae (needs a critic), grpo, dr-grpo, rloo, reinforce++ or "
+                                     "reinforce++-baseline (no critic tasks run)"),
+        ("whiten_advantages", bool, "whiten GAE advantages over the batch's response tokens"),
+        ("loss_agg", str, "how per-token losses become the loss: token-mean, seq-mean-token-sum or "
+                          "seq-mean-token-mean (verl's names), exact over DP replicas and micro-batches"),
+        ("entropy_coef", float, "entropy bonus coefficient of the actor loss (0: off)"),
+        ("mask_truncated", bool, "leave samples cut at --max-response-len out of the loss (TRL's "
+                                 "mask_truncated_completions); by default they are trained like finished ones"),
+        ("overlong_penalty", str, "DAPO's soft overlong punishment 'LEN,COEF': a response longer than "
+                                  "max_response_len - LEN loses COEF x the overflow / LEN of its score"),
+        ("tis_cap", _optional_float, "truncated importance sampling of the rollout policy: weight each token by "
+                                     "min(exp(old - rollout log-prob), cap) (needs --recompute-logprobs; 'none': "
+                                     "off)"),
+        ("tis_mode", str, "token (a weight per token) or sequence (one weight per sample) for --tis-cap"),
+        ("critic_warmup", int, "iterations that train the critic alone before the actor starts"),
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
-                                     "engine's"),
+                                     "engine's (also reports mismatch_kl: the engine vs the trainer)"),
     ]),
-    "logging": LOGGING_FLAGS,
+    "logging": (LOGGING_FLAGS[0], LOGGING_FLAGS[1], [*LOGGING_FLAGS[2], (
+        "log_samples", int, "print one decoded prompt and response with its reward every this many iterations "
+                            "(0: never)")]),
     "fusion": (FusionConfig, "fusion", [
         ("intra_stage_fusion", bool, "run actor and critic training as one fused pipeline schedule (they must "
                                      "be placed on the same ranks in opposite directions)"),

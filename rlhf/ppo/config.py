@@ -16,6 +16,8 @@ from types import MappingProxyType
 from typing import Mapping
 
 from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators, estimator_needs_critic
+from rlhf.algorithms.losses import LOSS_AGGREGATIONS
+from rlhf.checks import is_int
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
                          check_positive_ints, check_range)
 from rlhf.data import PromptDatasetConfig
@@ -31,7 +33,13 @@ class GenerationConfig:
     ``long_tail_median`` > 0 declares the long-tailed measurement workload
     (docs/fusion.md): each sample's response length is drawn from a lognormal
     with this median (p99.9 about 12x it), capped at ``max_response_len``,
-    and EOS is ignored, so samples end at their drawn length."""
+    and EOS is ignored, so samples end at their drawn length.
+
+    A sample stops at any of the tokenizer's stop ids (its EOS and every
+    ``eos_token_id`` of the model directory's ``generation_config.json``) or
+    of ``stop_token_ids``; the response keeps its stop token. Every log-prob
+    the update uses is of logits / ``temperature`` (1 when greedy), as the
+    engine's rollout log-probs are."""
 
     max_prompt_len: int = 16
     max_response_len: int = 16
@@ -39,6 +47,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     long_tail_median: int = 0
+    stop_token_ids: tuple = ()
 
     def __post_init__(self):
         check_field_types("generation", self)
@@ -48,6 +57,24 @@ class GenerationConfig:
         check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
         check_range("generation", "top_p", self.top_p, 1e-9, 1.0, "in (0, 1]")
         check_range("generation", "top_k", self.top_k, 0, float("inf"), ">= 0 (0 disables)")
+        if not isinstance(self.stop_token_ids, tuple) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} must be token ids >= 0, e.g. '2,32000'",
+                              "generation.stop_token_ids")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature every log-prob of the update is taken at: the sampling one, 1 when greedy."""
+        return self.temperature or 1.0
+
+
+KL_PLACES = ("reward", "loss")
+"""Where the KL penalty acts: in the token rewards, or as a loss term on the actor."""
+
+KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo")
+"""Estimators whose KL is a loss term unless ``kl_in`` says otherwise (TRL's GRPO ``beta``, verl's GRPO recipes)."""
+
+TIS_MODES = ("token", "sequence")
+"""Truncated importance sampling: per-token weights, or one weight per sequence."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +88,16 @@ class PPOConfig:
     ``micro_batch_size`` samples (inference tasks use the same micro-batch size).
     The old log-probs are the engine's unless ``recompute_logprobs`` (then
     actor_train recomputes them before the update).
+
+    Loss settings (docs/training.md has each beside verl's, OpenRLHF's and
+    TRL's name): the KL penalty acts in the token rewards or as a loss term
+    on the actor (``kl_in``; None: in the loss for grpo and dr-grpo, as TRL's
+    ``beta``, in the rewards otherwise); clip-higher (``clip_eps_high``),
+    dual-clip, the loss aggregation, an entropy bonus, GAE advantage
+    whitening, truncated samples masked out of the loss or given DAPO's
+    overlong penalty (``overlong_penalty`` "LEN,COEF"), truncated importance
+    sampling of the rollout policy (``tis_cap``, ``tis_mode``), and
+    ``critic_warmup`` iterations that update the critic alone.
     """
 
     rollout_batch_size: int = 16
@@ -80,12 +117,24 @@ class PPOConfig:
     overlap_grad_reduce: bool | None = None
     clip_eps: float = 0.2
     value_clip: float | None = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
     kl_coef: float = 0.01
     kl_target: float | None = None
     kl_estimator: str = "k1"
+    kl_horizon: int = 10000
+    kl_in: str | None = None
     gamma: float = 1.0
     lam: float = 0.95
     advantage_estimator: str = "gae"
+    whiten_advantages: bool = True
+    loss_agg: str = "token-mean"
+    entropy_coef: float = 0.0
+    mask_truncated: bool = False
+    overlong_penalty: str | None = None
+    tis_cap: float | None = None
+    tis_mode: str = "token"
+    critic_warmup: int = 0
     recompute_logprobs: bool = False
 
     def __post_init__(self):
@@ -109,6 +158,7 @@ class PPOConfig:
         if self.advantage_estimator not in advantage_estimators():
             raise ConfigError(f"advantage_estimator {self.advantage_estimator!r} is not one of "
                               f"{list(advantage_estimators())}", "ppo.advantage_estimator")
+        self._check_loss_options()
         try:
             self.kl_config
         except ConfigError as exc:  # KLConfig's field <name> is the PPO field kl_<name>
@@ -118,6 +168,54 @@ class PPOConfig:
                 self.optimizer_config(lr)
             except ConfigError as exc:  # OptimizerConfig's fields are the PPO fields of the same name
                 raise exc.renamed(f"ppo.{exc.field_name}") from None
+
+    def _check_loss_options(self) -> None:
+        """The loss settings each in range, and no combination that cannot act (ConfigError naming the field)."""
+        choices = {"kl_in": (None, *KL_PLACES), "loss_agg": tuple(LOSS_AGGREGATIONS), "tis_mode": TIS_MODES}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                names = ", ".join("auto" if v is None else v for v in valid)
+                raise ConfigError(f"{name} {getattr(self, name)!r} is not one of {names}", f"ppo.{name}")
+        if self.clip_eps_high is not None:
+            check_range("ppo", "clip_eps_high", self.clip_eps_high, self.clip_eps, 10.0, "in [clip_eps, 10]")
+        if self.dual_clip is not None:
+            check_range("ppo", "dual_clip", self.dual_clip, 1.0 + 1e-9, float("inf"), "> 1, or None to disable")
+        check_range("ppo", "entropy_coef", self.entropy_coef, 0.0, float("inf"), ">= 0 (0: off)")
+        check_range("ppo", "critic_warmup", self.critic_warmup, 0, float("inf"), ">= 0 iterations")
+        if self.tis_cap is not None:
+            check_range("ppo", "tis_cap", self.tis_cap, 1.0, float("inf"), ">= 1 (the importance weights' cap)")
+            if not self.recompute_logprobs:
+                raise ConfigError("tis_cap corrects the engine's rollout log-probs against the trainer's, which only "
+                                  "--recompute-logprobs computes; turn it on or drop the cap", "ppo.tis_cap")
+        if self.overlong_penalty is not None:
+            self.overlong_punishment  # noqa: B018 -- parses "LEN,COEF" (ConfigError naming the field)
+        if self.kl_target is not None and self.kl_coef == 0:
+            raise ConfigError("kl_target adapts the KL coefficient by scaling it, and from kl_coef 0 it never moves; "
+                              "give an initial kl_coef > 0 or drop the target", "ppo.kl_target")
+        if self.critic_warmup and not self.uses_critic:
+            raise ConfigError(f"critic_warmup trains the critic alone first, but {self.advantage_estimator!r} has no "
+                              "critic; drop it or pick gae", "ppo.critic_warmup")
+
+    @property
+    def kl_in_loss(self) -> bool:
+        """Whether the KL penalty is a loss term on the actor (else it is in the token rewards)."""
+        return (self.kl_in or ("loss" if self.advantage_estimator in KL_IN_LOSS_ESTIMATORS else "reward")) == "loss"
+
+    @property
+    def overlong_punishment(self) -> tuple[int, float] | None:
+        """(LEN, COEF) of ``overlong_penalty``: DAPO's soft overlong punishment, or None."""
+        if self.overlong_penalty is None:
+            return None
+        length, _, coef = self.overlong_penalty.partition(",")
+        try:
+            length, coef = int(length), float(coef)
+        except ValueError:
+            length = coef = None
+        if length is None or length < 1 or not 0 <= coef < float("inf"):
+            raise ConfigError(f"overlong_penalty {self.overlong_penalty!r} must be LEN,COEF: a buffer of LEN >= 1 "
+                              "tokens before max_response_len and a penalty coefficient >= 0, e.g. '4,1.0'",
+                              "ppo.overlong_penalty")
+        return length, coef
 
     def optimizer_config(self, lr: float) -> OptimizerConfig:
         """The rlhf.optim.OptimizerConfig of a model trained at ``lr`` (AdamW; the LR schedule counts
@@ -130,11 +228,13 @@ class PPOConfig:
 
     @property
     def kl_config(self) -> KLConfig:
-        return KLConfig(coef=self.kl_coef, estimator=self.kl_estimator, target=self.kl_target)
+        return KLConfig(coef=self.kl_coef, estimator=self.kl_estimator, target=self.kl_target,
+                        horizon=self.kl_horizon)
 
     @property
     def advantage_config(self) -> AdvantageConfig:
-        return AdvantageConfig(estimator=self.advantage_estimator, gamma=self.gamma, lam=self.lam)
+        return AdvantageConfig(estimator=self.advantage_estimator, gamma=self.gamma, lam=self.lam,
+                               whiten=self.whiten_advantages)
 
     @property
     def rollout_samples(self) -> int:
@@ -349,6 +449,10 @@ class JobConfig:
     def __post_init__(self):
         check_field_types("job", self)
         self.logging.check_traced_iteration(self.run)
+        overlong = self.ppo.overlong_punishment
+        if overlong is not None and overlong[0] > self.generation.max_response_len:
+            raise ConfigError(f"overlong_penalty's buffer of {overlong[0]} tokens is longer than max_response_len "
+                              f"{self.generation.max_response_len}; give a buffer within it", "ppo.overlong_penalty")
         used = [m for m in MODELS if any(TASK_MODEL[t] == m for t in self.needed_tasks())]  # the models built
         self.models.check_reads_actor_ids([m for m in ("reference", "critic", "reward") if m in used])
         total = self.generation.max_prompt_len + self.generation.max_response_len

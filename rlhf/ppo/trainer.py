@@ -30,11 +30,13 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
-from rlhf.algorithms import AdvantageInputs, compute_advantages, make_kl_controller, token_rewards
+from rlhf.algorithms import (AdvantageInputs, compute_advantages, kl_estimate, make_kl_controller, masked_mean,
+                             masked_var, token_rewards)
+from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.batch import Batch
 from rlhf.checkpoint.megatron import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
-from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed
 from rlhf.fusion.inter_stage import FusionOutcome, InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
 from rlhf.memory import StageMemory
@@ -114,16 +116,23 @@ class Trainer:
         self.memory = StageMemory(self.models, None if self.engine is None else self.engine.decoder.kv_cache,
                                   offload_frozen=config.memory.offload_ref_reward,
                                   release_generation=config.memory.release_generation_memory)
-        self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size)
+        self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
+                                         config.generation.logprob_temperature)
 
     # ---- the iteration ---------------------------------------------------------------
 
     def train(self) -> None:
-        """Iterations until ``config.run.iterations``, each logged (rank 0 writes), saved when configured."""
+        """Iterations until ``config.run.iterations``, each logged (rank 0 writes; a decoded sample every
+        ``logging.log_samples``), saved when configured."""
         cfg, ckpt = self.config, self.config.checkpoint
-        with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration) as writer:
+        with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration,
+                           checkpoint=ckpt) as writer:
             while self.iteration < cfg.run.iterations:
-                writer.log(self.iteration + 1, self.step().metrics)
+                result = self.step()
+                writer.log(self.iteration, result.metrics)
+                every = cfg.logging.log_samples
+                if every and self.iteration % every == 0 and dist.get_rank() == 0:
+                    writer.print_text(self.describe_sample(result.batch, 0))
                 last = self.iteration == cfg.run.iterations
                 if ckpt.save and (last or (ckpt.save_interval and self.iteration % ckpt.save_interval == 0)):
                     self.save(ckpt.save)
@@ -219,21 +228,20 @@ class Trainer:
         return Rollout(Batch.from_samples(samples, self.tokenizer.pad_id, ids), fusion)
 
     def _sampling_params(self, prompt_index: int) -> SamplingParams:
-        """Prompt ``prompt_index``'s sampling: the configured one, or the declared long-tailed workload
-        (``generation.long_tail_median``: a drawn length per sample, EOS ignored)."""
+        """Prompt ``prompt_index``'s sampling: the configured one, stopping at the tokenizer's stop ids and
+        ``generation.stop_token_ids``, or the declared long-tailed workload (``generation.long_tail_median``:
+        a drawn length per sample, EOS ignored). Log-probs are of logits / T, as the update's are. The
+        seed is mixed from (run seed, iteration, prompt), so no two requests of a run share one; the
+        engine mixes in the sample index."""
         gen, n = self.config.generation, self.config.ppo.n_samples_per_prompt
-        seed = self._sample_seed(prompt_index)
+        seed = mixed_seed(self.config.run.seed, self.iteration, prompt_index)
         common = dict(max_new_tokens=gen.max_response_len, temperature=gen.temperature, top_p=gen.top_p,
-                      top_k=gen.top_k, seed=seed, n=n)
+                      top_k=gen.top_k, seed=seed, n=n, logprobs_of="tempered")
         if not gen.long_tail_median:
-            return SamplingParams(stop_token_ids=(self.tokenizer.eos_id,), **common)
+            stops = tuple(dict.fromkeys((*self.tokenizer.stop_token_ids, *gen.stop_token_ids)))
+            return SamplingParams(stop_token_ids=stops, **common)
         lengths = long_tailed_lengths(n, random.Random(seed), median=gen.long_tail_median, cap=gen.max_response_len)
         return SamplingParams(sample_max_new_tokens=tuple(lengths), **common)
-
-    def _sample_seed(self, prompt_index: int) -> int:
-        """Distinct per (run seed, iteration, prompt); the engine adds the sample index."""
-        n = self.config.ppo.n_samples_per_prompt
-        return (self.config.run.seed * 1_000_003 + self.iteration) * 65_537 + prompt_index * n
 
     # ---- 2. inference ----------------------------------------------------------------
 
@@ -270,14 +278,21 @@ class Trainer:
     # ---- 3. advantages ---------------------------------------------------------------
 
     def advantages(self, batch: Batch) -> tuple[Batch, dict]:
-        """KL-penalised token rewards and the configured estimator (identical on every rank)."""
-        mask = batch.response_mask
-        rewards, kl = token_rewards(batch.scores, batch.old_logprobs, batch.ref_logprobs, mask,
-                                    self.kl.value, self.config.ppo.kl_estimator)
-        advantages, returns = compute_advantages(AdvantageInputs.from_batch(batch, rewards),
-                                                 self.config.ppo.advantage_config)
+        """Token rewards (the score, shaped by the overlong penalty, at the last token; minus the KL penalty
+        when it acts in the rewards) and the configured estimator (identical on every rank). The KL of the
+        old policy against the reference drives the adaptive controller wherever the penalty acts."""
+        ppo, mask = self.config.ppo, batch.response_mask
+        scores, metrics = batch.scores, {}
+        if ppo.overlong_punishment is not None:
+            penalty = overlong_penalty(batch.response_lengths, self.config.generation.max_response_len,
+                                       *ppo.overlong_punishment).to(scores.device)
+            scores, metrics["overlong_penalty_mean"] = scores + penalty, penalty.mean()
+        coef = torch.zeros(()) if ppo.kl_in_loss else self.kl.value
+        rewards, kl = token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, mask, coef, ppo.kl_estimator)
+        scored = batch.with_fields(scores=scores)  # the estimators read the shaped score
+        advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), ppo.advantage_config)
         sequence_kl = kl.sum(dim=1).mean()
-        metrics = {"kl_mean": sequence_kl, "kl_coef": self.kl.value.clone()}
+        metrics.update(kl_mean=sequence_kl, kl_coef=self.kl.value.clone())
         self.kl.update(sequence_kl, len(batch))
         return batch.with_fields(advantages=advantages, returns=returns), metrics
 
@@ -286,7 +301,7 @@ class Trainer:
     def update(self, batch: Batch) -> dict:
         """``ppo_epochs`` passes of token-balanced mini-batches; one optimizer step per mini-batch and
         model (rlhf/ppo/update.py). Returns this rank's loss statistics and bubble fraction."""
-        return self.ppo_update.run(batch, self.iteration)
+        return self.ppo_update.run(batch, self.iteration, float(self.kl.value))
 
     # ---- 5. weights between meshes ---------------------------------------------------
 
@@ -339,6 +354,15 @@ class Trainer:
                                          self.groups[task], opt, opt.scheduler if opt is not None else None)
         return slots
 
+    def describe_sample(self, batch: Batch, index: int) -> str:
+        """Sample ``index`` of ``batch`` as text for the log: the iteration, its reward and how it ended,
+        then its prompt and response decoded by the job's tokenizer."""
+        p, r = int(batch.prompt_lengths[index]), int(batch.response_lengths[index])
+        tokens = batch.tokens[index].tolist()
+        return (f"iteration {self.iteration}, sample {index} (reward {float(batch.scores[index]):.4g}, "
+                f"{batch.finish_reasons[index]}):\n  prompt:   {self.tokenizer.decode(tokens[:p])!r}\n"
+                f"  response: {self.tokenizer.decode(tokens[p:p + r])!r}")
+
     # ---- building --------------------------------------------------------------------
 
     def _build(self, task: str) -> torch.nn.Module:
@@ -378,12 +402,45 @@ class Trainer:
     # ---- metrics ---------------------------------------------------------------------
 
     def _batch_metrics(self, batch: Batch) -> dict:
-        """Per-iteration statistics of the samples (every rank holds the batch; counts from rank 0 only)."""
+        """Per-iteration statistics of the samples (every rank holds the batch, so each computes the same;
+        counts from rank 0 only): rewards, lengths, truncation, advantages, returns, values and, with
+        recomputed log-probs, how far the engine's are from the trainer's (docs/training.md, "Metrics")."""
         lengths = batch.response_lengths.float()
+        truncated = sum(reason == "length" for reason in batch.finish_reasons) / len(batch)
         out = {"reward_mean": batch.scores.mean(), "reward_std": batch.scores.std(correction=0),
-               "response_length_mean": lengths.mean(), "response_length_max": lengths.max()}
+               "reward_min": batch.scores.min(), "reward_max": batch.scores.max(),
+               "response_length_mean": lengths.mean(), "response_length_min": lengths.min(),
+               "response_length_max": lengths.max(), "truncated_fraction": float(truncated),
+               **sample_statistics(batch)}
+        if self.config.ppo.recompute_logprobs:
+            out.update(rollout_mismatch(batch))
         if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
             out.update(samples_count=float(len(batch)), tokens_count=lengths.sum())
         if self.reward_fn is not None and self.config.has_reward_model:
             out["gold_reward_mean"] = function_scores(self.reward_fn, batch).mean()
         return out
+
+
+def sample_statistics(batch: Batch) -> dict:
+    """Means over the batch's response tokens: advantages (and their std), returns and, with a critic,
+    values and the value function's explained variance 1 - Var(returns - values) / Var(returns)."""
+    mask = batch.response_mask
+    out = {"advantage_mean": masked_mean(batch.advantages, mask),
+           "advantage_std": masked_var(batch.advantages, mask, unbiased=False).sqrt(),
+           "return_mean": masked_mean(batch.returns, mask)}
+    if batch.values is not None:
+        unexplained = masked_var(batch.returns - batch.values, mask, unbiased=False)
+        out.update(value_mean=masked_mean(batch.values, mask),
+                   value_explained_variance=1 - unexplained / masked_var(batch.returns, mask, unbiased=False).clamp(
+                       min=1e-8))
+    return out
+
+
+def rollout_mismatch(batch: Batch) -> dict:
+    """How far the engine's rollout log-probs are from the trainer's recomputed ones on the response tokens:
+    ``mismatch_kl``, the mean k3 estimate of KL(rollout || trainer) per token (NeMo-RL's gen_kl_error, 0
+    when they agree), and ``mismatch_logprob_abs_max``, the largest |difference|."""
+    mask = batch.response_mask
+    diff = batch.old_logprobs - batch.rollout_logprobs
+    return {"mismatch_kl": masked_mean(kl_estimate(batch.rollout_logprobs, batch.old_logprobs, "k3"), mask),
+            "mismatch_logprob_abs_max": (diff.abs() * mask).max()}

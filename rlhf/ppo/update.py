@@ -20,7 +20,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlhf.algorithms import balanced_minibatches, masked_mean, policy_loss, value_loss
+from rlhf.algorithms import balanced_minibatches, kl_estimate, masked_mean
+from rlhf.algorithms.losses import (aggregate_loss, loss_denominator, loss_numerator, policy_loss_per_token,
+                                    truncated_is_weights, value_loss_per_token)
 from rlhf.batch import Batch
 from rlhf.metrics import StageTimer
 from rlhf.models.logprobs import vocab_parallel_entropy
@@ -28,10 +30,10 @@ from rlhf.parallel import Placement
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
+from rlhf.pipeline.inference import micro_batch_count, response_logprobs
 from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
-from rlhf.pipeline.inference import micro_batch_count, response_logprobs
 from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, schedule_to_dict
 from rlhf.schedule.schedule import Schedule
 from rlhf.schedule.search import SearchConfig, search
@@ -65,26 +67,35 @@ class PPOUpdate:
         schedule file, until the first iteration's update ends or a resumed run finds the cached one)."""
         return self.config.fusion.intra_stage_fusion and self.fused is None
 
-    def run(self, batch: Batch, iteration: int) -> dict:
-        """``ppo_epochs`` passes of token-balanced mini-batches; one optimizer step per mini-batch and model.
-        Returns this rank's token-weighted loss statistics and its training bubble fraction."""
+    def run(self, batch: Batch, iteration: int, kl_coef: float) -> dict:
+        """``ppo_epochs`` passes of token-balanced mini-batches; one optimizer step per mini-batch and model
+        (the critic alone while ``iteration`` < ``critic_warmup``); ``kl_coef`` weighs the KL loss term.
+        Returns this rank's loss statistics, its models' gradient norms and learning rates and its
+        training bubble fraction."""
         ppo = self.config.ppo
-        recorded, timelines = [], []
+        trained = {m: t for m, t in self.trained.items() if m == "critic" or iteration >= ppo.critic_warmup}
+        losses = {name: self._loss(name, kl_coef) for name in trained}
+        timelines, steps = [], {name: [] for name in trained}
         for epoch in range(ppo.ppo_epochs):
-            plans = {name: self._minibatches(batch, task, iteration, epoch) for name, task in self.trained.items()}
+            plans = {name: self._minibatches(batch, task, iteration, epoch) for name, task in trained.items()}
             for m in range(ppo.minibatches):
                 runtimes = {}
-                for name, task in self.trained.items():
+                for name, task in trained.items():
                     g = self.groups[task]
                     if g is not None:
                         members = [i for part in plans[name][m] for i in part]
                         runtimes[name] = self._runtime(name, task, batch.select(plans[name][m][g.coord.dp]),
-                                                       int(batch.response_lengths[members].sum()), recorded)
-                self._run_minibatch(runtimes, timelines)
-        if self.measuring:  # the first iteration measured the stages: fuse from now on
+                                                       losses[name].denominator(batch.select(members)), losses[name])
+                self._run_minibatch(runtimes, timelines, measured=len(trained) == len(self.trained))
+                for name, rt in runtimes.items():
+                    steps[name].append(rt.optimizer.last_step)
+        if self.measuring and len(trained) == len(self.trained):  # the stages are measured: fuse from now on
             self.fused = self._search_fused_schedule()
+        out = {k: v for loss in losses.values() for k, v in loss.metrics().items()}
+        out.update({f"{name}_{key}": _mean([s[key] for s in done]) for name, done in steps.items() if done
+                    for key in ("grad_norm", "lr")})
         idle = idle_fraction(timelines)
-        return {**_mean_records(recorded), **({} if idle is None else {"training_bubble_fraction": idle})}
+        return out if idle is None else {**out, "training_bubble_fraction": idle}
 
     def reuse_cached_schedule(self, root: str) -> None:
         """Take the fused schedule a run that saved into checkpoint root ``root`` searched, if it is
@@ -95,23 +106,25 @@ class PPOUpdate:
             layout.check_fused(self.config, schedule, self.placement)
             self.fused = schedule
 
-    def _run_minibatch(self, runtimes: dict, timelines: list) -> None:
+    def _run_minibatch(self, runtimes: dict, timelines: list, measured: bool) -> None:
         """One optimizer step of every trained model on this rank: the fused schedule over both
-        models, or each model's serial 1F1B over its own mesh."""
-        if self.fused is not None:
-            if runtimes:  # a fused pipeline spans the same ranks for both models
-                self._record_step(run_step(self.fused, runtimes, group=self.groups["actor_train"].mesh_group),
-                                  timelines)
+        models, or each model's serial 1F1B over its own mesh (also while the critic warms up alone).
+        ``measured``: the step counts towards the stage times a fused schedule is searched for."""
+        if self.fused is not None and len(runtimes) == len(self.trained):
+            # a fused pipeline spans the same ranks for both models
+            self._record_step(run_step(self.fused, runtimes, group=self.groups["actor_train"].mesh_group),
+                              timelines, measured)
             return
         for name, rt in runtimes.items():
-            self._record_step(run_step(self.schedules[name], {name: rt}, group=rt.groups.mesh_group), timelines)
+            self._record_step(run_step(self.schedules[name], {name: rt}, group=rt.groups.mesh_group), timelines,
+                              measured)
 
-    def _record_step(self, step, timelines: list) -> None:
+    def _record_step(self, step, timelines: list, measured: bool) -> None:
         """Keep an executor step's timeline: for the trace, the bubble metric and (while measuring)
         the stage times the search needs."""
         self.timer.include(step.timeline)
         timelines.append(step.timeline)
-        if self.measuring:
+        if self.measuring and measured:
             self.stage_times.add(step.timeline, {m: self.groups[t].coord.pp for m, t in self.trained.items()
                                                  if self.groups[t] is not None})
 
@@ -139,49 +152,115 @@ class PPOUpdate:
         return balanced_minibatches(batch.sequence_lengths, self.config.ppo.minibatches,
                                     self.placement[task].strategy.dp, generator=gen)
 
-    def _runtime(self, name: str, task: str, share: Batch, minibatch_tokens: int, recorded: list) -> ModelRuntime:
-        """The executor's view of one model for one mini-batch on this rank."""
-        g, ppo = self.groups[task], self.config.ppo
-        micro = share.split(micro_batch_count(len(share), ppo.micro_batch_size))
-        # Each micro-batch's token-mean loss is rescaled so that, after the executor's
-        # 1/micro-batches and the DP average, the gradient is the mini-batch's token mean.
-        scale = len(micro) * g.mesh.strategy.dp / max(minibatch_tokens, 1)
-        loss = (functools.partial(actor_loss, clip_eps=ppo.clip_eps, scale=scale, recorded=recorded) if name == "actor"
-                else functools.partial(critic_loss, value_clip=ppo.value_clip, scale=scale, recorded=recorded))
-        return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name], loss,
-                            self.config.models[name].hidden_size)
+    def _loss(self, name: str, kl_coef: float) -> ModelLoss:
+        """The loss of model ``name`` for this iteration (it keeps the statistics of its micro-batches)."""
+        ppo, gen = self.config.ppo, self.config.generation
+        if name == "critic":
+            return CriticLoss(ppo, gen.max_response_len)
+        return ActorLoss(ppo, gen.max_response_len, gen.logprob_temperature, kl_coef if ppo.kl_in_loss else 0.0)
+
+    def _runtime(self, name: str, task: str, share: Batch, denominator: float, loss: ModelLoss) -> ModelRuntime:
+        """The executor's view of one model for one mini-batch on this rank: each micro-batch's loss
+        numerator scaled so that, after the executor's 1/micro-batches and the DP average, the gradient
+        is that of the mini-batch's aggregated loss (its ``denominator`` counts all DP replicas)."""
+        g = self.groups[task]
+        micro = share.split(micro_batch_count(len(share), self.config.ppo.micro_batch_size))
+        scale = len(micro) * g.mesh.strategy.dp / denominator
+        return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
+                            functools.partial(loss, scale=scale), self.config.models[name].hidden_size)
 
 
-def actor_loss(logits: torch.Tensor, mb: Batch, g: TaskGroups, *, clip_eps: float, scale: float, recorded: list):
-    """The clipped policy loss of one micro-batch from its vocab-parallel logits, as the executor
-    backpropagates it (token sum x ``scale``); its statistics are appended to ``recorded``."""
-    mask = mb.response_mask
-    logprobs = response_logprobs(logits, mb, g)
-    loss, metrics = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mask, clip_eps=clip_eps)
-    entropy = mb.response_from_positions(vocab_parallel_entropy(logits[:, :-1], g.tp))
-    tokens = mask.sum()
-    recorded.append((tokens, {"policy_loss": loss.detach(), "entropy_mean": masked_mean(entropy, mask),
-                              "clip_fraction": metrics["clipfrac"], "approx_kl": metrics["approx_kl"]}))
-    return loss * tokens * scale
+class ModelLoss:
+    """One model's loss over an iteration's micro-batches: ``loss(output, mb, groups, scale)`` is what the
+    executor backpropagates (the aggregation's numerator x ``scale``), and every call keeps the
+    micro-batch's statistics for :meth:`metrics`. The aggregation (``ppo.loss_agg``) is exact over DP
+    replicas and micro-batches: the mini-batch's :meth:`denominator` is counted over all of them."""
+
+    def __init__(self, ppo, max_response_len: int):
+        self.ppo, self.max_response_len = ppo, max_response_len
+        self.recorded: list = []  # (valid tokens, {metric: value}) per micro-batch
+
+    def mask(self, mb: Batch) -> torch.Tensor:
+        """[b, R] 0/1: the response tokens this loss trains on."""
+        return mb.response_mask
+
+    def denominator(self, minibatch: Batch) -> float:
+        """The aggregation's denominator of a whole mini-batch (every DP replica's samples)."""
+        lengths = self.mask(minibatch).sum(dim=1)
+        return float(loss_denominator(lengths, self.ppo.loss_agg, norm_length=self.max_response_len))
+
+    def metrics(self) -> dict:
+        """Token-weighted means of the recorded statistics (maxima for ``*_max``) on this rank."""
+        return combine_records(self.recorded)
 
 
-def critic_loss(values: torch.Tensor, mb: Batch, g: TaskGroups, *, value_clip: float | None, scale: float,
-                recorded: list):
-    """The clipped value loss of one micro-batch from the critic's per-position values (token sum x
-    ``scale``); its statistics are appended to ``recorded``. ``g`` is unused: the executor passes every
-    loss the task's groups."""
-    mask = mb.response_mask
-    loss, metrics = value_loss(mb.response_from_positions(values), mb.values, mb.returns, mask, clip_eps=value_clip)
-    tokens = mask.sum()
-    recorded.append((tokens, {"value_loss": loss.detach(), "value_clip_fraction": metrics["vf_clipfrac"]}))
-    return loss * tokens * scale
+class ActorLoss(ModelLoss):
+    """The clipped policy loss (clip-higher, dual-clip, log-ratio clamped), weighted per token by truncated
+    importance sampling when ``tis_cap`` is set, plus the KL term (``kl_coef`` x the per-token estimate
+    against the reference, when the KL acts in the loss) minus the entropy bonus; all of logits /
+    ``temperature``. With ``mask_truncated`` samples cut at the length budget are left out."""
+
+    def __init__(self, ppo, max_response_len: int, temperature: float, kl_coef: float):
+        super().__init__(ppo, max_response_len)
+        self.temperature, self.kl_coef = temperature, kl_coef
+
+    def mask(self, mb: Batch) -> torch.Tensor:
+        mask = mb.response_mask
+        if self.ppo.mask_truncated:
+            finished = [reason != "length" for reason in mb.finish_reasons]
+            mask = mask * torch.tensor(finished, dtype=mask.dtype, device=mask.device).unsqueeze(1)
+        return mask
+
+    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
+        ppo, mask = self.ppo, self.mask(mb)
+        logprobs = response_logprobs(logits, mb, g, self.temperature)
+        per_token, stats = policy_loss_per_token(logprobs, mb.old_logprobs, mb.advantages, mask, ppo.clip_eps,
+                                                 ppo.clip_eps_high, ppo.dual_clip)
+        record = {"policy_loss": aggregate_loss(per_token.detach(), mask, ppo.loss_agg), "clip_fraction":
+                  stats["clipfrac"], "approx_kl": stats["approx_kl"], "ratio_mean": stats["ratio_mean"],
+                  "ratio_max": stats["ratio_max"]}
+        if ppo.tis_cap is not None:
+            weights, tis = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, mask, ppo.tis_cap, ppo.tis_mode)
+            per_token = per_token * weights
+            record.update(tis)
+        if self.kl_coef:
+            kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator)
+            per_token = per_token + self.kl_coef * kl
+            record["kl_loss"] = aggregate_loss(kl.detach(), mask, ppo.loss_agg)
+        logits = logits[:, :-1] if self.temperature == 1.0 else logits[:, :-1] / self.temperature
+        entropy = mb.response_from_positions(vocab_parallel_entropy(logits, g.tp))
+        record["entropy_mean"] = masked_mean(entropy.detach(), mask)
+        if ppo.entropy_coef:
+            per_token = per_token - ppo.entropy_coef * entropy
+        self.recorded.append((mask.sum(), record))
+        return loss_numerator(per_token, mask, ppo.loss_agg) * scale
 
 
-def _mean_records(recorded: list) -> dict:
-    """Token-weighted means of the per-micro-batch training metrics recorded on this rank."""
-    sums, weights = {}, {}
+class CriticLoss(ModelLoss):
+    """The clipped value loss of the critic's per-position values against the returns."""
+
+    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
+        mask = self.mask(mb)
+        per_token, stats = value_loss_per_token(mb.response_from_positions(values), mb.values, mb.returns, mask,
+                                                clip_eps=self.ppo.value_clip)
+        self.recorded.append((mask.sum(), {"value_loss": aggregate_loss(per_token.detach(), mask, self.ppo.loss_agg),
+                                           "value_clip_fraction": stats["vf_clipfrac"]}))
+        return loss_numerator(per_token, mask, self.ppo.loss_agg) * scale
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values)
+
+
+def combine_records(recorded: list) -> dict:
+    """Token-weighted means of the per-micro-batch training metrics recorded on this rank; ``*_max``
+    metrics take their largest value."""
+    sums, weights, peaks = {}, {}, {}
     for tokens, metrics in recorded:
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value * tokens
-            weights[key] = weights.get(key, 0.0) + tokens
-    return {key: sums[key] / weights[key].clamp(min=1) for key in sums}
+            if key.endswith("_max"):
+                peaks[key] = torch.maximum(peaks[key], value) if key in peaks else value
+            else:
+                sums[key] = sums.get(key, 0.0) + value * tokens
+                weights[key] = weights.get(key, 0.0) + tokens
+    return {**{key: sums[key] / weights[key].clamp(min=1) for key in sums}, **peaks}

@@ -101,22 +101,6 @@ def microbatches(config: RewardJobConfig, placement: Placement) -> int:
     return t.global_batch_size // (placement[TASK].strategy.dp * t.micro_batch_size)
 
 
-class _RecordingOptimizer:
-    """The executor's optimizer interface over a ModelOptimizer, keeping its last step's grad norm and LR."""
-
-    def __init__(self, optimizer: ModelOptimizer):
-        self.optimizer, self.last = optimizer, {}
-
-    def backward_scope(self, last_microbatch: bool):
-        return self.optimizer.backward_scope(last_microbatch)
-
-    def reduce_grads(self) -> None:
-        self.optimizer.reduce_grads()
-
-    def step(self) -> None:
-        self.last = self.optimizer.step()
-
-
 class RewardTrainer:
     """A value-kind model trained on preference pairs over the placement's reward_inf mesh
     (collective: every rank builds one and calls its methods together; ranks off the mesh take
@@ -158,7 +142,7 @@ class RewardTrainer:
         """Iterations until ``config.run.iterations``, each logged (rank 0 writes), saved when configured."""
         cfg, ckpt = self.config, self.config.checkpoint
         with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration, desc="reward",
-                           postfix=POSTFIX) as writer:
+                           postfix=POSTFIX, checkpoint=ckpt) as writer:
             while self.iteration < cfg.run.iterations:
                 writer.log(self.iteration + 1, self.step())
                 last = self.iteration == cfg.run.iterations
@@ -209,10 +193,10 @@ class RewardTrainer:
                     "samples_count": torch.tensor(float(len(mb))), "tokens_count": mb.sequence_lengths.sum().float()})
             return loss.sum() * scale
 
-        optimizer = _RecordingOptimizer(self.optimizer)
-        runtime = ModelRuntime(MODEL, g.mesh, micro, self.model, g, optimizer, loss_fn, self.config.model.hidden_size)
+        runtime = ModelRuntime(MODEL, g.mesh, micro, self.model, g, self.optimizer, loss_fn,
+                               self.config.model.hidden_size)
         self.timer.include(run_step(self.schedule, {MODEL: runtime}, group=g.mesh_group).timeline)
-        return _add(records) | optimizer.last
+        return _add(records) | self.optimizer.last_step
 
     def _evaluate(self, data: Sequence[PreferencePair]) -> dict:
         """This rank's share of scoring ``data`` (forward only, micro-batched through the pipeline):

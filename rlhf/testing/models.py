@@ -32,8 +32,10 @@ def unsharded(kind: str, cfg: ModelConfig, full: dict) -> torch.nn.Module:
     return model
 
 
-def plain_logprobs(actor: torch.nn.Module, tokens: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
-    """[b, response_len] log-probs of the response tokens of ``tokens`` [b, T] by a plain log-softmax."""
-    logits = stage_forward(actor, tokens).float()
+def plain_logprobs(actor: torch.nn.Module, tokens: torch.Tensor, prompt_len: int, response_len: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """[b, response_len] log-probs of the response tokens of ``tokens`` [b, T] by a plain log-softmax of
+    logits / ``temperature``."""
+    logits = stage_forward(actor, tokens).float() / temperature
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     return lp[:, prompt_len - 1:prompt_len - 1 + response_len]
