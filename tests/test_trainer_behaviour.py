@@ -189,3 +189,14 @@ def test_the_first_update_starts_on_policy(results):
     assert gates["approx_kl"] < 1e-8
     assert abs(gates["ratio_mean"] - 1) < 1e-5 and abs(gates["ratio_max"] - 1) < 1e-5
     assert gates["mismatch_kl"] < 1e-4
+
+
+def test_a_logged_sample_shows_ids_past_the_tokenizer():
+    """The tiny default's actor has 512 ids and the byte tokenizer 259: --log-samples must still print."""
+    from rlhf.data import ByteTokenizer
+    from rlhf.ppo.trainer import readable
+
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("AB cd")
+    assert readable(tokenizer, [*ids, 300, 259, *ids]) == f"{tokenizer.decode(ids)}<id 300><id 259>{tokenizer.decode(ids)}"
+    assert readable(tokenizer, []) == ""

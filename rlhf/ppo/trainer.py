@@ -360,8 +360,8 @@ class Trainer:
         p, r = int(batch.prompt_lengths[index]), int(batch.response_lengths[index])
         tokens = batch.tokens[index].tolist()
         return (f"iteration {self.iteration}, sample {index} (reward {float(batch.scores[index]):.4g}, "
-                f"{batch.finish_reasons[index]}):\n  prompt:   {self.tokenizer.decode(tokens[:p])!r}\n"
-                f"  response: {self.tokenizer.decode(tokens[p:p + r])!r}")
+                f"{batch.finish_reasons[index]}):\n  prompt:   {readable(self.tokenizer, tokens[:p])!r}\n"
+                f"  response: {readable(self.tokenizer, tokens[p:p + r])!r}")
 
     # ---- building --------------------------------------------------------------------
 
@@ -419,6 +419,21 @@ class Trainer:
         if self.reward_fn is not None and self.config.has_reward_model:
             out["gold_reward_mean"] = function_scores(self.reward_fn, batch).mean()
         return out
+
+
+def readable(tokenizer, ids: list) -> str:
+    """``ids`` decoded by ``tokenizer``; an id past its vocabulary (a model may have more ids than its
+    tokenizer, as the tiny default's actor has) shows as ``<id N>``."""
+    text, run = [], []
+    for i in [*ids, None]:
+        if i is not None and i < tokenizer.vocab_size:
+            run.append(i)
+            continue
+        text.append(tokenizer.decode(run))
+        run = []
+        if i is not None:
+            text.append(f"<id {i}>")
+    return "".join(text)
 
 
 def sample_statistics(batch: Batch) -> dict:
