@@ -5,13 +5,16 @@ TP1 on ranks {2, 3} and reward_inf TP1 on ranks {0, 1}, on a fixed batch of
 samples (generation given). The reference is plain single-process PyTorch
 written here from the definitions: KL-penalised rewards, the recursive GAE
 loop, whitened advantages, the clipped surrogate and clipped value losses as
-token means over the mini-batch, gradient-norm clipping (set low enough that
+token means over the mini-batch (and again as means over its sequences, with
+--loss-agg seq-mean-token-mean), gradient-norm clipping (set low enough that
 it clips) and torch AdamW. Both start from the same full
 weights; the scenario returns the largest parameter differences. The same
 iteration runs again on the placement the planner's search picks for this job
 on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
 train, not only to validate.
 """
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -78,7 +81,15 @@ def _samples(actor) -> list:
     return out
 
 
-def _textbook_iteration(full: dict, samples: list) -> dict:
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
+    """A [N, R] loss reduced over the whole mini-batch as its name says: token-mean (every valid token
+    alike) or seq-mean-token-mean (every sequence alike: the mean of each one's token mean)."""
+    if agg == "token-mean":
+        return (per_token * mask).sum() / mask.sum()
+    return ((per_token * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+
+
+def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean") -> dict:
     """One PPO iteration from the definitions, one sample at a time where it is clearer."""
     actor, critic = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["critic"])
     reference, reward = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["reward"])
@@ -104,19 +115,19 @@ def _textbook_iteration(full: dict, samples: list) -> dict:
 
     a_opt = torch.optim.AdamW(actor.parameters(), lr=PPO.lr, betas=BETAS, weight_decay=0.0)
     c_opt = torch.optim.AdamW(critic.parameters(), lr=PPO.critic_lr, betas=BETAS, weight_decay=0.0)
-    tokens, norms = mask.sum(), []
+    norms = []
     for _ in range(PPO.ppo_epochs):  # one mini-batch holds every sample
         new = padded([plain_logprobs(actor, t, p, r, TEMPERATURE)[0] for t, p, r in seqs])
         ratio = torch.exp(new - old)
         surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - PPO.clip_eps, 1 + PPO.clip_eps))
-        a_loss = (surrogate * mask).sum() / tokens
+        a_loss = _aggregate(surrogate, mask, agg)
         a_opt.zero_grad()
         a_loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(actor.parameters(), PPO.clip_grad)))
         a_opt.step()
         values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
         clipped = old_values + (values - old_values).clamp(-PPO.value_clip, PPO.value_clip)
-        v_loss = 0.5 * (torch.maximum((values - returns) ** 2, (clipped - returns) ** 2) * mask).sum() / tokens
+        v_loss = 0.5 * _aggregate(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, agg)
         c_opt.zero_grad()
         v_loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(critic.parameters(), PPO.clip_grad)))
@@ -139,6 +150,9 @@ def run(root: str) -> dict:
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
     out = _against_textbook(placement)
+    sequence_mean = _against_textbook(placement, "seq-mean-token-mean")  # the critic's DP2 counts sequences
+    out.update({f"seq_mean_{k}": v for k, v in sequence_mean.items()
+                if k.endswith(("_max_diff", "_moved", "_vs_token_mean"))})
     out.update(_planned())
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
@@ -163,10 +177,10 @@ def _critic_warmup(placement) -> dict:
     return out
 
 
-def learn_fixed_samples(placement) -> tuple:
+def learn_fixed_samples(placement, agg: str = "token-mean") -> tuple:
     """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights)."""
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
-                       generation=GenerationConfig(temperature=TEMPERATURE), ppo=PPO)
+                       generation=GenerationConfig(temperature=TEMPERATURE), ppo=replace(PPO, loss_agg=agg))
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
             "reward": full_weights("value", CRITIC, 303)}
     samples = _samples(unsharded("lm", ACTOR, full["actor"]))
@@ -176,11 +190,11 @@ def learn_fixed_samples(placement) -> tuple:
     return full, samples, result, trained_weights(trainer)
 
 
-def _against_textbook(placement) -> dict:
-    full, samples, result, after = learn_fixed_samples(placement)
+def _against_textbook(placement, agg: str = "token-mean") -> dict:
+    full, samples, result, after = learn_fixed_samples(placement, agg)
     out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
     if dist.get_rank() == 0:
-        ref = _textbook_iteration(full, samples)
+        ref = _textbook_iteration(full, samples, agg)
         for name in ("actor", "critic"):
             out[f"{name}_max_diff"] = max((after[name][k] - ref[name][k]).abs().max().item() for k in ref[name])
             out[f"{name}_moved"] = max((after[name][k] - full[name][k]).abs().max().item() for k in ref[name])
@@ -189,14 +203,17 @@ def _against_textbook(placement) -> dict:
                              "critic": sum(ref["norms"][1::2]) / PPO.ppo_epochs}
         for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
             out[f"{field}_max_diff"] = (getattr(result.batch, field) - ref[field]).abs().max().item()
+        if agg != "token-mean":  # how far this aggregation's textbook update is from token-mean's
+            token_mean = _textbook_iteration(full, samples)
+            for name in ("actor", "critic"):
+                out[f"{name}_vs_token_mean"] = max((ref[name][k] - token_mean[name][k]).abs().max().item()
+                                                   for k in ref[name])
     return out
 
 
 def _planned() -> dict:
     """The placement tools/plan_placement.py would write for this job on 4 CPU ranks (the search with the
     constants docs/planner.md's run 7 calibrated), against textbook PPO like PLAN."""
-    from dataclasses import replace
-
     from rlhf.planner.cost import Cluster, Workload
     from rlhf.planner.hardware import HARDWARE_PRESETS
     from rlhf.planner.placement_search import PlacementSearchConfig, search_placements

@@ -36,6 +36,16 @@ def test_parameters_match_textbook_ppo(results, model):
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])
+def test_sequence_mean_aggregation_matches_its_formula_over_dp(results, model):
+    """--loss-agg seq-mean-token-mean: every sequence weighs the same, over the critic's 2 DP replicas and the
+    micro-batches of unequal lengths, as the textbook's mean of per-sequence token means."""
+    assert results[0][f"seq_mean_{model}_moved"] > 1e-4
+    assert results[0][f"seq_mean_{model}_max_diff"] < TOL
+    # another update than token-mean's, by more than the tolerance: the check can tell them apart
+    assert results[0][f"seq_mean_{model}_vs_token_mean"] > 10 * TOL
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
 def test_logged_grad_norm_and_lr_are_the_updates(results, model):
     """``<model>_grad_norm`` is the mean over the iteration's steps of the global norm before clipping, as the
     textbook's torch clip_grad_norm_ returns it; ``<model>_lr`` the learning rate they used."""
