@@ -182,20 +182,11 @@ def policy_loss_per_token(
     return losses, metrics
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    clip_eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-    agg: str = "token-mean",
-) -> Tuple[torch.Tensor, Metrics]:
-    """``policy_loss_per_token`` reduced by ``aggregate_loss(..., agg)`` on this batch alone:
-    (loss 0-dim, metrics)."""
-    losses, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, clip_eps, clip_eps_high,
-                                            dual_clip)
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                agg: str = "token-mean", **clip) -> Tuple[torch.Tensor, Metrics]:
+    """``policy_loss_per_token(..., **clip)`` (``clip_eps``, ``clip_eps_high``, ``dual_clip``) reduced by
+    ``aggregate_loss(..., agg)`` on this batch alone: (loss 0-dim, metrics)."""
+    losses, metrics = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, **clip)
     return aggregate_loss(losses, mask, agg), metrics
 
 
