@@ -16,7 +16,7 @@ the tiny presets, the byte tokenizer and the synthetic prompts, 4 prompts x
   the loss at two coefficients (the update must differ); REINFORCE++ sampling at T=0.3 and T=1.0 (the
   entropy of the tempered policy must be lower at 0.3); and the on-policy gates on one mini-batch with
   recomputed log-probs (the first update starts at ratio 1 and approximate KL 0, and the engine's
-  log-probs equal the trainer's).
+  log-probs equal the trainer's, so truncated importance sampling weighs every token 1).
 
 Start weights are made here: the actor's with EOS made likely (so responses
 end at different lengths), a reference of another seed (so the KL penalty is
@@ -123,7 +123,7 @@ def _semantics(placement, weights: dict) -> dict:
                                                                            temperature=temperature),
                            advantage_estimator="reinforce++")
         out[f"entropy_t{temperature:g}"] = trainer.step().metrics["entropy_mean"]
-    gates = _trainer(placement, weights, advantage_estimator="grpo", recompute_logprobs=True,
+    gates = _trainer(placement, weights, advantage_estimator="grpo", recompute_logprobs=True, tis_cap=2.0,
                      ppo_mini_batch_size=PPO["rollout_batch_size"] * PPO["n_samples_per_prompt"])
     out["gates"] = dict(gates.step().metrics)
     return out

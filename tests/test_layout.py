@@ -105,3 +105,10 @@ def test_a_scenario_is_launched_only_by_the_tests_named_for_it():
             if not path.name.startswith("test_" + scenario[len("scenario_"):]):
                 wrong.append((path.name, scenario))
     assert wrong == []
+
+
+def test_every_folder_of_rlhf_is_a_package_the_install_ships():
+    """setup.py's find_packages ships only folders with an __init__.py: a namespace folder would be missing
+    from a non-editable install (the Docker image)."""
+    folders = {p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+    assert sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").is_file()) == []

@@ -189,6 +189,7 @@ def test_the_first_update_starts_on_policy(results):
     assert gates["approx_kl"] < 1e-8
     assert abs(gates["ratio_mean"] - 1) < 1e-5 and abs(gates["ratio_max"] - 1) < 1e-5
     assert gates["mismatch_kl"] < 1e-4
+    assert abs(gates["tis_weight_mean"] - 1) < 1e-5 and gates["tis_capped_fraction"] == 0.0  # --tis-cap 2 ran
 
 
 def test_a_logged_sample_shows_ids_past_the_tokenizer():
