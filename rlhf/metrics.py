@@ -442,13 +442,15 @@ def _write_runs(path: Path, runs: Mapping) -> None:
 
 class RunSummary:
     """Owns what the line that ends a run says: the first and the last ``window`` values of each of
-    ``keys`` (a value logged as NaN, or null in the file, counts as NaN), the span of iterations seen
-    and the mean ``time_iteration_s``."""
+    ``keys`` (a value logged as NaN, or null in the file, counts as NaN; a run shorter than two windows
+    compares its two halves, so they never overlap), the span of iterations seen and the mean
+    ``time_iteration_s``."""
 
     def __init__(self, keys: tuple, window: int = SUMMARY_WINDOW):
         self.keys, self.window = tuple(keys), window
         self.first: dict[str, list] = {k: [] for k in self.keys}
         self.last: dict[str, deque] = {k: deque(maxlen=window) for k in self.keys}
+        self.counts: dict[str, int] = dict.fromkeys(self.keys, 0)
         self.span: tuple[int, int] | None = None
         self.seconds, self.timed = 0.0, 0
 
@@ -460,6 +462,7 @@ class RunSummary:
                 if len(self.first[key]) < self.window:
                     self.first[key].append(pair)
                 self.last[key].append(pair)
+                self.counts[key] += 1
         if record.get("time_iteration_s") is not None:
             self.seconds += record["time_iteration_s"]
             self.timed += 1
@@ -473,7 +476,9 @@ class RunSummary:
         head = f"{desc} done: iterations {self.span[0]}-{self.span[1]}"
         parts = [head + (f", {self.seconds / self.timed:.3g} s/iteration" if self.timed else "")]
         present = [k for k in self.keys if self.first[k]]
-        parts += [f"{k} {_window_mean(self.first[k])} -> {_window_mean(self.last[k])}" for k in present]
+        for k in present:
+            n = min(self.window, max(1, self.counts[k] // 2))
+            parts.append(f"{k} {_window_mean(self.first[k][:n])} -> {_window_mean(list(self.last[k])[-n:])}")
         parts += places
         if metrics_file is None:
             parts.append("no metrics file (--metrics-file FILE keeps one to plot)")

@@ -410,7 +410,7 @@ def test_the_reward_program_summarises_its_fit_and_no_line_ends_an_unfinished_ru
         for it in range(1, 5):
             writer.log(it, {"loss": 1.0 / it, "accuracy": it / 4, **({"eval_accuracy": 0.75} if it == 4 else {})})
     assert capsys.readouterr().out == (
-        "reward done: iterations 1-4; loss 0.5208 (1-4) -> 0.5208 (1-4); accuracy 0.625 (1-4) -> 0.625 (1-4); "
+        "reward done: iterations 1-4; loss 0.75 (1-2) -> 0.2917 (3-4); accuracy 0.375 (1-2) -> 0.875 (3-4); "
         "eval_accuracy 0.75 (4-4) -> 0.75 (4-4); no metrics file (--metrics-file FILE keeps one to plot)\n")
     with MetricsWriter(LoggingConfig(progress=False), total_iterations=4, rank=0) as writer:
         writer.log(1, {"reward_mean": 1.0})  # stopped before the last iteration
