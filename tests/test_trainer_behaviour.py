@@ -135,8 +135,10 @@ def test_metrics_are_statistics_of_the_batch(results, trainer, index):
     mean = sum(scores) / n
     assert abs(metrics["reward_mean"] - mean) < TOL
     assert abs(metrics["reward_std"] - math.sqrt(sum((s - mean) ** 2 for s in scores) / n)) < TOL
-    kl = [sum(o - r for o, r in zip(old, ref)) for old, ref in zip(_valid(rec, "old_logprobs"),
-                                                                   _valid(rec, "ref_logprobs"))]
+    # the KL estimator: k1 with the KL in the rewards (REINFORCE++), k3 with it in the loss (GRPO's default)
+    estimate = (lambda d: d) if trainer == "reinforce" else (lambda d: math.exp(-d) - 1 + d)
+    kl = [sum(estimate(o - r) for o, r in zip(old, ref)) for old, ref in zip(_valid(rec, "old_logprobs"),
+                                                                             _valid(rec, "ref_logprobs"))]
     assert abs(metrics["kl_mean"] - sum(kl) / n) < TOL
     prompts = [row[:p] for row, p in zip(rec["tokens"], rec["prompt_lengths"])]
     responses = [row[p:p + r] for row, p, r in zip(rec["tokens"], rec["prompt_lengths"], lengths)]

@@ -97,7 +97,9 @@ SECTIONS = {
                                        "coefficient); peers' targets are per token: multiply by the mean response "
                                        "length"),
         ("kl_horizon", int, "the adaptive controller's horizon in samples"),
-        ("kl_estimator", str, "per-token KL estimator: k1, k2 or k3 (k3 clamped as verl and OpenRLHF)"),
+        ("kl_estimator", _auto_or_name, "per-token KL estimator: k1, k2 or k3 (k3 clamped as verl); auto: k3 "
+                                        "with the KL in the loss (k1 there has zero expected gradient and is "
+                                        "refused), k1 in the rewards"),
         ("kl_in", _auto_or_name, "where the KL penalty acts: reward (in the token rewards) or loss (a term of the "
                                  "actor loss); auto: loss for grpo and dr-grpo, reward otherwise"),
         ("gamma", float, "discount"),

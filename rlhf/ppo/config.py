@@ -121,7 +121,7 @@ class PPOConfig:
     dual_clip: float | None = None
     kl_coef: float = 0.01
     kl_target: float | None = None
-    kl_estimator: str = "k1"
+    kl_estimator: str | None = None
     kl_horizon: int = 10000
     kl_in: str | None = None
     gamma: float = 1.0
@@ -189,6 +189,10 @@ class PPOConfig:
                                   "--recompute-logprobs computes; turn it on or drop the cap", "ppo.tis_cap")
         if self.overlong_penalty is not None:
             self.overlong_punishment  # noqa: B018 -- parses "LEN,COEF" (ConfigError naming the field)
+        if self.kl_in_loss and self.kl_estimator_name == "k1":
+            raise ConfigError("k1 as a loss term has zero expected gradient (on-policy, E[grad log pi] = 0): the KL "
+                              "would not act; use k3 (TRL, verl's low_var_kl) or k2 with the KL in the loss, or "
+                              "--kl-in reward", "ppo.kl_estimator")
         if self.kl_target is not None and self.kl_coef == 0:
             raise ConfigError("kl_target adapts the KL coefficient by scaling it, and from kl_coef 0 it never moves; "
                               "give an initial kl_coef > 0 or drop the target", "ppo.kl_target")
@@ -200,6 +204,12 @@ class PPOConfig:
     def kl_in_loss(self) -> bool:
         """Whether the KL penalty is a loss term on the actor (else it is in the token rewards)."""
         return (self.kl_in or ("loss" if self.advantage_estimator in KL_IN_LOSS_ESTIMATORS else "reward")) == "loss"
+
+    @property
+    def kl_estimator_name(self) -> str:
+        """The per-token KL estimator: ``kl_estimator``, else k3 with the KL in the loss (TRL's GRPO, verl's
+        low_var_kl) and k1 in the rewards."""
+        return self.kl_estimator or ("k3" if self.kl_in_loss else "k1")
 
     @property
     def overlong_punishment(self) -> tuple[int, float] | None:
@@ -228,7 +238,7 @@ class PPOConfig:
 
     @property
     def kl_config(self) -> KLConfig:
-        return KLConfig(coef=self.kl_coef, estimator=self.kl_estimator, target=self.kl_target,
+        return KLConfig(coef=self.kl_coef, estimator=self.kl_estimator_name, target=self.kl_target,
                         horizon=self.kl_horizon)
 
     @property

@@ -288,7 +288,7 @@ class Trainer:
                                        *ppo.overlong_punishment).to(scores.device)
             scores, metrics["overlong_penalty_mean"] = scores + penalty, penalty.mean()
         coef = torch.zeros(()) if ppo.kl_in_loss else self.kl.value
-        rewards, kl = token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, mask, coef, ppo.kl_estimator)
+        rewards, kl = token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, mask, coef, ppo.kl_estimator_name)
         scored = batch.with_fields(scores=scores)  # the estimators read the shaped score
         advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), ppo.advantage_config)
         sequence_kl = kl.sum(dim=1).mean()

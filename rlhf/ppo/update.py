@@ -224,7 +224,7 @@ class ActorLoss(ModelLoss):
             per_token = per_token * weights
             record.update(tis)
         if self.kl_coef:
-            kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator)
+            kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name)
             per_token = per_token + self.kl_coef * kl
             record["kl_loss"] = aggregate_loss(kl.detach(), mask, ppo.loss_agg)
         logits = logits[:, :-1] if self.temperature == 1.0 else logits[:, :-1] / self.temperature
