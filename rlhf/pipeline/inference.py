@@ -22,11 +22,16 @@ from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.tasks import INFERENCE_FIELDS, task_kind
 
 
-def response_logprobs(logits: torch.Tensor, mb: Batch, g, temperature: float = 1.0) -> torch.Tensor:
-    """[b, R] log-probs of the response tokens under softmax(logits / ``temperature``), from vocab-parallel
-    logits [b, T, V/tp]: the distribution the engine sampled from, before top-k / top-p (as the peers)."""
-    logits = logits[:, :-1] if temperature == 1.0 else logits[:, :-1] / temperature
-    return mb.response_from_positions(vocab_parallel_log_probs(logits, mb.tokens[:, 1:], g.tp))
+def tempered_positions(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[b, T-1, V/tp] vocab-parallel logits of the positions that predict a next token, divided by
+    ``temperature``: the distribution the engine sampled from, before top-k / top-p (as the peers). Made
+    once per micro-batch: the log-probs and the entropy both read it."""
+    return logits[:, :-1] if temperature == 1.0 else logits[:, :-1] / temperature
+
+
+def response_logprobs(positions: torch.Tensor, mb: Batch, g) -> torch.Tensor:
+    """[b, R] log-probs of the response tokens from ``tempered_positions`` [b, T-1, V/tp]."""
+    return mb.response_from_positions(vocab_parallel_log_probs(positions, mb.tokens[:, 1:], g.tp))
 
 
 def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float = 1.0) -> torch.Tensor:
@@ -34,7 +39,7 @@ def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float =
     ``temperature`` (a language model), [b] scores (the reward model's value at each sample's last
     token, prompt + response) or [b, R] values (the critic's, per response token)."""
     if task_kind(task) == "lm":
-        return response_logprobs(out, mb, g, temperature)
+        return response_logprobs(tempered_positions(out, temperature), mb, g)
     if INFERENCE_FIELDS[task] == "scores":
         return mb.last_token_values(out).float()
     return mb.response_from_positions(out.float())

@@ -48,6 +48,8 @@ def _auto_switch(text: str):
     return choices[text.lower()]
 
 
+_LOGGING_CONFIG, _LOGGING_TITLE, _LOGGING_FIELDS = LOGGING_FLAGS  # both programs' logging flags, and ours
+
 SECTIONS = {
     "run": (RunConfig, "run", [
         ("iterations", int, "total PPO iterations; a resumed run continues to this number "
@@ -122,7 +124,7 @@ SECTIONS = {
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
                                      "engine's (also reports mismatch_kl: the engine vs the trainer)"),
     ]),
-    "logging": (LOGGING_FLAGS[0], LOGGING_FLAGS[1], [*LOGGING_FLAGS[2], (
+    "logging": (_LOGGING_CONFIG, _LOGGING_TITLE, [*_LOGGING_FIELDS, (
         "log_samples", int, "print one decoded prompt and response with its reward every this many iterations "
                             "(0: never)")]),
     "fusion": (FusionConfig, "fusion", [

@@ -30,7 +30,7 @@ from rlhf.parallel import Placement
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
-from rlhf.pipeline.inference import micro_batch_count, response_logprobs
+from rlhf.pipeline.inference import micro_batch_count, response_logprobs, tempered_positions
 from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
@@ -213,7 +213,8 @@ class ActorLoss(ModelLoss):
 
     def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
         ppo, mask = self.ppo, self.mask(mb)
-        logprobs = response_logprobs(logits, mb, g, self.temperature)
+        positions = tempered_positions(logits, self.temperature)
+        logprobs = response_logprobs(positions, mb, g)
         per_token, stats = policy_loss_per_token(logprobs, mb.old_logprobs, mb.advantages, mask, ppo.clip_eps,
                                                  ppo.clip_eps_high, ppo.dual_clip)
         record = {"policy_loss": aggregate_loss(per_token.detach(), mask, ppo.loss_agg), "clip_fraction":
@@ -227,8 +228,7 @@ class ActorLoss(ModelLoss):
             kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name)
             per_token = per_token + self.kl_coef * kl
             record["kl_loss"] = aggregate_loss(kl.detach(), mask, ppo.loss_agg)
-        logits = logits[:, :-1] if self.temperature == 1.0 else logits[:, :-1] / self.temperature
-        entropy = mb.response_from_positions(vocab_parallel_entropy(logits, g.tp))
+        entropy = mb.response_from_positions(vocab_parallel_entropy(positions, g.tp))
         record["entropy_mean"] = masked_mean(entropy.detach(), mask)
         if ppo.entropy_coef:
             per_token = per_token - ppo.entropy_coef * entropy
