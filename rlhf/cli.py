@@ -30,6 +30,7 @@ from typing import NoReturn
 from rlhf.checks import finite_float
 from rlhf.config import ConfigError, LoggingConfig
 from rlhf.models.config import MODEL_PRESETS, ModelConfig, ModelConfigError, preset
+from rlhf.models.precision import PrecisionConfig
 from rlhf.parallel import PlacementError
 
 
@@ -295,6 +296,26 @@ LOGGING_FLAGS = (LoggingConfig, "logging", [
                                "(None: MLflow's Default)"),
 ])
 """The logging section's flags, the same in both programs."""
+
+
+def optional_float(text: str):
+    """A float, or 'none' / 'off' for None."""
+    return None if text.lower() in ("none", "off") else float(text)
+
+
+PRECISION_FLAGS = (PrecisionConfig, "precision (Megatron-LM's flags; docs/precision.md)", [
+    ("bf16", bool, "bf16 mixed precision: every model in bfloat16 (weights, activations, the engine's KV cache), "
+                   "fp32 main weights, gradients and Adam moments in the optimizer; log-probs in fp32"),
+    ("fp16", bool, "fp16 mixed precision as --bf16, with loss scaling (dynamic unless --loss-scale)"),
+    ("loss_scale", optional_float, "a constant fp16 loss scale ('none': dynamic)"),
+    ("initial_loss_scale", float, "the dynamic fp16 loss scale's start"),
+    ("min_loss_scale", float, "the dynamic fp16 loss scale's floor"),
+    ("loss_scale_window", int, "clean steps after which the dynamic fp16 loss scale doubles"),
+    ("hysteresis", int, "overflowing steps (each skipped) before the dynamic fp16 loss scale halves"),
+    ("accumulate_allreduce_grads_in_fp32", bool, "accumulate and all-reduce fp16 gradients in fp32 (always so "
+                                                 "with --bf16, as Megatron-LM)"),
+])
+"""The precision section's flags, the same in both programs."""
 
 
 def markdown_reference(parser: argparse.ArgumentParser) -> str:

@@ -44,6 +44,7 @@ import torch
 
 from rlhf import platform
 from rlhf.config import ConfigError
+from rlhf.models.precision import PrecisionConfig
 
 OPTIMIZERS = ("adam", "sgd")
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -122,6 +123,7 @@ class StateSlice:
     ``inner`` is a parameter of the torch optimizer ``owner`` (its state is
     ``owner.state[inner]``); it holds elements ``[start, end)`` of the flattened
     model parameter: all of it, or this DP rank's share with the distributed optimizer.
+    It is the fp32 main copy where the model is bf16 or fp16 (the model parameter itself in fp32).
     """
 
     owner: torch.optim.Optimizer
@@ -139,33 +141,37 @@ class ModelOptimizer:
     the gradient norm). Gradients accumulate over micro-batches between steps.
     """
 
-    def __init__(self, module: torch.nn.Module, groups, config: OptimizerConfig):
+    def __init__(self, module: torch.nn.Module, groups, config: OptimizerConfig,
+                 precision: PrecisionConfig = PrecisionConfig()):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        if module.config.params_dtype != torch.float32:
-            raise ValueError(f"ModelOptimizer takes fp32 modules; this one has {module.config.params_dtype} "
-                             "(megatron's mixed-precision optimizer path is not wired up); build it with "
-                             "dtype=torch.float32")
-        self.module, self.groups, self.config = module, groups, config
+        if module.config.params_dtype != precision.dtype:
+            raise ValueError(f"ModelOptimizer: the module is {module.config.params_dtype}, the precision "
+                             f"{precision.name} ({precision.dtype}); build the model in the job's dtype")
+        self.module, self.groups, self.config, self.precision = module, groups, config, precision
         overlap = config.overlap_grad_reduce
         ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=precision.grads_in_fp32,
             use_distributed_optimizer=config.use_distributed_optimizer,
             overlap_grad_reduce=platform.has_accelerator() if overlap is None else overlap)
         self.ddp = DistributedDataParallel(module.config, ddp_config, module, pg_collection=groups.pg_collection)
         with platform.megatron_scope():
             self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
-        self.last_step: dict[str, float] = {}  # the last step's grad_norm and lr (step)
+        self.last_step: dict[str, float] = {}  # the last step's grad_norm, lr and loss scale (step)
 
     def _build_optimizer(self):
         from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig as MegatronConfig
         from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
 
-        c, pgc = self.config, self.groups.pg_collection
+        c, p, pgc = self.config, self.precision, self.groups.pg_collection
         mcfg = MegatronConfig(optimizer=c.optimizer, lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay,
                               adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps,
                               sgd_momentum=0.0, clip_grad=c.clip_grad,
-                              use_distributed_optimizer=c.use_distributed_optimizer)
+                              use_distributed_optimizer=c.use_distributed_optimizer,
+                              bf16=p.bf16, fp16=p.fp16, params_dtype=p.dtype, loss_scale=p.loss_scale,
+                              initial_loss_scale=p.initial_loss_scale, min_loss_scale=p.min_loss_scale,
+                              loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis)
         inner = _get_megatron_optimizer_based_on_param_groups(
             mcfg, [self.ddp], self._param_groups(), per_model_buffers={0: self.ddp.buffers},
             model_parallel_group=pgc.mp, data_parallel_group=pgc.intra_dp_cp, data_parallel_group_gloo=None,
@@ -211,21 +217,35 @@ class ModelOptimizer:
 
         finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
 
-    def step(self) -> dict[str, float]:
-        """Clip, update, advance the LR schedule and zero the gradients.
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for backward (unchanged without loss scaling)."""
+        (opt,) = self.optimizer.chained_optimizers
+        return loss if getattr(opt, "grad_scaler", None) is None else loss * opt.get_loss_scale()
 
-        Returns ``grad_norm`` (global, before clipping) and ``lr`` (used by this
-        update) as Python floats: megatron syncs the norm to the host to clip. The
-        same dict stays in ``last_step`` for whoever logs it (the executor calls step).
+    def step(self) -> dict[str, float]:
+        """Unscale (fp16), clip, update, advance the LR schedule and zero the gradients.
+
+        Returns ``grad_norm`` (global, before clipping), ``lr`` (used by this
+        update) and, with fp16 loss scaling, ``loss_scale`` (the scale of this
+        step's gradients) and ``skipped`` (1: they overflowed, so neither the
+        weights nor the LR schedule moved and ``grad_norm`` is NaN), as Python
+        floats: megatron syncs the norm to the host to clip. The same dict stays in
+        ``last_step`` for whoever logs it (the executor calls step).
         """
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
+        (opt,) = self.optimizer.chained_optimizers
+        scaler = getattr(opt, "grad_scaler", None)
+        scale = float(scaler.scale) if scaler is not None else None
         with platform.megatron_scope():
-            _, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+            updated, grad_norm, _ = self.optimizer.step()
+        if updated:  # Megatron-LM: the schedule advances only with the weights
+            self.scheduler.step(increment=1)
         self.zero_grad()
-        self.last_step = {"grad_norm": float(grad_norm), "lr": float(lr)}
+        self.last_step = {"grad_norm": float("nan") if grad_norm is None else float(grad_norm), "lr": float(lr)}
+        if scale is not None:
+            self.last_step.update(loss_scale=scale, skipped=float(not updated))
         return self.last_step
 
     def zero_grad(self) -> None:
@@ -239,16 +259,22 @@ class ModelOptimizer:
         return self.groups.dp if self.config.use_distributed_optimizer else None
 
     def state_slices(self) -> dict[torch.nn.Parameter, StateSlice]:
-        """Model parameter -> where its optimizer state lives on this rank (checkpoints read and fill it).
+        """Model parameter -> where its optimizer state and fp32 main weights live on this rank (checkpoints
+        read and fill them): with mixed precision the slice's ``inner`` is the main copy, else the parameter.
 
         With the distributed optimizer a parameter wholly in other DP ranks' shares is absent.
         """
         (opt,) = self.optimizer.chained_optimizers
-        if not self.config.use_distributed_optimizer:
+        if self.config.use_distributed_optimizer:
+            out = {}
+            for param, (group, index) in opt.model_param_group_index_map.items():
+                share = opt._get_model_param_range_map(param)["param"]
+                out[param] = StateSlice(opt.optimizer, opt.optimizer.param_groups[group]["params"][index],
+                                        share.start, share.end)
+            return out
+        if self.precision.name == "fp32":
             return {p: StateSlice(opt.optimizer, p, 0, p.numel()) for p in opt.get_parameters()}
-        out = {}
-        for param, (group, index) in opt.model_param_group_index_map.items():
-            share = opt._get_model_param_range_map(param)["param"]
-            out[param] = StateSlice(opt.optimizer, opt.optimizer.param_groups[group]["params"][index],
-                                    share.start, share.end)
-        return out
+        pairs = [(p, p) for group in opt.fp32_from_fp32_groups for p in group]
+        pairs += [pair for model, main in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                  for pair in zip(model, main)]
+        return {p: StateSlice(opt.optimizer, main, 0, p.numel()) for p, main in pairs}

@@ -29,6 +29,7 @@ from rlhf.engine.types import SampleResult
 from rlhf.memory import module_tensors, storage_bytes
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import stage_forward
+from rlhf.models.precision import PrecisionConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import gather_tp_full_weights
@@ -177,10 +178,11 @@ def _critic_warmup(placement) -> dict:
     return out
 
 
-def learn_fixed_samples(placement, agg: str = "token-mean") -> tuple:
+def learn_fixed_samples(placement, agg: str = "token-mean", precision: PrecisionConfig = PrecisionConfig()) -> tuple:
     """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights)."""
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
-                       generation=GenerationConfig(temperature=TEMPERATURE), ppo=replace(PPO, loss_agg=agg))
+                       generation=GenerationConfig(temperature=TEMPERATURE), ppo=replace(PPO, loss_agg=agg),
+                       precision=precision)
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
             "reward": full_weights("value", CRITIC, 303)}
     samples = _samples(unsharded("lm", ACTOR, full["actor"]))
@@ -249,13 +251,14 @@ def synthetic_weights(seed: int) -> dict:
 
 def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
                       checkpoint: CheckpointConfig = CheckpointConfig(), temperature: float = 1.0,
-                      memory: MemoryConfig = MemoryConfig(), **optimizer) -> Trainer:
+                      memory: MemoryConfig = MemoryConfig(), precision: PrecisionConfig = PrecisionConfig(),
+                      **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
-                       fusion=fusion, checkpoint=checkpoint, memory=memory)
+                       fusion=fusion, checkpoint=checkpoint, memory=memory, precision=precision)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, reward_fn=gold_reward)
 

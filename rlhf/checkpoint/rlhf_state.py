@@ -16,7 +16,8 @@ An optimizer is a ``rlhf.optim.ModelOptimizer`` (megatron; its scheduler is
 ``optimizer.scheduler``) or a plain torch optimizer. Its state per parameter
 is found through ``StateSlice``s: the whole (TP-sharded) parameter, or with
 megatron's distributed optimizer this DP rank's range of the flattened
-parameter. fp32 models only, so megatron's main parameters are the weights.
+parameter. A bf16 or fp16 trained model's saved weights are its optimizer's fp32
+main weights (the model's own are those rounded), so resuming is exact.
 
 Saving: with a distributed optimizer the DP ranks first all-reduce each
 parameter's moments (zeros outside a rank's range) into whole TP shards; then
@@ -104,10 +105,12 @@ def _state_slices(optimizer) -> tuple[dict, Any]:
 
 @torch.no_grad()
 def _local_state(slot: ModelSlot, slices: dict, group) -> dict[str, torch.Tensor]:
-    """This rank's TP shard of every moment ("<key>/<name>") and the step ("step/<name>").
+    """This rank's TP shard of every moment ("<key>/<name>"), the step ("step/<name>") and, for a bf16 or
+    fp16 parameter, its fp32 main weights ("main/<name>").
 
-    Empty before the first step. With a sharded optimizer (``group``: its DP
-    group; collective) every DP rank adds its range into zeros, all-reduced.
+    Empty before the first step (a low-precision model's weights are then exactly its main weights). With a
+    sharded optimizer (``group``: its DP group; collective) every DP rank adds its range into zeros,
+    all-reduced.
     """
     states = {p: s.owner.state.get(s.inner, {}) for p, s in slices.items()}
     device = next(slot.model.parameters()).device
@@ -123,10 +126,13 @@ def _local_state(slot: ModelSlot, slices: dict, group) -> dict[str, torch.Tensor
         st, s = states.get(param, {}), slices.get(param)
         if group is None and "step" not in st:
             continue
-        for key in keys:
+        sources = {key: st.get(key) for key in keys}
+        if param.dtype != torch.float32:
+            sources["main"] = None if s is None else s.inner
+        for key, value in sources.items():
             flat = torch.zeros(param.numel(), dtype=torch.float32, device=device)
-            if key in st:
-                flat[s.start:s.end] = st[key].reshape(-1)
+            if value is not None:
+                flat[s.start:s.end] = value.reshape(-1)
             if group is not None:
                 dist.all_reduce(flat, group=group)
             out[f"{key}/{name}"] = flat.view_as(param)
@@ -135,15 +141,16 @@ def _local_state(slot: ModelSlot, slices: dict, group) -> dict[str, torch.Tensor
 
 
 def _stage_tensors(slot: ModelSlot, state: dict) -> dict[str, torch.Tensor]:
-    """Full params and optimizer ``state`` of this rank's stage (TP ranks of one replica call together),
-    without padded vocabulary rows."""
+    """Full params (the fp32 main weights where ``state`` has them) and optimizer ``state`` of this rank's
+    stage (TP ranks of one replica call together), without padded vocabulary rows."""
     tp = _layout(slot)[0]
     tp_group = slot.groups.tp if slot.groups is not None else None
     vocab = slot.config.vocab_size
     out = {}
     for name, param in named_global_parameters(slot.model).items():
         spec = ShardSpec.of(param, tp)
-        out[name] = drop_vocab_padding(name, gather_tp_full(param.data, spec, tp_group), vocab)
+        weights = state.get(f"main/{name}", param.data)
+        out[name] = drop_vocab_padding(name, gather_tp_full(weights, spec, tp_group), vocab)
         for key in MOMENTS:
             if f"{key}/{name}" in state:
                 out[f"{key}/{name}"] = drop_vocab_padding(name, gather_tp_full(state[f"{key}/{name}"], spec, tp_group),
@@ -327,6 +334,9 @@ def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: lis
     slices, _ = _state_slices(slot.optimizer)
     for name, param in params.items():
         s = slices.get(param)
+        if s is not None and s.inner is not param:  # a bf16/fp16 model's fp32 main weights, from the saved ones
+            flat = _shard(full[name], name, param, tp, tp_rank).reshape(-1)
+            s.inner.copy_(flat[s.start:s.end].view_as(s.inner))
         if s is None or f"step/{name}" not in full:
             continue
         state = {"step": full[f"step/{name}"].clone()}

@@ -59,6 +59,10 @@ class _Group:
 class TorchPagedAttention:
     """Gather blocks per KV head, then ``softmax(q k^T * scale + mask) v`` with bmm (GQA-aware).
 
+    The scores are in the model's ``dtype`` and the softmax in fp32, cast back
+    (megatron's ``attention_softmax_in_fp32``), so a bf16 engine computes what a
+    bf16 megatron model does.
+
     Queries of one KV head are stacked, so no K/V head is repeated::
 
         q [T, kv_heads * q_per_kv, D] -> [kv_heads * B, n * q_per_kv, D]
@@ -67,8 +71,8 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, block_size: int, kv_heads: int, q_per_kv: int):
-        self.block_size, self.kv_heads, self.q_per_kv = block_size, kv_heads, q_per_kv
+    def __init__(self, block_size: int, kv_heads: int, q_per_kv: int, dtype: torch.dtype = torch.float32):
+        self.block_size, self.kv_heads, self.q_per_kv, self.dtype = block_size, kv_heads, q_per_kv, dtype
 
     def prepare(self, meta: AttentionMeta) -> list[_Group]:
         """Block indices and masks of this step, shared by all layers."""
@@ -90,7 +94,7 @@ class TorchPagedAttention:
         """
         nblk = -(-max_ctx // self.block_size)
         keys = torch.arange(nblk * self.block_size, device=tables.device)
-        mask = torch.zeros(limit.shape[:2] + keys.shape, device=tables.device)
+        mask = torch.zeros(limit.shape[:2] + keys.shape, device=tables.device, dtype=self.dtype)
         mask.masked_fill_(keys >= limit, float("-inf"))
         return _Group(tables[:, :nblk].reshape(-1).long(), tables.shape[0], queries, rows,
                       mask.repeat(self.kv_heads, 1, 1))
@@ -104,7 +108,7 @@ class TorchPagedAttention:
             qg = q[g.rows].view(g.batch, g.queries, kvh, qpg, d).permute(2, 0, 1, 3, 4).reshape(kvh * g.batch, -1, d)
             k = k_cache.index_select(1, g.idx).view(kvh * g.batch, -1, d)
             v = v_cache.index_select(1, g.idx).view(kvh * g.batch, -1, d)
-            probs = torch.baddbmm(g.mask, qg, k.transpose(1, 2), alpha=scale).softmax(-1)
+            probs = torch.baddbmm(g.mask, qg, k.transpose(1, 2), alpha=scale).float().softmax(-1).to(q.dtype)
             o = torch.bmm(probs, v).view(kvh, g.batch, g.queries, qpg, d).permute(1, 2, 0, 3, 4)
             out[g.rows] = o.reshape(g.batch * g.queries, kvh * qpg, d)
         return out
@@ -158,4 +162,4 @@ def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int,
                            f"block_size % 256 == 0 (got {dtype}, block_size={block_size}); use 'torch' or 'auto'")
     if backend == "flash" or (backend == "auto" and usable):
         return FlashPagedAttention()
-    return TorchPagedAttention(block_size, kv_heads, q_per_kv)
+    return TorchPagedAttention(block_size, kv_heads, q_per_kv, dtype)

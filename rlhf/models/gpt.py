@@ -159,7 +159,9 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
         pg_collection=pg_collection,
     )
     if kind == "value" and stage.is_last:
-        model.output_layer = ValueHead(cfg.hidden_size, cfg.init_std).to(dtype)
+        model.output_layer = ValueHead(cfg.hidden_size, cfg.init_std)
+    for param in model.parameters():  # megatron's local norms are built fp32 whatever params_dtype says;
+        param.data = param.data.to(dtype)  # Megatron-LM's Float16Module casts every parameter, so do we
     _zero_vocab_padding(model, cfg.vocab_size, pg_collection.tp.rank())
     model.unpadded_vocab_size = cfg.vocab_size
     return model.to(platform.device())
@@ -180,8 +182,9 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor:
     input_ids: [b, s] token ids (every stage needs them for the shape; only the
     first stage embeds them). input_tensor: [s, b, h] hidden states from the
     previous stage (None on the first stage). Returns [s, b, h] hidden states,
-    or on the last stage [b, s, V/tp] logits (LM; V the padded vocabulary, padded
-    ids -inf: rlhf.models.vocab) / [b, s] values (value model).
+    or on the last stage [b, s, V/tp] logits (LM, in the model's dtype; V the padded
+    vocabulary, padded ids -inf: rlhf.models.vocab) / [b, s] float32 values (value
+    model; a bf16 or fp16 head's output cast up, as the log-probs are computed in fp32).
     """
     model.set_input_tensor(input_tensor)
     b, s = input_ids.shape
@@ -190,5 +193,5 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor:
     if not model.post_process:
         return out
     if isinstance(model.output_layer, ValueHead):
-        return out.squeeze(-1)
+        return out.squeeze(-1).float()
     return mask_vocab_padding(out, model.unpadded_vocab_size, model.pg_collection.tp.rank() * out.shape[-1])

@@ -51,7 +51,8 @@ class ModelRuntime:
     (its ``tokens`` [b, s] feed the model; ``loss_fn(output, microbatch,
     groups) -> scalar`` reads the fields it needs).
     ``optimizer``: an object with ``backward_scope(last_microbatch)`` (the context
-    of one backward), ``reduce_grads()`` (finish the DP gradient reduction) and
+    of one backward), ``scale_loss(loss)`` (the loss backward starts from: times the
+    fp16 loss scale), ``reduce_grads()`` (finish the DP gradient reduction) and
     ``step()`` (update, then zero the gradients) over ``module``'s parameters: a
     ``rlhf.optim.ModelOptimizer`` built on ``module`` and ``groups``.
     ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
@@ -94,7 +95,7 @@ class StageCompute:
         """Accumulate parameter grads; return the gradient of the stage input (or None).
         ``last``: this rank's final backward of the model in the step (overlapped DP reduction may start)."""
         with rt.optimizer.backward_scope(last):
-            torch.autograd.backward(out, grad)
+            torch.autograd.backward(rt.optimizer.scale_loss(out) if grad is None else out, grad)
         return None if x is None else x.grad
 
     def reduce_grads(self, rt: ModelRuntime) -> None:

@@ -13,18 +13,14 @@ import argparse
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import (LOGGING_FLAGS, UsageError, add_section_flags, flag_name, fraction_or_auto, load_model_config,
-                      parse_task_spec, section_configs, section_flag, usage_errors)
+from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, UsageError, add_section_flags, flag_name, fraction_or_auto,
+                      load_model_config, optional_float, parse_task_spec, section_configs, section_flag,
+                      usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import MODEL_PRESETS
 from rlhf.ppo.config import (DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
                              PPOConfig, RewardConfig)
 from rlhf.tasks import MODELS, TASKS
-
-
-def _optional_float(text: str):
-    """A float, or 'none' / 'off' for None."""
-    return None if text.lower() in ("none", "off") else float(text)
 
 
 def _auto_or_name(text: str):
@@ -90,12 +86,12 @@ SECTIONS = {
         ("overlap_grad_reduce", _auto_switch, "start each gradient bucket's DP reduction during the last "
                                               "micro-batch's backward: auto (on where a GPU computes; None), on, off"),
         ("clip_eps", float, "PPO ratio clip range (the lower one with --clip-eps-high)"),
-        ("clip_eps_high", _optional_float, "upper ratio clip range, clip-higher as DAPO ('none': --clip-eps)"),
-        ("dual_clip", _optional_float, "dual-clip constant c > 1: a negative advantage's loss is capped at -c A "
+        ("clip_eps_high", optional_float, "upper ratio clip range, clip-higher as DAPO ('none': --clip-eps)"),
+        ("dual_clip", optional_float, "dual-clip constant c > 1: a negative advantage's loss is capped at -c A "
                                        "('none': off)"),
-        ("value_clip", _optional_float, "value clip range around the old values ('none': off)"),
+        ("value_clip", optional_float, "value clip range around the old values ('none': off)"),
         ("kl_coef", float, "KL penalty coefficient (the initial one with --kl-target)"),
-        ("kl_target", _optional_float, "KL per sequence the adaptive controller aims at ('none': fixed "
+        ("kl_target", optional_float, "KL per sequence the adaptive controller aims at ('none': fixed "
                                        "coefficient); peers' targets are per token: multiply by the mean response "
                                        "length"),
         ("kl_horizon", int, "the adaptive controller's horizon in samples"),
@@ -116,7 +112,7 @@ SECTIONS = {
                                  "mask_truncated_completions); by default they are trained like finished ones"),
         ("overlong_penalty", str, "DAPO's soft overlong punishment 'LEN,COEF': a response longer than "
                                   "max_response_len - LEN loses COEF x the overflow / LEN of its score"),
-        ("tis_cap", _optional_float, "truncated importance sampling of the rollout policy: weight each token by "
+        ("tis_cap", optional_float, "truncated importance sampling of the rollout policy: weight each token by "
                                      "min(exp(old - rollout log-prob), cap) (needs --recompute-logprobs; 'none': "
                                      "off)"),
         ("tis_mode", str, "token (a weight per token) or sequence (one weight per sample) for --tis-cap"),
@@ -174,6 +170,7 @@ SECTIONS = {
                            "--reward-model: logged as gold_reward_mean (None: the synthetic task's gold rule "
                            "without --prompt-data)"),
     ]),
+    "precision": PRECISION_FLAGS,
     "memory": (MemoryConfig, "memory between stages", [
         ("offload_ref_reward", bool, "keep the reference and reward weights in host memory (pinned on a GPU "
                                      "host) between their inference passes: each pass copies them to the device "

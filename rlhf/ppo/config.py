@@ -22,6 +22,7 @@ from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, Placement
                          check_positive_ints, check_range)
 from rlhf.data import PromptDatasetConfig
 from rlhf.models.config import ModelConfig, preset
+from rlhf.models.precision import PrecisionConfig
 from rlhf.optim import OptimizerConfig
 from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
 
@@ -454,6 +455,7 @@ class JobConfig:
     fusion: FusionConfig = field(default_factory=FusionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self):

@@ -368,7 +368,7 @@ class Trainer:
     def _build(self, task: str) -> torch.nn.Module:
         g, model = self.groups[task], TASK_MODEL[task]
         return build_model(self.config.models[model], task_kind(task), g.pg_collection, g.stage,
-                           seed=self.config.run.seed + MODEL_SEEDS[model],
+                           seed=self.config.run.seed + MODEL_SEEDS[model], dtype=self.config.precision.dtype,
                            padded_vocab=layout.padded_vocab_size(self.config, model, self.placement))
 
     def _load_initial(self, weights: dict) -> None:
@@ -396,7 +396,7 @@ class Trainer:
         """megatron DDP + AdamW + LR schedule per trained model on this rank (collective over its task)."""
         ppo = self.config.ppo
         lrs = {"actor": ppo.lr, "critic": ppo.critic_lr}
-        return {m: ModelOptimizer(self.models[t], self.groups[t], ppo.optimizer_config(lrs[m]))
+        return {m: ModelOptimizer(self.models[t], self.groups[t], ppo.optimizer_config(lrs[m]), self.config.precision)
                 for m, t in self.config.trained_tasks().items() if t in self.models}
 
     # ---- metrics ---------------------------------------------------------------------

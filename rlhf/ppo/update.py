@@ -92,8 +92,8 @@ class PPOUpdate:
         if self.measuring and len(trained) == len(self.trained):  # the stages are measured: fuse from now on
             self.fused = self._search_fused_schedule()
         out = {k: v for loss in losses.values() for k, v in loss.metrics().items()}
-        out.update({f"{name}_{key}": _mean([s[key] for s in done]) for name, done in steps.items() if done
-                    for key in ("grad_norm", "lr")})
+        for name, done in steps.items():
+            out.update(step_metrics(name, done))
         idle = idle_fraction(timelines)
         return out if idle is None else {**out, "training_bubble_fraction": idle}
 
@@ -250,6 +250,22 @@ class CriticLoss(ModelLoss):
 
 def _mean(values: list) -> float:
     return sum(values) / len(values)
+
+
+def step_metrics(name: str, steps: list[dict]) -> dict:
+    """``<name>_lr`` and ``<name>_grad_norm``: means over an iteration's optimizer ``steps`` (``last_step``
+    dicts; the norm over the applied ones) and, with fp16 loss scaling, ``<name>_loss_scale`` (the last
+    step's) and ``<name>_skipped_steps`` (steps whose gradients overflowed, so the weights did not move)."""
+    if not steps:
+        return {}
+    applied = [s["grad_norm"] for s in steps if not s.get("skipped")]
+    out = {f"{name}_lr": _mean([s["lr"] for s in steps])}
+    if applied:
+        out[f"{name}_grad_norm"] = _mean(applied)
+    if "loss_scale" in steps[-1]:
+        out.update({f"{name}_loss_scale": steps[-1]["loss_scale"],
+                    f"{name}_skipped_steps": sum(s["skipped"] for s in steps)})
+    return out
 
 
 def combine_records(recorded: list) -> dict:
