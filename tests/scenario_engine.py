@@ -5,7 +5,7 @@ training model, log-probs vs the training model (raw, and tempered at T=0.7:
 log_softmax(logits / T) of the plain model), preemption with a tiny pool, and
 the source side of migration. Rank 1: prefix-sharing block accounting for
 n=8, seeded sampling independent of batching, two stop ids, capacity errors,
-and the destination side of migration. Both: TP2 engine (weights resharded
+the destination side of migration, and a bf16 engine's log-probs vs the bf16 model. Both: TP2 engine (weights resharded
 from a DP2 training layout) vs a TP1 engine, and its tempered log-probs vs the
 plain TP1 model. Every check returns small values; the test module asserts.
 """
@@ -246,6 +246,18 @@ def check_migration(model, local) -> dict:
             "import_when_full": out_of_blocks}
 
 
+def check_bf16(local) -> dict:
+    """A bf16 engine (weights and KV cache in bf16) against the same bf16 training model: the log-probs of the
+    tokens it sampled (raw: log_softmax of the logits), and its dtypes."""
+    model = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED, dtype=torch.bfloat16)
+    engine = Engine(model, local, CFG, EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16))
+    results = engine.generate(_requests(_prompts(5, seed=3), replace(SAMPLED, logprobs_of="raw")))
+    fp32 = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED)
+    return {"bf16_logprob_err": logprob_err(model, results, local.tp),
+            "bf16_vs_fp32_logprob": logprob_err(fp32, results, local.tp),
+            "bf16_kv_dtype": str(engine.decoder.kv_cache.dtype)}
+
+
 def run():
     rank = dist.get_rank()
     placement = Placement.from_plan(PLAN, dist.get_world_size())
@@ -261,4 +273,5 @@ def run():
     else:
         out.update(check_prefix_sharing(model, local))
         out.update(check_sampling_and_errors(model, local))
+        out.update(check_bf16(local))
     return out
