@@ -5,6 +5,9 @@ under ~/.cache/rlhf between runs) and transformers is the oracle:
 
 - ``tools/generate.py --greedy`` gives transformers' greedy ``generate`` ids,
   token for token, for 4 plain and 4 chat-templated prompts, 32 new tokens;
+  with ``--dtype bf16`` against transformers' bf16 model, each completion is
+  equal or parts from it only where the oracle's top-2 logits were within one
+  bf16 rounding step (its near-ties);
 - our model's logits equal transformers' within 1e-4 at TP3 and at PP2 (one
   3-rank launch, tests/scenario_smollm2.py). Its 9 heads and 3 KV heads admit
   no tp=2, which the placement refuses by name;
@@ -54,24 +57,26 @@ def smollm2():
 
 
 @torch.no_grad()
-def _hf_greedy(model, ids: list[int]) -> tuple[list[int], float]:
-    """transformers' greedy continuation of ``ids`` and the smallest top-1 / top-2 logit gap along it."""
+def _hf_greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``ids`` and the top-1 / top-2 logit gap at each step."""
     prompt = torch.tensor([ids])
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=NEW_TOKENS,
                          output_scores=True, return_dict_in_generate=True)
-    top2 = torch.stack(out.scores).squeeze(1).topk(2).values
-    return out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).min().item()
+    top2 = torch.stack(out.scores).squeeze(1).float().topk(2).values
+    return out.sequences[0, len(ids):].tolist(), (top2[:, 0] - top2[:, 1]).tolist()
 
 
-def test_generate_greedy_equals_transformers(smollm2, tmp_path):
-    path, model, tok = smollm2
+def _greedy_against_transformers(smollm2, tmp_path, model, dtype: str) -> tuple[list, list, list, list]:
+    """tools/generate.py --greedy --dtype ``dtype`` on 4 plain and 4 chat prompts, run while ``model`` (the
+    oracle) generates the same: (our records, the oracle's ids, its per-step top-2 gaps, the prompt ids)."""
+    path, _, tok = smollm2
     chat = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
             for c in CHAT]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PLAIN + chat))
     out = tmp_path / "out.jsonl"
     argv = ["--load", path, "--prompts", str(prompts), "--out", str(out), "--greedy",
-            "--max-new-tokens", str(NEW_TOKENS)]
+            "--max-new-tokens", str(NEW_TOKENS), "--dtype", dtype]
     code = f"from rlhf.testing.tools import load_tool; assert load_tool('generate').main({argv!r}) == 0"
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})  # runs while the oracle computes
@@ -82,12 +87,42 @@ def test_generate_greedy_equals_transformers(smollm2, tmp_path):
     expected, gaps = zip(*(_hf_greedy(model, i) for i in ids))
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
+    return [json.loads(line) for line in out.read_text().splitlines()], list(expected), list(gaps), ids
+
+
+def test_generate_greedy_equals_transformers(smollm2, tmp_path):
+    _, model, tok = smollm2
+    records, expected, gaps, ids = _greedy_against_transformers(smollm2, tmp_path, model, "fp32")
     assert all(i[0] != tok.bos_token_id for i in ids[:len(PLAIN)])  # this tokenizer adds no BOS
-    assert min(gaps) > 1e-3  # no near-tie: our logits differ from transformers' by ~1e-5
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["completion_ids"] for r in records] == list(expected)
+    assert min(min(g) for g in gaps) > 1e-3  # no near-tie: our logits differ from transformers' by ~1e-5
+    assert [r["completion_ids"] for r in records] == expected
     assert any(len(e) < NEW_TOKENS and e[-1] == tok.eos_token_id for e in expected)  # stops at EOS are compared
     assert records[len(PLAIN)]["completion"] == "2 + 3 = 5"
+
+
+BF16_NEAR_TIE = 0.125
+"""A top-2 logit gap within one bf16 step at SmolLM2's logit sizes (8 bits of mantissa: 2**-3 for 16 to 32)."""
+
+
+def test_bf16_greedy_equals_transformers_bf16_up_to_near_ties(smollm2, tmp_path):
+    """--dtype bf16 against transformers' bf16 model: each completion equal, or equal up to a step where the
+    oracle's top-2 logits were within one bf16 rounding step (the two roundings may order them differently)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2[0], dtype=torch.bfloat16).eval()
+    records, expected, gaps, _ = _greedy_against_transformers(smollm2, tmp_path, model, "bf16")
+    equal = 0
+    for record, want, gap in zip(records, expected, gaps, strict=True):
+        got = record["completion_ids"]
+        diverged = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if diverged is None:
+            assert got == want
+            equal += 1
+        else:
+            assert gap[diverged] <= BF16_NEAR_TIE, (diverged, gap[diverged], got, want)
+    # measured: 3 of 8 equal; the others part at steps 2, 3, 16, 24 and 27, on gaps <= 0.125 (two exact ties,
+    # which transformers breaks by the lower id)
+    assert equal >= 2, equal
 
 
 def test_logits_equal_transformers_at_tp3_and_pp2(smollm2):

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass (1: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**32-1] (prompt i's seed is mixed "
                    "from it and i)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the model's (and KV cache's) dtype; log-probs stay fp32 (default: fp32)")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks of 16 tokens; "
                    "fewer blocks only means more preemption, never lost samples")
     return p

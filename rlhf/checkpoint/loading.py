@@ -24,8 +24,9 @@ class LoadedModel:
     tokenizer_dir: str | None
 
 
-def load_unsharded_lm(path: str, model_name: str = "actor", iteration: int | None = None) -> LoadedModel:
-    """The LM at ``path`` as one unsharded model on this rank.
+def load_unsharded_lm(path: str, model_name: str = "actor", iteration: int | None = None,
+                      dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """The LM at ``path`` as one unsharded model on this rank, its parameters in ``dtype``.
 
     ``model_name`` and ``iteration`` choose within our checkpoint (default: model
     "actor" of the iteration ``latest`` names). Checks the directory first, then
@@ -44,6 +45,6 @@ def load_unsharded_lm(path: str, model_name: str = "actor", iteration: int | Non
     platform.init_distributed()
     build_task_groups(Placement.from_plan({}, 1))
     groups = local_groups()
-    model = build_model(source.config, "lm", groups.pg_collection, groups.stage)
+    model = build_model(source.config, "lm", groups.pg_collection, groups.stage, dtype=dtype)
     load_full_weights(model, groups, read_weights(source, list(named_global_parameters(model)), head_seed=0))
     return LoadedModel(model.eval(), source.config, source.tokenizer_dir())

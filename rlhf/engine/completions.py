@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from rlhf.checkpoint.hf import HFConversionError
 from rlhf.checkpoint.loading import load_unsharded_lm
+from rlhf.models.precision import DTYPES
 from rlhf.checkpoint.megatron import MegatronCheckpointError
 from rlhf.checkpoint.sources import ModelSourceError
 from rlhf.checkpoint.storage import CheckpointError
@@ -92,7 +93,7 @@ def generate_completions(args) -> int:
     engine_cfg = engine_config(args)
     check_out_path("--out", args.out)
     try:
-        loaded = load_unsharded_lm(args.load, args.model_name, args.iteration)
+        loaded = load_unsharded_lm(args.load, args.model_name, args.iteration, DTYPES[args.dtype])
     except (CheckpointError, HFConversionError, MegatronCheckpointError, ModelSourceError) as e:
         raise UsageError(f"--load {args.load}: {e}") from None
     model, cfg, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
