@@ -65,6 +65,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def device_name() -> str:
+    """The compute device in words: the GPU's name (``NVIDIA H100 80GB HBM3``), else ``cpu``."""
+    return torch.cuda.get_device_name(device()) if has_accelerator() else "cpu"
+
+
 def backend() -> str:
     """Collective backend: NCCL on GPUs, gloo on CPU."""
     return "nccl" if has_accelerator() else "gloo"

@@ -409,6 +409,7 @@ class Trainer:
         truncated = sum(reason == "length" for reason in batch.finish_reasons) / len(batch)
         out = {"reward_mean": batch.scores.mean(), "reward_std": batch.scores.std(correction=0),
                "reward_min": batch.scores.min(), "reward_max": batch.scores.max(),
+               "prompt_length_mean": batch.prompt_lengths.float().mean(),
                "response_length_mean": lengths.mean(), "response_length_min": lengths.min(),
                "response_length_max": lengths.max(), "truncated_fraction": float(truncated),
                **sample_statistics(batch)}
