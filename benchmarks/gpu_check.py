@@ -239,6 +239,9 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
     partings = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, hf_tokens)]
     unequal = [(i, j) for i, j in enumerate(partings) if j is not None or len(ours[i]) != len(hf_tokens[i])]
     near_ties = sum(j is not None and gaps[i][j] <= NEAR_TIE for i, j in unequal)
+    for i, j in unequal:
+        log(f"decode: prompt {i} parts at step {j} (top-2 gap {'-' if j is None else f'{gaps[i][j]:.3g}'}), "
+            f"lengths {len(ours[i])} (engine) and {len(hf_tokens[i])} (transformers)")
     return {"engine_tokens_per_s": sum(map(len, ours)) / best["engine"],
             "hf_tokens_per_s": sum(map(len, hf_tokens)) / best["hf"],
             "greedy_equal": f"{len(prompts) - len(unequal)}/{len(prompts)}",
@@ -308,6 +311,13 @@ def run_check(args) -> dict:
     return summary
 
 
+def _number(value):
+    """Floats as the summary prints them: whole from 100 up, else 3 significant digits."""
+    if not isinstance(value, float):
+        return value
+    return round(value) if value >= 100 else f"{value:.3g}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry", action="store_true", help="the CPU mode: tiny shapes, a few tokens, no gpu tests")
@@ -318,7 +328,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     summary = run_check(args)
     summary["seconds"] = round(time.perf_counter() - start)
-    fields = " ".join(f"{k}={round(v) if isinstance(v, float) and v >= 100 else v}" for k, v in summary.items())
+    fields = " ".join(f"{k}={_number(v)}" for k, v in summary.items())
     print(f"gpu_check: {fields}", flush=True)
     return 0
 
