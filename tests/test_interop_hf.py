@@ -182,6 +182,23 @@ def test_exported_dir_loads_in_transformers(setup, tmp_path):
         assert torch.equal(model(ids).logits, original(ids).logits)
 
 
+def test_export_in_bf16_is_the_saved_weights_rounded_and_loads_in_transformers(setup, tmp_path):
+    """ours-to-hf --dtype bf16: every tensor is the fp32 export's rounded to bf16, config.json says so, and
+    transformers loads it as a bf16 model."""
+    from transformers import AutoModelForCausalLM
+
+    _, results = setup
+    root = results[0]["llama/tp2"]["root"]
+    fp32 = load_file(os.path.join(export_saved_model(root, str(tmp_path / "fp32")), "model.safetensors"))
+    out = str(tmp_path / "bf16")
+    assert convert_checkpoint.main(["ours-to-hf", "--load", root, "--out", out, "--dtype", "bf16"]) == 0
+    bf16 = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(bf16) == sorted(fp32)
+    assert all(bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], fp32[k].bfloat16()) for k in fp32)
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(out, dtype="auto").dtype == torch.bfloat16
+
+
 def test_tied_export_unties_a_diverged_output_layer(setup, tmp_path):
     cases, _ = setup
     info = read_hf_config(cases[1]["dir"])

@@ -30,6 +30,7 @@ from rlhf.checkpoint import gguf, megatron, storage
 from rlhf.checkpoint.convert import check_new_iteration, gguf_to_ours, hf_to_ours
 from rlhf.checkpoint.hf import HFConversionError, export_saved_model
 from rlhf.cli import HelpFormatter, report
+from rlhf.models.precision import DTYPES
 from rlhf.tasks import KINDS
 
 
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the one 'latest' names)")
     b.add_argument("--family", choices=("llama", "qwen2"), default=None,
                    help="HF architecture family (default: qwen2 when the model has QKV bias, else llama)")
+    b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="the exported weights' dtype (default: as saved; a --bf16 run saves its trained models' "
+                        "fp32 main weights)")
     add_megatron_parsers(sub)
     add_gguf_parsers(sub)
     return p
@@ -129,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 check_new_iteration(args.out, args.iteration)
             print(GGUF_COMMANDS[args.direction](args))
         else:
-            print(export_saved_model(args.load, args.out, args.model_name, args.iteration, args.family))
+            dtype = DTYPES[args.dtype] if args.dtype else None
+            print(export_saved_model(args.load, args.out, args.model_name, args.iteration, args.family, dtype))
     except (HFConversionError, storage.CheckpointError, megatron.MegatronCheckpointError) as e:
         return report("convert_checkpoint.py", e)
     return 0

@@ -376,8 +376,11 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig, kind: str = "ca
 
 
 def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kind: str = "causal_lm",
-              family: str | None = None) -> str:
+              family: str | None = None, dtype: torch.dtype | None = None) -> str:
     """Write ``config.json`` + ``model.safetensors`` loadable by transformers; returns ``out_dir``.
+
+    ``dtype``: the weights' dtype in the files (None: as ``full`` holds them; a bf16 run's checkpoint holds
+    the fp32 main weights of its trained models).
 
     ``full``: our full state dict (global names, e.g. from ``read_full_state`` or
     ``gather_tp_full_weights`` at pp=1). A tied config whose output layer no
@@ -391,6 +394,8 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
                        "tie_word_embeddings=false with an lm_head")
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     tensors = to_hf_state(full, cfg, kind)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
     dtype = next(iter(tensors.values())).dtype
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
@@ -400,14 +405,15 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
 
 
 def export_saved_model(root: str, out: str, model_name: str = "actor", iteration: int | None = None,
-                       family: str | None = None) -> str:
+                       family: str | None = None, dtype: torch.dtype | None = None) -> str:
     """Export model ``model_name`` of our checkpoint root ``root`` (``latest`` unless ``iteration``) as an
     HF directory: value models as ``*ForSequenceClassification``, with the checkpoint's tokenizer files
-    (``<root>/tokenizer``); returns ``out``."""
+    (``<root>/tokenizer``), its weights in ``dtype`` (None: as saved); returns ``out``."""
     from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state
     from rlhf.data.tokenizer import copy_tokenizer_files
 
     cfg, role, full = read_full_state(root, model_name, iteration)
-    export_hf(out, cfg, full, kind="sequence_classification" if role == "value" else "causal_lm", family=family)
+    export_hf(out, cfg, full, kind="sequence_classification" if role == "value" else "causal_lm", family=family,
+              dtype=dtype)
     copy_tokenizer_files(os.path.join(root, TOKENIZER_DIR), out)
     return out
