@@ -1,7 +1,7 @@
 """4-rank scenario for reward-model training (see tests/test_reward_training.py).
 
-1. Exactness: one optimizer step on TP2xPP2 and on PP2xDP2 (reversed) against single-process
-   PyTorch written here from the loss definition: every pair's sequences scored alone (the value
+1. Exactness: one optimizer step on TP2xPP2 and on PP2xDP2 (reversed), and on TP2xPP2 in bf16, against
+   single-process PyTorch written here from the loss definition: every pair's sequences scored alone (the value
    at their last token), mean over pairs of -log sigmoid(r_c - r_r - m) + c (r_c + r_r)^2,
    clip_grad_norm_ (low enough that it clips) and torch AdamW; the held-out metrics after the step.
 2. Resume: 4 steps straight against 2, save, load into a fresh trainer, 2 more (PP2xDP2 reversed,
@@ -21,6 +21,7 @@ from rlhf.config import LoggingConfig, PlacementConfig, RunConfig
 from rlhf.data import ByteTokenizer, PreferenceDataset
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import stage_forward
+from rlhf.models.precision import PrecisionConfig
 from rlhf.parallel.groups import build_task_groups
 from rlhf.ppo.layout import build_placement as build_ppo_placement
 from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
@@ -45,7 +46,7 @@ MARGINS = [0.0, 0.5, 1.0, 0.0, 0.25, 2.0, 0.0, 0.75]
 
 
 def _config(layout: str, iterations: int = 1, eval_interval: int = 1, global_batch: int = 8,
-            **optimizer) -> RewardJobConfig:
+            precision: PrecisionConfig = PrecisionConfig(), **optimizer) -> RewardJobConfig:
     return RewardJobConfig(
         placement=PlacementConfig(overrides={TASK: LAYOUTS[layout]}), model=MODEL,
         run=RunConfig(iterations=iterations, seed=3),
@@ -53,7 +54,7 @@ def _config(layout: str, iterations: int = 1, eval_interval: int = 1, global_bat
                                       eval_interval=eval_interval),
         optimizer=RewardOptimizerConfig(lr=LR, clip_grad=CLIP, **optimizer),
         data=RewardDataConfig(margin_field="margin"),
-        logging=LoggingConfig(progress=False))
+        logging=LoggingConfig(progress=False), precision=precision)
 
 
 def _data(root: str) -> PreferenceDataset:
@@ -98,8 +99,9 @@ def _reference_step(full: dict, pairs) -> dict:
 
 def _exactness(data, full: dict) -> dict:
     out = {}
-    for layout in LAYOUTS:
-        config = _config(layout)
+    for layout in [*LAYOUTS, "tp2pp2 bf16"]:
+        name, _, precision = layout.partition(" ")
+        config = _config(name, precision=PrecisionConfig(bf16=precision == "bf16"))
         trainer = RewardTrainer(config, build_placement(config, dist.get_world_size()), data, PAD, data, full)
         metrics = trainer.step()
         after = trainer.full_weights()

@@ -43,6 +43,17 @@ def test_one_step_equals_the_loss_definition(results, layout):
     assert metrics["eval_accuracy"] == ref["eval_accuracy"]
 
 
+def test_one_bf16_step_is_within_bf16_of_the_loss_definition(results):
+    """train_reward.py --bf16 (bf16 model, fp32 main weights and moments): the step's loss and gradient norm
+    within bf16's ~3 significant digits of the fp32 definition's, and the weights moved by the update."""
+    r = results["exactness"]["tp2pp2 bf16"]
+    ref, metrics = r["reference"], r["metrics"]
+    assert r["names"] and r["moved"] > 1e-4
+    assert metrics["loss"] == pytest.approx(ref["loss"], rel=0.01)
+    assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=0.05)
+    assert metrics["eval_accuracy"] == ref["eval_accuracy"]
+
+
 def test_resume_continues_exactly(results):
     assert results["loaded_at"] == 2 and results["resume_moved"] > 1e-4
     for straight, resumed in zip(results["straight_metrics"], results["resumed_metrics"]):

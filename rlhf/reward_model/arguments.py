@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import (LOGGING_FLAGS, UsageError, add_section_flags, load_model_config, parse_task_spec,
+from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, UsageError, add_section_flags, load_model_config, parse_task_spec,
                       section_configs, section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import MODEL_PRESETS, ModelConfig
@@ -63,6 +63,7 @@ REWARD_SECTIONS = {
         ("on_error", str, "malformed records: 'raise' (stop, naming file:line) or 'skip' (drop, count, warn)"),
     ]),
     "logging": LOGGING_FLAGS,
+    "precision": PRECISION_FLAGS,
     "checkpoint": (CheckpointConfig, "checkpointing", [
         ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest); after the last "
                       "step the model is also exported to <root>/hf as an HF *ForSequenceClassification"),

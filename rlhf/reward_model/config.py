@@ -21,6 +21,7 @@ from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, Placement
                          check_positive_ints)
 from rlhf.data.preferences import PreferenceDatasetConfig
 from rlhf.models.config import ModelConfig, preset
+from rlhf.models.precision import PrecisionConfig
 from rlhf.optim import OptimizerConfig
 from rlhf.tasks import WEIGHTS_TASK
 
@@ -117,6 +118,7 @@ class RewardJobConfig:
     data: RewardDataConfig = field(default_factory=RewardDataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     def __post_init__(self):
         check_field_types("job", self)

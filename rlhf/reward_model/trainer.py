@@ -125,13 +125,14 @@ class RewardTrainer:
         self.model = self.optimizer = None
         if self.groups is not None:
             g = self.groups
-            self.model = build_model(config.model, "value", g.pg_collection, g.stage, seed=config.run.seed)
+            self.model = build_model(config.model, "value", g.pg_collection, g.stage, seed=config.run.seed,
+                                     dtype=config.precision.dtype)
             if initial_weights is not None:
                 full = initial_weights
                 if callable(full):  # asked for this rank's stage only
                     full = full(list(named_global_parameters(self.model)))
                 load_full_weights(self.model, g, full)
-            self.optimizer = ModelOptimizer(self.model, g, config.optimizer)
+            self.optimizer = ModelOptimizer(self.model, g, config.optimizer, config.precision)
         self.schedule = serial_schedule(MODEL, placement[TASK], microbatches(config, placement))
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
         self.iteration = 0
