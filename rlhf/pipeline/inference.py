@@ -23,10 +23,12 @@ from rlhf.tasks import INFERENCE_FIELDS, task_kind
 
 
 def tempered_positions(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[b, T-1, V/tp] vocab-parallel logits of the positions that predict a next token, divided by
-    ``temperature``: the distribution the engine sampled from, before top-k / top-p (as the peers). Made
-    once per micro-batch: the log-probs and the entropy both read it."""
-    return logits[:, :-1] if temperature == 1.0 else logits[:, :-1] / temperature
+    """[b, T-1, V/tp] fp32 vocab-parallel logits of the positions that predict a next token, divided by
+    ``temperature``: the distribution the engine sampled from, before top-k / top-p (as the peers). A bf16
+    model's logits are cast before the division, as the engine's are. Made once per micro-batch: the
+    log-probs and the entropy both read it."""
+    positions = logits[:, :-1].float()
+    return positions if temperature == 1.0 else positions / temperature
 
 
 def response_logprobs(positions: torch.Tensor, mb: Batch, g) -> torch.Tensor:
