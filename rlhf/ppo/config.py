@@ -21,7 +21,7 @@ from rlhf.checks import is_int
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
                          check_positive_ints, check_range)
 from rlhf.data import PromptDatasetConfig
-from rlhf.models.config import ModelConfig, preset
+from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, preset
 from rlhf.optim import OptimizerConfig
 from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
 
@@ -429,15 +429,47 @@ class FusionConfig:
 @dataclass(frozen=True)
 class MemoryConfig:
     """What is freed between the stages of an iteration (rlhf/memory.py; docs/training.md, "Memory
-    between stages"). ``offload_ref_reward``: the reference and reward weights stay in host memory
-    except during their inference. ``release_generation_memory``: actor_gen's weights and the KV cache
-    are freed after generation and allocated again at the next reshard. Neither changes results."""
+    between stages"), and what training keeps for its backward. ``offload_ref_reward``: the reference
+    and reward weights stay in host memory except during their inference. ``release_generation_memory``:
+    actor_gen's weights and the KV cache are freed after generation and allocated again at the next
+    reshard. ``recompute_granularity`` (None, "full", "selective") and ``recompute_num_layers``:
+    Megatron-LM's activation recomputation of the trained models (actor_train, critic_train): full
+    recomputes chunks of ``recompute_num_layers`` layers (default 1; it must divide each training
+    pipeline stage's layers, rlhf.ppo.layout checks), selective the core attention. None changes results."""
 
     offload_ref_reward: bool = False
     release_generation_memory: bool = False
+    recompute_granularity: str | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self):
         check_field_types("memory", self)
+        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            raise ConfigError(f"recompute_granularity {self.recompute_granularity!r} is not one of "
+                              f"{', '.join(RECOMPUTE_GRANULARITIES)} (or none)", "memory.recompute_granularity")
+        if self.recompute_num_layers is not None:
+            if self.recompute_granularity != "full":
+                raise ConfigError(f"recompute_num_layers {self.recompute_num_layers} sets the layers per chunk of "
+                                  "--recompute-granularity full (got "
+                                  f"{self.recompute_granularity or 'none'}); use full or drop it",
+                                  "memory.recompute_num_layers")
+            check_range("memory", "recompute_num_layers", self.recompute_num_layers, 1, float("inf"),
+                        ">= 1 layers per recomputed chunk")
+
+    @property
+    def recompute(self) -> dict:
+        """rlhf.models.gpt.build_model's recompute arguments for a trained model."""
+        return {"recompute_granularity": self.recompute_granularity,
+                "recompute_num_layers": self.recompute_num_layers}
+
+    def check_stage_layers(self, task: str, stage_layers: int) -> None:
+        """ConfigError unless a full recompute's chunk divides the ``stage_layers`` layers of a pipeline
+        stage of ``task`` (megatron's uniform method recomputes whole chunks)."""
+        chunk = self.recompute_num_layers or 1
+        if self.recompute_granularity == "full" and stage_layers % chunk:
+            raise ConfigError(f"recompute_num_layers {chunk} must divide the {stage_layers} layers of each of "
+                              f"{task}'s pipeline stages (megatron recomputes chunks of that many layers); "
+                              f"give a divisor of {stage_layers}", "memory.recompute_num_layers")
 
 
 @dataclass(frozen=True)

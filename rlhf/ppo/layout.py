@@ -61,7 +61,8 @@ def check_placement(config: JobConfig, placement: Placement) -> None:
                           "critic (grpo, reinforce++)", "ppo.advantage_estimator")
     if missing:
         raise PlacementError(f"{', '.join(missing)} must be placed: every run needs it")
-    for task in config.trained_tasks().values():
+    for model, task in config.trained_tasks().items():
+        config.memory.check_stage_layers(task, config.models[model].num_layers // placement[task].strategy.pp)
         dp = placement[task].strategy.dp
         if ppo.ppo_mini_batch_size % (dp * ppo.micro_batch_size):
             raise ConfigError(f"ppo_mini_batch_size {ppo.ppo_mini_batch_size} must be a multiple of {task}'s "

@@ -367,9 +367,10 @@ class Trainer:
 
     def _build(self, task: str) -> torch.nn.Module:
         g, model = self.groups[task], TASK_MODEL[task]
+        recompute = self.config.memory.recompute if task in self.config.trained_tasks().values() else {}
         return build_model(self.config.models[model], task_kind(task), g.pg_collection, g.stage,
                            seed=self.config.run.seed + MODEL_SEEDS[model],
-                           padded_vocab=layout.padded_vocab_size(self.config, model, self.placement))
+                           padded_vocab=layout.padded_vocab_size(self.config, model, self.placement), **recompute)
 
     def _load_initial(self, weights: dict) -> None:
         """Starting weights into the task that owns each model's weights (the others are resharded).
