@@ -13,7 +13,7 @@ import weakref
 import pytest
 import torch
 
-from rlhf.memory import ModuleOffloader, StorageRelease, module_tensors, storage_bytes
+from rlhf.memory import ModuleOffloader, SavedActivations, StorageRelease, module_tensors, storage_bytes
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -109,3 +109,25 @@ def test_offloader_keeps_what_was_written_on_the_device_only_with_write_back():
         with offloader.on_device(write_back), torch.no_grad():
             weight.fill_(3.0)  # e.g. a checkpoint loaded into the device copy
         assert torch.equal(weight, expected), write_back
+
+
+def test_saved_activations_count_each_saved_storage_once_until_its_backward():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 3))
+    meter = SavedActivations([weight])
+    losses = []
+    with meter:
+        for _ in range(2):  # two micro-batches in flight, as a pipeline schedule keeps them
+            x = torch.randn(4, 8, requires_grad=True)
+            z = (x @ weight).exp()  # mm saves x (128 B) and the weight (excluded); exp saves z (48 B)
+            losses.append((z * z[:, :].view(4, 3)).sum())  # saves z and a view of it: one storage
+        assert meter.held == meter.peak == 2 * (4 * 8 + 4 * 3) * 4
+        losses.pop().backward()  # autograd frees what that micro-batch saved
+        assert meter.held == (4 * 8 + 4 * 3) * 4
+        losses.pop().backward()
+    assert meter.held == 0 and meter.peak == 2 * (4 * 8 + 4 * 3) * 4
+    meter.reset()
+    assert meter.peak == 0
+    with torch.no_grad(), meter:
+        (torch.randn(4, 8) @ weight).exp()  # nothing is saved without a graph
+    assert meter.peak == 0

@@ -115,7 +115,8 @@ class Trainer:
         self._reshard("critic_train", "critic_inf")
         self.memory = StageMemory(self.models, None if self.engine is None else self.engine.decoder.kv_cache,
                                   offload_frozen=config.memory.offload_ref_reward,
-                                  release_generation=config.memory.release_generation_memory)
+                                  release_generation=config.memory.release_generation_memory,
+                                  optimizers=self.optimizers)
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
                                          config.generation.logprob_temperature)
 
@@ -160,7 +161,8 @@ class Trainer:
         with self.timer.stage("advantage"):
             batch, local = self.advantages(batch)
         with self.timer.stage("training"):
-            local.update(self.update(batch))
+            with self.memory.training_activations():
+                local.update(self.update(batch))
             self.memory.note("training")
         with self.timer.stage("reshard"):
             self._reshard("critic_train", "critic_inf")
