@@ -57,63 +57,64 @@ class _Held:
     """One tensor autograd saved for backward while :class:`SavedActivations` counts; the count drops when
     autograd lets it go (after the backward that used it, or with its graph)."""
 
-    __slots__ = ("tensor", "key", "meter")
+    __slots__ = ("tensor", "key", "meter", "session")
 
-    def __init__(self, tensor: torch.Tensor, key, meter: "SavedActivations"):
-        self.tensor, self.key, self.meter = tensor, key, meter
+    def __init__(self, tensor: torch.Tensor, key, meter: "SavedActivations", session: int):
+        self.tensor, self.key, self.meter, self.session = tensor, key, meter, session
 
     def __del__(self):
         if self.key is not None:
-            self.meter.drop(self.key)
+            self.meter.drop(self.key, self.session)
 
 
 class SavedActivations:
-    """Bytes autograd holds saved for backward while the context is open: the activations of the forwards
-    whose backward has not run yet (every micro-batch a pipeline schedule keeps in flight).
+    """Bytes autograd holds saved for backward, of the tensors saved inside ``with meter:``: the activations
+    of the forwards whose backward has not run yet (every micro-batch a pipeline schedule keeps in flight).
 
-    Inside ``with meter:`` every tensor autograd saves passes a ``saved_tensors_hooks`` pack hook: its
+    Inside the context every tensor autograd saves passes a ``saved_tensors_hooks`` pack hook: its
     storage counts once however many saved tensors view it, from the first save until the last of them
     is released, and storages of ``exclude`` (the parameters, which a linear layer saves too) never
-    count. :attr:`peak` is the most bytes held at once since the last :meth:`reset`; :attr:`held` the
-    bytes held now. Recomputation shows as fewer saved bytes (a checkpointed chunk saves its input only;
-    its recomputed activations count while its backward runs).
+    count. Each ``with`` block is one measurement: :attr:`peak` is the most bytes held at once since it
+    began, :attr:`held` the bytes held now; tensors saved before it (a graph an earlier block left
+    alive) do not count. Recomputation shows as fewer saved bytes (a checkpointed chunk saves its input
+    only; its recomputed activations count while its backward runs).
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):
         self.excluded = {t.untyped_storage()._cdata for t in exclude}
-        self._counts: dict = {}  # storage key -> [saved tensors holding it, bytes]
+        self._counts: dict = {}  # storage key -> [saved tensors holding it, bytes], of this session
+        self._session = 0  # the measurement (with block) a saved tensor belongs to
         self._lock = threading.Lock()  # a backward may release tensors on the autograd engine's threads
         self.held = 0
         self.peak = 0
         self._hooks = None
 
-    def reset(self) -> None:
-        """Start :attr:`peak` again from what is held now."""
-        self.peak = self.held
-
     def _pack(self, tensor: torch.Tensor) -> _Held:
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # no plain storage (sparse, nested): not counted
-            return _Held(tensor, None, self)
+            return _Held(tensor, None, self, self._session)
         key = storage._cdata
         if key in self.excluded:
-            return _Held(tensor, None, self)
+            return _Held(tensor, None, self, self._session)
         with self._lock:
             entry = self._counts.setdefault(key, [0, storage.nbytes()])
             entry[0] += 1
             if entry[0] == 1:
                 self.held += entry[1]
                 self.peak = max(self.peak, self.held)
-        return _Held(tensor, key, self)
+        return _Held(tensor, key, self, self._session)
 
     @staticmethod
     def _unpack(held: _Held) -> torch.Tensor:
         return held.tensor
 
-    def drop(self, key) -> None:
-        """One saved tensor on storage ``key`` released (called by autograd's release of it)."""
+    def drop(self, key, session: int) -> None:
+        """One saved tensor on storage ``key`` released (called by autograd's release of it); one of an
+        earlier measurement no longer counts."""
         with self._lock:
+            if session != self._session:
+                return
             entry = self._counts[key]
             entry[0] -= 1
             if entry[0] == 0:
@@ -121,6 +122,9 @@ class SavedActivations:
                 del self._counts[key]
 
     def __enter__(self) -> "SavedActivations":
+        with self._lock:
+            self._session += 1
+            self._counts, self.held, self.peak = {}, 0, 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -321,7 +325,6 @@ class StageMemory:
     def training_activations(self):
         """The body's training forwards and backwards measured (:class:`SavedActivations`); noted as the
         training stage's activations when it ends."""
-        self.activations.reset()
         with self.activations:
             yield
         self.note("training", activations=self.activations.peak)

@@ -126,8 +126,20 @@ def test_saved_activations_count_each_saved_storage_once_until_its_backward():
         assert meter.held == (4 * 8 + 4 * 3) * 4
         losses.pop().backward()
     assert meter.held == 0 and meter.peak == 2 * (4 * 8 + 4 * 3) * 4
-    meter.reset()
-    assert meter.peak == 0
-    with torch.no_grad(), meter:
+    with torch.no_grad(), meter:  # a new measurement
         (torch.randn(4, 8) @ weight).exp()  # nothing is saved without a graph
     assert meter.peak == 0
+
+
+def test_a_measurement_counts_only_what_was_saved_inside_it():
+    meter = SavedActivations()
+    with meter:
+        left = torch.randn(10, requires_grad=True).sin()  # saves its 40 B input; never backwarded here
+    assert meter.peak == meter.held == 40
+    with meter:
+        assert meter.held == 0  # the graph left alive before does not count
+        kept = torch.randn(6, requires_grad=True).sin()
+        del left  # releasing an earlier measurement's tensor changes nothing here
+        assert meter.held == meter.peak == 24
+    del kept  # its graph goes, and with it the saved input
+    assert meter.held == 0 and meter.peak == 24
