@@ -11,10 +11,16 @@ are counted from the shapes by the planner's count (rlhf/planner/shapes.py).
 Not checked here (the job checks them at start-up, before any model is
 built): the tokenizer, the prompt file's records, the reward function's
 import and a ``--load`` root's checkpoints.
+
+It also prints the planner's predicted memory per rank (rlhf/planner/cost.py
+``task_memory``) in the parts the job measures and logs (``memory_training_*``
+metrics, docs/training.md), at the job's precision (:func:`job_precision`).
 """
 
 from __future__ import annotations
 
+from rlhf.planner.cost import FP32, MEMORY_PARTS, Precision, Workload, task_memory
+from rlhf.planner.plan import Plan, memory_parts_per_rank
 from rlhf.planner.shapes import parameter_count, stage_parameters
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
@@ -63,7 +69,52 @@ def dry_run(config: JobConfig, world_size: int) -> str:
             line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
     lines += [_describe_batches(config), _describe_generation(config, placement), _describe_training(config, placement)]
+    lines += describe_memory(config, placement)
     return "\n".join(lines)
+
+
+def short_bytes(n: float) -> str:
+    """``3145728`` -> ``3.00 MiB`` (KiB, MiB, GiB)."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def job_precision(config: JobConfig) -> Precision:
+    """The element sizes the job trains with: fp32 weights, gradients and Adam moments (every model is
+    fp32 today; a mixed-precision run is rlhf.planner.cost.BF16)."""
+    return FP32
+
+
+def workload(config: JobConfig) -> Workload:
+    """The planner's workload of the job: its samples, token budgets, mini-batches and micro-batches."""
+    ppo, gen = config.ppo, config.generation
+    return Workload(ppo.rollout_samples, gen.max_prompt_len, gen.max_response_len, ppo.minibatches,
+                    ppo.micro_batch_size, ppo.ppo_epochs)
+
+
+def predicted_memory(config: JobConfig, placement, precision: Precision | None = None) -> dict:
+    """{rank: {part: bytes}} the planner predicts at the peak of each rank (rlhf.planner.plan
+    ``memory_parts_per_rank``) for the tasks the job runs, at ``precision`` (default :func:`job_precision`)."""
+    precision = precision or job_precision(config)
+    meshes = {t: m for t, m in placement.meshes.items() if t in config.needed_tasks()}
+    wl = workload(config)
+    memory = {task: task_memory(task, config.models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl,
+                                None, precision) for task, mesh in meshes.items()}
+    return memory_parts_per_rank(Plan("job", meshes, fuse_training=config.fusion.intra_stage_fusion), memory)
+
+
+def describe_memory(config: JobConfig, placement) -> list[str]:
+    """The predicted bytes per rank, one line each, in the parts of the logged memory metrics."""
+    precision = job_precision(config)
+    lines = [f"memory per rank, predicted (planner, {precision.name}: {precision.weight} B weights, "
+             f"{precision.grad} B gradients, {precision.main + precision.optimizer} B optimizer state per trained "
+             "parameter; the largest call's activations or KV cache):"]
+    for rank, parts in sorted(predicted_memory(config, placement, precision).items()):
+        shown = ", ".join(f"{p} {short_bytes(parts[p])}" for p in MEMORY_PARTS)
+        lines.append(f"  rank {rank}: {shown}; total {short_bytes(sum(parts.values()))}")
+    return lines
 
 
 def _describe_generation(config: JobConfig, placement) -> str:
