@@ -246,6 +246,13 @@ def test_memory_parts_take_their_element_sizes_from_the_precision():
     assert cost.memory == fp32 and cost.static_bytes == 16 * stage
     with pytest.raises(PlannerError, match="grad=-1 must be bytes per element >= 0"):
         Precision("odd", weight=2, grad=-1, main=0, optimizer=8)
+    # full recompute keeps one hidden state per chunk of layers per micro-batch in flight, and one chunk's
+    # activations again while its backward runs; selective is what the 34-byte constant already assumes
+    tokens, layers = WL.micro_batch_size * WL.seq, cfg.num_layers // 4
+    full = task_memory("actor_train", cfg, "lm", train, WL, precision=FP32, recompute=("full", 2))
+    assert full["activations"] == pytest.approx(4 * layers / 2 * tokens * cfg.hidden_size * 4  # chunk inputs
+                                                + max(logits, 2 * tokens * cfg.hidden_size * 34 * 2 / 2))
+    assert task_memory("actor_train", cfg, "lm", train, WL, precision=FP32, recompute=("selective", None)) == fp32
 
 
 def test_memory_parts_per_rank_add_up_to_the_memory_per_rank():
@@ -261,6 +268,14 @@ def test_memory_parts_per_rank_add_up_to_the_memory_per_rank():
             assert sum(parts[rank].values()) == pytest.approx(total, rel=1e-12)
     fp32 = evaluate(plan, MODELS_7B, WL, HW["h100"], Cluster(1, 8), precision=FP32)
     assert evaluate(plan, MODELS_7B, WL, HW["h100"], Cluster(1, 8)).peak_memory < fp32.peak_memory
+    memory = {t: c.memory for t, c in fp32.costs.items()}
+    resident = memory_parts_per_rank(plan, memory, resident_kv=True)  # the KV cache kept between generations
+    for rank in plan.meshes["actor_gen"].ranks:
+        others = max(memory[t]["activations"] for t, mesh in plan.meshes.items() if rank in mesh.ranks)
+        static = sum(memory[t][p] for t, mesh in plan.meshes.items() if rank in mesh.ranks
+                     for p in ("parameters", "gradients", "optimizer", "kv"))
+        assert resident[rank]["kv"] == memory["actor_gen"]["kv"] > 0
+        assert sum(resident[rank].values()) == pytest.approx(static + others, rel=1e-12)
 
 
 def test_fused_training_is_no_slower_than_serial():
@@ -784,3 +799,6 @@ def test_the_dry_run_prints_the_predicted_memory_per_rank():
                                                                                 8 * trained)
         assert f"  rank {rank}: parameters {short_bytes(4 * weights)}, gradients {short_bytes(4 * trained)}" in out
         assert f"; total {short_bytes(sum(parts.values()))}" in out
+        # the engine's cache, resident: per replica (16 prompts / dp 2 + 1) x 4 samples x (32 // 16 + 2) blocks
+        # of 16 tokens, K and V of 2 layers x 2 KV heads x 16 dims, fp32, this TP rank's half of the heads
+        assert parts["kv"] == (16 // 2 + 1) * 4 * (32 // 16 + 2) * 16 * 2 * 2 * 2 * 16 * 4 / 2

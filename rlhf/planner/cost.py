@@ -55,7 +55,8 @@ from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import TaskMesh
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
-from rlhf.planner.shapes import BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, stage_parameters
+from rlhf.planner.shapes import (BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, kv_width,
+                                 stage_parameters)
 
 ROLE = {"actor_gen": "generation", "ref_inf": "inference", "reward_inf": "inference", "critic_inf": "inference",
         "actor_train": "training", "critic_train": "training"}
@@ -212,9 +213,12 @@ def task_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Worklo
 
 
 def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, count: int | None = None,
-                precision: Precision = BF16) -> dict:
+                precision: Precision = BF16, recompute: tuple = (None, None),
+                activation_model: str = "korthikanti") -> dict:
     """{part: bytes} per GPU of ``task`` (``MEMORY_PARTS``; see the module docstring): its largest pipeline
-    stage's share of the parameters at ``precision``, and what the call adds while it runs."""
+    stage's share of the parameters at ``precision``, and what the call adds while it runs. ``recompute``:
+    a training call's (granularity, layers per chunk) as Megatron-LM's flags, its activations counted by
+    ``activation_model`` (:func:`training_activations`)."""
     role, s = _role(task, count), mesh.strategy
     stage = _stage_bytes(cfg, kind, mesh, 1)
     out = dict.fromkeys(MEMORY_PARTS, 0.0)
@@ -225,9 +229,11 @@ def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Work
         out["optimizer"] = stage * (precision.main + precision.optimizer)
         m, samples = split(wl.samples // wl.minibatches, s.dp, wl, count)
         tokens = samples * wl.seq
-        layers = cfg.num_layers / s.pp
-        act = min(m, s.pp) * layers * tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / s.tp
-        out["activations"] = act * scale + tokens * head_outputs(cfg, kind) * 4 / s.tp
+        # fp32 logits: one copy (Korthikanti); our vocab-parallel log-softmax saves two (shifted logits, exp)
+        copies = 2 if activation_model == "local" else 1
+        head = copies * tokens * head_outputs(cfg, kind) * 4 / s.tp
+        out["activations"] = training_activations(cfg, s.pp, s.tp, min(m, s.pp), tokens, precision, head,
+                                                  *recompute, wl.seq, activation_model)
     elif role == "inference":
         m, samples = split(wl.samples, s.dp, wl, count)
         tokens = samples * wl.seq
@@ -240,6 +246,49 @@ def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Work
         out["kv"] = batch * wl.seq * kv_bytes_per_token(cfg) / (s.tp * s.pp) * scale
         out["activations"] = part * cfg.vocab_size * 4 / s.tp  # one step's fp32 logits
     return out
+
+
+ACTIVATION_MODELS = ("korthikanti", "local")
+"""How training activations per layer are counted: Korthikanti et al.'s 34 bytes per token and hidden unit at
+16-bit (the default: what the ReaL reproductions assume), or the element count measured on megatron's local
+layer spec (:func:`local_layer_elements`; docs/planner.md, "Memory: predicted against measured")."""
+
+
+def local_layer_elements(cfg: ModelConfig, tp: int, seq: int, scores: bool) -> float:
+    """Elements one token of a micro-batch leaves saved for backward in one layer of megatron's local layer spec
+    (RMSNorm, RoPE, SwiGLU, unfused attention; no sequence parallelism), measured with
+    rlhf.memory.SavedActivations and fitted on CPU: 4h + 18 replicated over the TP ranks (the norms' inputs
+    and outputs, their statistics) and 5h + 5 ffn + 3 h_kv split over them (queries, attention output, the
+    MLP's intermediates, keys and values); ``scores``: the softmax output, heads x ``seq`` more (gone with
+    selective recompute)."""
+    h, ffn, h_kv = cfg.hidden_size, cfg.ffn_hidden_size, kv_width(cfg)
+    split = 5 * h + 5 * ffn + 3 * h_kv + (cfg.num_attention_heads * seq if scores else 0)
+    return 4 * h + 18 + split / tp
+
+
+def training_activations(cfg: ModelConfig, pp: int, tp: int, in_flight: int, tokens: int, precision: Precision,
+                         head: float, granularity: str | None = None, chunk: int | None = None, seq: int = 0,
+                         model: str = "korthikanti") -> float:
+    """Bytes one pipeline stage keeps for backward for ``in_flight`` micro-batches of ``tokens`` tokens
+    (sequences of ``seq``): its layers' activations, per layer as ``model`` (``ACTIVATION_MODELS``) counts
+    them in the weights' type, and the ``head`` bytes of one micro-batch's loss. Korthikanti et al.'s 34
+    bytes is their selective-recompute figure (no attention scores), so granularity None and "selective"
+    predict the same with it. "full" keeps each chunk's input only (one hidden state per ``chunk`` layers,
+    default 1) and, once the head's backward has run, one chunk's layers again while their backward runs."""
+    if model not in ACTIVATION_MODELS:
+        raise PlannerError(f"activation model {model!r} is not one of {', '.join(ACTIVATION_MODELS)}")
+    layers, scale = cfg.num_layers / pp, precision.weight / BYTES
+    if model == "korthikanti":
+        per_layer = tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / tp * scale
+        if granularity != "full":
+            return in_flight * layers * tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / tp * scale + head
+    else:
+        per_layer = tokens * local_layer_elements(cfg, tp, seq, scores=True) * precision.weight
+        if granularity != "full":
+            kept = local_layer_elements(cfg, tp, seq, scores=granularity is None)
+            return in_flight * layers * tokens * kept * precision.weight + head
+    chunk = chunk or 1
+    return in_flight * layers / chunk * tokens * cfg.hidden_size * precision.weight + max(head, chunk * per_layer)
 
 
 def _stage_bytes(cfg: ModelConfig, kind: str, mesh: TaskMesh, per_param: float) -> float:

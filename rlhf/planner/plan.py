@@ -303,20 +303,22 @@ def memory_per_rank(plan: Plan, costs: dict) -> dict:
     return {r: static[r] + transient[r] for r in static}
 
 
-def memory_parts_per_rank(plan: Plan, memory: dict) -> dict:
+def memory_parts_per_rank(plan: Plan, memory: dict, resident_kv: bool = False) -> dict:
     """{rank: {part: bytes}} (rlhf.planner.cost.MEMORY_PARTS) of :func:`memory_per_rank`'s peak, from each
     task's parts (``memory[task]``: ``TaskCost.memory``, rlhf.planner.cost.task_memory): every task's static
     parts summed, the transient parts of the call with the largest transient bytes (both training calls
-    when fused); the parts of a rank add up to its memory_per_rank."""
+    when fused); the parts of a rank add up to its memory_per_rank. ``resident_kv``: the KV cache stays
+    allocated between generations (our trainer without --release-generation-memory), so it is static."""
     out = {}
+    static_parts = (*STATIC_PARTS, "kv") if resident_kv else STATIC_PARTS
     for task, mesh in plan.meshes.items():
         calls = [memory[task]]
         if plan.fuse_training and task in ("actor_train", "critic_train"):
             calls = [memory["actor_train"], memory["critic_train"]]
-        transient = {p: sum(x[p] for x in calls) for p in MEMORY_PARTS if p not in STATIC_PARTS}
+        transient = {p: sum(x[p] for x in calls) for p in MEMORY_PARTS if p not in static_parts}
         for r in mesh.ranks:
-            parts = out.setdefault(r, {"static": dict.fromkeys(STATIC_PARTS, 0.0), "transient": None})
-            for p in STATIC_PARTS:
+            parts = out.setdefault(r, {"static": dict.fromkeys(static_parts, 0.0), "transient": None})
+            for p in static_parts:
                 parts["static"][p] += memory[task][p]
             if parts["transient"] is None or sum(transient.values()) > sum(parts["transient"].values()):
                 parts["transient"] = transient

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from rlhf.planner.cost import FP32, MEMORY_PARTS, Precision, Workload, task_memory
 from rlhf.planner.plan import Plan, memory_parts_per_rank
-from rlhf.planner.shapes import parameter_count, stage_parameters
+from rlhf.planner.shapes import BYTES, kv_bytes_per_token, parameter_count, stage_parameters
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
 from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
@@ -96,21 +96,36 @@ def workload(config: JobConfig) -> Workload:
 
 def predicted_memory(config: JobConfig, placement, precision: Precision | None = None) -> dict:
     """{rank: {part: bytes}} the planner predicts at the peak of each rank (rlhf.planner.plan
-    ``memory_parts_per_rank``) for the tasks the job runs, at ``precision`` (default :func:`job_precision`)."""
+    ``memory_parts_per_rank``) for the tasks the job runs, at ``precision`` (default :func:`job_precision`),
+    with the job's activation recomputation, and its engine's KV cache (:func:`engine_kv_bytes`) resident
+    unless ``--release-generation-memory`` frees it between generations."""
     precision = precision or job_precision(config)
     meshes = {t: m for t, m in placement.meshes.items() if t in config.needed_tasks()}
-    wl = workload(config)
+    wl, mem = workload(config), config.memory
+    recompute = (mem.recompute_granularity, mem.recompute_num_layers)
     memory = {task: task_memory(task, config.models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl,
-                                None, precision) for task, mesh in meshes.items()}
-    return memory_parts_per_rank(Plan("job", meshes, fuse_training=config.fusion.intra_stage_fusion), memory)
+                                None, precision, recompute, "local") for task, mesh in meshes.items()}
+    if "actor_gen" in memory:
+        memory["actor_gen"]["kv"] = engine_kv_bytes(config, placement, precision)
+    plan = Plan("job", meshes, fuse_training=config.fusion.intra_stage_fusion)
+    return memory_parts_per_rank(plan, memory, resident_kv=not mem.release_generation_memory)
+
+
+def engine_kv_bytes(config: JobConfig, placement, precision: Precision) -> float:
+    """Bytes of the KV cache one actor_gen rank allocates (rlhf.ppo.layout.engine_config's blocks: every
+    sample of a replica's share of the prompts, one prompt more, whole blocks and a spare per sequence)."""
+    engine, tp = layout.engine_config(config, placement), placement["actor_gen"].strategy.tp
+    per_token = kv_bytes_per_token(config.models["actor"]) / BYTES * precision.weight
+    return engine.num_blocks * engine.block_size * per_token / tp
 
 
 def describe_memory(config: JobConfig, placement) -> list[str]:
     """The predicted bytes per rank, one line each, in the parts of the logged memory metrics."""
     precision = job_precision(config)
+    kv = "freed between generations" if config.memory.release_generation_memory else "resident"
     lines = [f"memory per rank, predicted (planner, {precision.name}: {precision.weight} B weights, "
              f"{precision.grad} B gradients, {precision.main + precision.optimizer} B optimizer state per trained "
-             "parameter; the largest call's activations or KV cache):"]
+             f"parameter; the largest call's activations; KV cache {kv}):"]
     for rank, parts in sorted(predicted_memory(config, placement, precision).items()):
         shown = ", ".join(f"{p} {short_bytes(parts[p])}" for p in MEMORY_PARTS)
         lines.append(f"  rank {rank}: {shown}; total {short_bytes(sum(parts.values()))}")

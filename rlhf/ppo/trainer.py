@@ -388,12 +388,8 @@ class Trainer:
                 load_full_weights(stage, self.groups[task], full)
 
     def _engine_config(self) -> EngineConfig:
-        """Each actor_gen replica's engine: a KV cache for all the samples of its share of the prompts
-        (one prompt more, for a share that is not even) at their longest."""
-        gen, ppo = self.config.generation, self.config.ppo
-        return EngineConfig.for_batch(prompts=ppo.rollout_batch_size // self.placement["actor_gen"].strategy.dp + 1,
-                                      samples_per_prompt=ppo.n_samples_per_prompt,
-                                      max_model_len=gen.max_prompt_len + gen.max_response_len)
+        """Each actor_gen replica's engine (rlhf.ppo.layout.engine_config)."""
+        return layout.engine_config(self.config, self.placement)
 
     def _build_optimizers(self) -> dict:
         """megatron DDP + AdamW + LR schedule per trained model on this rank (collective over its task)."""
