@@ -133,6 +133,28 @@ def test_recompute_flags_reach_the_config_and_chunks_must_divide_a_training_stag
     layout.check_placement(parse_args(["--recompute-granularity", "full"]), two_stages)  # the default chunk of 1
 
 
+def test_train_reward_takes_the_same_recompute_flags(tmp_path):
+    from rlhf.reward_model.arguments import parse_args as reward_args
+    from rlhf.reward_model.trainer import check_placement
+
+    with pytest.raises(UsageError) as exc, usage_errors(reward_flag_of):
+        RewardTrainingConfig(recompute_granularity="selective", recompute_num_layers=2)
+    assert str(exc.value).startswith("--recompute-num-layers: recompute_num_layers 2 sets the layers per chunk of "
+                                     "--recompute-granularity full (got selective)")
+    train = tmp_path / "pairs.jsonl"
+    train.write_text(json.dumps({"prompt": "Q", "chosen": "a", "rejected": "b"}) + "\n")
+    cfg = reward_args(["--model", "tiny", "--train-data", str(train), "--recompute-granularity", "full",
+                       "--recompute-num-layers", "2"])
+    assert (cfg.training.recompute_granularity, cfg.training.recompute_num_layers) == ("full", 2)
+    two_stages = Placement.from_plan({"reward_inf": {"ranks": "0-1", "pp": 2}}, 2)  # tiny-critic: 2 layers
+    with pytest.raises(ConfigError, match="recompute_num_layers 2 must divide the 1 layers of each of "
+                                          "reward_inf's pipeline stages") as err:
+        check_placement(cfg, two_stages)
+    assert err.value.field_name == "training.recompute_num_layers"
+    check_placement(dataclasses.replace(cfg, training=RewardTrainingConfig(recompute_granularity="full",
+                                                                           global_batch_size=8)), two_stages)
+
+
 def test_batch_sizes_checked_against_the_placement():
     cfg = JobConfig(ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=4,
                                   micro_batch_size=2))

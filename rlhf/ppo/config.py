@@ -19,9 +19,9 @@ from rlhf.algorithms import AdvantageConfig, KLConfig, advantage_estimators, est
 from rlhf.algorithms.losses import LOSS_AGGREGATIONS
 from rlhf.checks import is_int
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
-                         check_positive_ints, check_range)
+                         check_positive_ints, check_range, check_recompute, check_recompute_stage)
 from rlhf.data import PromptDatasetConfig
-from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, preset
+from rlhf.models.config import ModelConfig, preset
 from rlhf.optim import OptimizerConfig
 from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
 
@@ -444,17 +444,7 @@ class MemoryConfig:
 
     def __post_init__(self):
         check_field_types("memory", self)
-        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
-            raise ConfigError(f"recompute_granularity {self.recompute_granularity!r} is not one of "
-                              f"{', '.join(RECOMPUTE_GRANULARITIES)} (or none)", "memory.recompute_granularity")
-        if self.recompute_num_layers is not None:
-            if self.recompute_granularity != "full":
-                raise ConfigError(f"recompute_num_layers {self.recompute_num_layers} sets the layers per chunk of "
-                                  "--recompute-granularity full (got "
-                                  f"{self.recompute_granularity or 'none'}); use full or drop it",
-                                  "memory.recompute_num_layers")
-            check_range("memory", "recompute_num_layers", self.recompute_num_layers, 1, float("inf"),
-                        ">= 1 layers per recomputed chunk")
+        check_recompute("memory", self.recompute_granularity, self.recompute_num_layers)
 
     @property
     def recompute(self) -> dict:
@@ -465,11 +455,7 @@ class MemoryConfig:
     def check_stage_layers(self, task: str, stage_layers: int) -> None:
         """ConfigError unless a full recompute's chunk divides the ``stage_layers`` layers of a pipeline
         stage of ``task`` (megatron's uniform method recomputes whole chunks)."""
-        chunk = self.recompute_num_layers or 1
-        if self.recompute_granularity == "full" and stage_layers % chunk:
-            raise ConfigError(f"recompute_num_layers {chunk} must divide the {stage_layers} layers of each of "
-                              f"{task}'s pipeline stages (megatron recomputes chunks of that many layers); "
-                              f"give a divisor of {stage_layers}", "memory.recompute_num_layers")
+        check_recompute_stage("memory", task, self.recompute_granularity, self.recompute_num_layers, stage_layers)
 
 
 @dataclass(frozen=True)
