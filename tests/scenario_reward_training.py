@@ -111,10 +111,11 @@ def _exactness(data, full: dict) -> dict:
         after = trainer.full_weights()
         if dist.get_rank() == 0:
             ref = _reference_step(full, list(data))
-            out[name] = {"recompute": trainer.model.config.recompute_granularity,"max_diff": max((after[k] - ref["params"][k]).abs().max().item() for k in after),
-                           "moved": max((after[k] - full[k]).abs().max().item() for k in after),
-                           "names": sorted(after) == sorted(ref["params"]), "metrics": metrics,
-                           "reference": {k: v for k, v in ref.items() if k != "params"}}
+            out[name] = {"recompute": trainer.model.config.recompute_granularity,
+                         "max_diff": max((after[k] - ref["params"][k]).abs().max().item() for k in after),
+                         "moved": max((after[k] - full[k]).abs().max().item() for k in after),
+                         "names": sorted(after) == sorted(ref["params"]), "metrics": metrics,
+                         "reference": {k: v for k, v in ref.items() if k != "params"}}
     return out
 
 

@@ -125,8 +125,8 @@ def test_recompute_flags_reach_the_config_and_chunks_must_divide_a_training_stag
     assert cfg.memory.recompute == {"recompute_granularity": "full", "recompute_num_layers": 2}
     assert parse_args([]).memory.recompute == {"recompute_granularity": None, "recompute_num_layers": None}
     two_stages = Placement.from_plan({"actor_train": {"ranks": "0-1", "pp": 2}}, 2)  # tiny: 2 layers, 1 per stage
-    with pytest.raises(ConfigError, match="recompute_num_layers 2 must divide the 1 layers of each of actor_train's "
-                                          "pipeline stages") as exc:
+    with pytest.raises(ConfigError, match="recompute_num_layers 2 must divide the 1 layers of each of "
+                                          "actor_train's pipeline stages") as exc:
         layout.check_placement(cfg, two_stages)
     assert exc.value.field_name == "memory.recompute_num_layers"
     layout.check_placement(cfg, Placement.from_plan({}, 2))  # 2 layers on one stage: one chunk
