@@ -55,12 +55,17 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[torch.device, int]:
 
 class _Held:
     """One tensor autograd saved for backward while :class:`SavedActivations` counts; the count drops when
-    autograd lets it go (after the backward that used it, or with its graph)."""
+    autograd lets it go (after the backward that used it, or with its graph).
+
+    It keeps a detached alias (same storage and version counter, no ``grad_fn``): holding the saved tensor
+    itself would close a cycle through its graph node (output -> grad_fn -> saved variable -> this ->
+    output) that Python's garbage collector cannot see, so a graph never backwarded (a metric computed
+    with gradients, then detached) would never be freed."""
 
     __slots__ = ("tensor", "key", "meter", "session")
 
     def __init__(self, tensor: torch.Tensor, key, meter: "SavedActivations", session: int):
-        self.tensor, self.key, self.meter, self.session = tensor, key, meter, session
+        self.tensor, self.key, self.meter, self.session = tensor.detach(), key, meter, session
 
     def __del__(self):
         if self.key is not None:
@@ -77,7 +82,8 @@ class SavedActivations:
     count. Each ``with`` block is one measurement: :attr:`peak` is the most bytes held at once since it
     began, :attr:`held` the bytes held now; tensors saved before it (a graph an earlier block left
     alive) do not count. Recomputation shows as fewer saved bytes (a checkpointed chunk saves its input
-    only; its recomputed activations count while its backward runs).
+    only; its recomputed activations count while its backward runs). Backward inside the context gets the
+    saved tensors detached, as any pack hook that copies them would: no double backward through them.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()):

@@ -8,6 +8,7 @@ die exactly when the storage is freed. tests/test_gpu.py checks the same on a GP
 """
 
 import copy
+import gc
 import weakref
 
 import pytest
@@ -143,3 +144,21 @@ def test_a_measurement_counts_only_what_was_saved_inside_it():
         assert meter.held == meter.peak == 24
     del kept  # its graph goes, and with it the saved input
     assert meter.held == 0 and meter.peak == 24
+
+
+def test_a_graph_never_backwarded_is_freed_under_the_meter():
+    """exp saves its output; a metric computed with gradients and detached leaves that graph unreferenced,
+    and it must be freed (the meter keeps no reference that would close a cycle through the graph)."""
+    meter = SavedActivations()
+    with meter:
+        y = torch.randn(10, requires_grad=True).exp()
+        alive = weakref.ref(y)
+        stat = y.sum().detach()
+        assert meter.held == 40
+        del y
+        gc.collect()
+        assert alive() is None and meter.held == 0 and meter.peak == 40
+        z = torch.randn(10, requires_grad=True)
+        (z.exp() * 2).sum().backward()  # backward through the saved output still works
+        assert torch.allclose(z.grad, 2 * z.detach().exp()) and meter.held == 0
+    assert float(stat) != 0
