@@ -25,6 +25,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from rlhf.checks import finite_float, is_int
+from rlhf.models.config import RECOMPUTE_GRANULARITIES
 from rlhf.parallel.placement import load_plan
 from rlhf.tasks import TASKS
 
@@ -95,6 +96,31 @@ def check_range(section: str, name: str, value, low: float, high: float, what: s
     """Raise a ConfigError naming ``<section>.<name>`` unless ``low <= value <= high`` (``what`` says so)."""
     if not low <= value <= high:
         raise ConfigError(f"{name}={value!r} must be {what}", f"{section}.{name}")
+
+
+def check_recompute(section: str, granularity: str | None, num_layers: int | None) -> None:
+    """Megatron-LM's ``--recompute-granularity`` (None, "full", "selective") and ``--recompute-num-layers``
+    (layers per chunk of full recompute, >= 1): a ConfigError naming ``<section>.<field>`` otherwise."""
+    if granularity not in (None, *RECOMPUTE_GRANULARITIES):
+        raise ConfigError(f"recompute_granularity {granularity!r} is not one of "
+                          f"{', '.join(RECOMPUTE_GRANULARITIES)} (or none)", f"{section}.recompute_granularity")
+    if num_layers is not None:
+        if granularity != "full":
+            raise ConfigError(f"recompute_num_layers {num_layers} sets the layers per chunk of "
+                              f"--recompute-granularity full (got {granularity or 'none'}); use full or drop it",
+                              f"{section}.recompute_num_layers")
+        check_range(section, "recompute_num_layers", num_layers, 1, float("inf"), ">= 1 layers per recomputed chunk")
+
+
+def check_recompute_stage(section: str, task: str, granularity: str | None, num_layers: int | None,
+                          stage_layers: int) -> None:
+    """ConfigError unless a full recompute's chunk (default 1) divides the ``stage_layers`` layers of each
+    pipeline stage of ``task`` (megatron's uniform method recomputes whole chunks)."""
+    chunk = num_layers or 1
+    if granularity == "full" and stage_layers % chunk:
+        raise ConfigError(f"recompute_num_layers {chunk} must divide the {stage_layers} layers of each of {task}'s "
+                          f"pipeline stages (megatron recomputes chunks of that many layers); give a divisor of "
+                          f"{stage_layers}", f"{section}.recompute_num_layers")
 
 
 MAX_SEED = 2**28 - 1

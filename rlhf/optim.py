@@ -253,6 +253,23 @@ class ModelOptimizer:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """megatron DDP's contiguous gradient buffers of this stage (``param.main_grad`` are views of them)."""
+        return [buffer.grad_data for buffer in self.ddp.buffers + self.ddp.expert_parallel_buffers]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the optimizer holds beyond the model's parameters and gradients: its state (Adam's
+        moments and step counters; empty before the first step) and main parameters that are copies (fp32
+        masters of low-precision weights), not views of the model's weights."""
+        model = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        out = []
+        for opt in self.optimizer.chained_optimizers:
+            inner = opt.optimizer
+            out += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t)]
+            out += [p for group in inner.param_groups for p in group["params"]
+                    if p.untyped_storage().data_ptr() not in model]
+        return out
+
     @property
     def shard_group(self):
         """The group the optimizer state is sharded over (the DP group with the distributed optimizer), or None."""

@@ -171,8 +171,6 @@ def seed_model_parallel_rng(seed: int) -> None:
 
 def _adapt_megatron_to_cpu() -> None:
     """Point megatron's CUDA-only calls at CPU equivalents (CUDA absent only)."""
-    from functools import lru_cache
-
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -183,9 +181,9 @@ def _adapt_megatron_to_cpu() -> None:
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
-    fused_softmax.get_default_causal_mask = lru_cache(maxsize=8)(
-        lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
-    )
+    # A new mask per call, as megatron's CUDA version makes one: a cache shared across micro-batches would
+    # make the activation bytes measured (rlhf.memory.SavedActivations) depend on what ran before.
+    fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
     # megatron's DDP/optimizer compare tensor.type() with these names.
     torch.cuda.FloatTensor = torch.FloatTensor
     torch.cuda.HalfTensor = torch.HalfTensor

@@ -1,7 +1,8 @@
 """4-rank scenario for reward-model training (see tests/test_reward_training.py).
 
-1. Exactness: one optimizer step on TP2xPP2 and on PP2xDP2 (reversed), and on TP2xPP2 in bf16, against
-   single-process PyTorch written here from the loss definition: every pair's sequences scored alone (the value
+1. Exactness: one optimizer step on TP2xPP2 and on PP2xDP2 (reversed), each also with activation
+   recomputation (full on TP2xPP2, selective on PP2xDP2), and on TP2xPP2 in bf16, against single-process
+   PyTorch written here from the loss definition: every pair's sequences scored alone (the value
    at their last token), mean over pairs of -log sigmoid(r_c - r_r - m) + c (r_c + r_r)^2,
    clip_grad_norm_ (low enough that it clips) and torch AdamW; the held-out metrics after the step.
 2. Resume: 4 steps straight against 2, save, load into a fresh trainer, 2 more (PP2xDP2 reversed,
@@ -45,13 +46,21 @@ RECORDS = [("QX ZT", "abc", "A1"), ("PROMPT", "x", "XYZ!"), ("K", "hello world",
 MARGINS = [0.0, 0.5, 1.0, 0.0, 0.25, 2.0, 0.0, 0.75]
 
 
+FP32, BF16 = PrecisionConfig(), PrecisionConfig(bf16=True)
+EXACT_RUNS = {"tp2pp2": ("tp2pp2", None, FP32), "pp2dp2": ("pp2dp2", None, FP32),
+              "tp2pp2-full": ("tp2pp2", "full", FP32), "pp2dp2-selective": ("pp2dp2", "selective", FP32),
+              "tp2pp2-bf16": ("tp2pp2", None, BF16)}
+"""The one-step exactness runs: (layout, --recompute-granularity, precision)."""
+
+
 def _config(layout: str, iterations: int = 1, eval_interval: int = 1, global_batch: int = 8,
-            precision: PrecisionConfig = PrecisionConfig(), **optimizer) -> RewardJobConfig:
+            recompute: str | None = None, precision: PrecisionConfig = PrecisionConfig(),
+            **optimizer) -> RewardJobConfig:
     return RewardJobConfig(
         placement=PlacementConfig(overrides={TASK: LAYOUTS[layout]}), model=MODEL,
         run=RunConfig(iterations=iterations, seed=3),
         training=RewardTrainingConfig(global_batch_size=global_batch, micro_batch_size=2, center_rewards_coef=CENTER,
-                                      eval_interval=eval_interval),
+                                      eval_interval=eval_interval, recompute_granularity=recompute),
         optimizer=RewardOptimizerConfig(lr=LR, clip_grad=CLIP, **optimizer),
         data=RewardDataConfig(margin_field="margin"),
         logging=LoggingConfig(progress=False), precision=precision)
@@ -99,18 +108,18 @@ def _reference_step(full: dict, pairs) -> dict:
 
 def _exactness(data, full: dict) -> dict:
     out = {}
-    for layout in [*LAYOUTS, "tp2pp2 bf16"]:
-        name, _, precision = layout.partition(" ")
-        config = _config(name, precision=PrecisionConfig(bf16=precision == "bf16"))
+    for name, (layout, recompute, precision) in EXACT_RUNS.items():
+        config = _config(layout, recompute=recompute, precision=precision)
         trainer = RewardTrainer(config, build_placement(config, dist.get_world_size()), data, PAD, data, full)
         metrics = trainer.step()
         after = trainer.full_weights()
         if dist.get_rank() == 0:
             ref = _reference_step(full, list(data))
-            out[layout] = {"max_diff": max((after[k] - ref["params"][k]).abs().max().item() for k in after),
-                           "moved": max((after[k] - full[k]).abs().max().item() for k in after),
-                           "names": sorted(after) == sorted(ref["params"]), "metrics": metrics,
-                           "reference": {k: v for k, v in ref.items() if k != "params"}}
+            out[name] = {"recompute": trainer.model.config.recompute_granularity,
+                         "max_diff": max((after[k] - ref["params"][k]).abs().max().item() for k in after),
+                         "moved": max((after[k] - full[k]).abs().max().item() for k in after),
+                         "names": sorted(after) == sorted(ref["params"]), "metrics": metrics,
+                         "reference": {k: v for k, v in ref.items() if k != "params"}}
     return out
 
 

@@ -87,6 +87,15 @@ def test_flags_fill_the_configs(tmp_path):
     (["--load", "/nonexistent/ckpt"], "--load: load='/nonexistent/ckpt' is not a directory"),
     (["--actor-train", "tp=x"], "--actor-train: cannot parse 'tp=x' in 'tp=x'"),
     (["--critic-model", "nope"], "--critic-model nope: [Errno 2] No such file or directory"),
+    (["--recompute-granularity", "block"], "--recompute-granularity: recompute_granularity 'block' is not one of "
+                                           "full, selective (or none)"),
+    (["--recompute-num-layers", "1"], "--recompute-num-layers: recompute_num_layers 1 sets the layers per chunk of "
+                                      "--recompute-granularity full (got none)"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "--recompute-num-layers: recompute_num_layers 1 sets the layers per chunk of --recompute-granularity full "
+     "(got selective)"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "0"],
+     "--recompute-num-layers: recompute_num_layers=0 must be >= 1 layers per recomputed chunk"),
 ])
 def test_bad_values_name_their_flag(argv, message):
     with pytest.raises(UsageError) as exc:
@@ -109,6 +118,41 @@ def test_usage_errors_turn_job_errors_into_flag_errors(tmp_path):
     with usage_errors(flag_of):  # anything else passes through unchanged
         with pytest.raises(KeyError):
             raise KeyError("not an input error")
+
+
+def test_recompute_flags_reach_the_config_and_chunks_must_divide_a_training_stage():
+    cfg = parse_args(["--recompute-granularity", "full", "--recompute-num-layers", "2"])
+    assert cfg.memory.recompute == {"recompute_granularity": "full", "recompute_num_layers": 2}
+    assert parse_args([]).memory.recompute == {"recompute_granularity": None, "recompute_num_layers": None}
+    two_stages = Placement.from_plan({"actor_train": {"ranks": "0-1", "pp": 2}}, 2)  # tiny: 2 layers, 1 per stage
+    with pytest.raises(ConfigError, match="recompute_num_layers 2 must divide the 1 layers of each of "
+                                          "actor_train's pipeline stages") as exc:
+        layout.check_placement(cfg, two_stages)
+    assert exc.value.field_name == "memory.recompute_num_layers"
+    layout.check_placement(cfg, Placement.from_plan({}, 2))  # 2 layers on one stage: one chunk
+    layout.check_placement(parse_args(["--recompute-granularity", "full"]), two_stages)  # the default chunk of 1
+
+
+def test_train_reward_takes_the_same_recompute_flags(tmp_path):
+    from rlhf.reward_model.arguments import parse_args as reward_args
+    from rlhf.reward_model.trainer import check_placement
+
+    with pytest.raises(UsageError) as exc, usage_errors(reward_flag_of):
+        RewardTrainingConfig(recompute_granularity="selective", recompute_num_layers=2)
+    assert str(exc.value).startswith("--recompute-num-layers: recompute_num_layers 2 sets the layers per chunk of "
+                                     "--recompute-granularity full (got selective)")
+    train = tmp_path / "pairs.jsonl"
+    train.write_text(json.dumps({"prompt": "Q", "chosen": "a", "rejected": "b"}) + "\n")
+    cfg = reward_args(["--model", "tiny", "--train-data", str(train), "--recompute-granularity", "full",
+                       "--recompute-num-layers", "2"])
+    assert (cfg.training.recompute_granularity, cfg.training.recompute_num_layers) == ("full", 2)
+    two_stages = Placement.from_plan({"reward_inf": {"ranks": "0-1", "pp": 2}}, 2)  # tiny-critic: 2 layers
+    with pytest.raises(ConfigError, match="recompute_num_layers 2 must divide the 1 layers of each of "
+                                          "reward_inf's pipeline stages") as err:
+        check_placement(cfg, two_stages)
+    assert err.value.field_name == "training.recompute_num_layers"
+    check_placement(dataclasses.replace(cfg, training=RewardTrainingConfig(recompute_granularity="full",
+                                                                           global_batch_size=8)), two_stages)
 
 
 def test_batch_sizes_checked_against_the_placement():

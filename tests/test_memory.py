@@ -8,12 +8,13 @@ die exactly when the storage is freed. tests/test_gpu.py checks the same on a GP
 """
 
 import copy
+import gc
 import weakref
 
 import pytest
 import torch
 
-from rlhf.memory import ModuleOffloader, StorageRelease, module_tensors, storage_bytes
+from rlhf.memory import ModuleOffloader, SavedActivations, StorageRelease, module_tensors, storage_bytes
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -109,3 +110,55 @@ def test_offloader_keeps_what_was_written_on_the_device_only_with_write_back():
         with offloader.on_device(write_back), torch.no_grad():
             weight.fill_(3.0)  # e.g. a checkpoint loaded into the device copy
         assert torch.equal(weight, expected), write_back
+
+
+def test_saved_activations_count_each_saved_storage_once_until_its_backward():
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 3))
+    meter = SavedActivations([weight])
+    losses = []
+    with meter:
+        for _ in range(2):  # two micro-batches in flight, as a pipeline schedule keeps them
+            x = torch.randn(4, 8, requires_grad=True)
+            z = (x @ weight).exp()  # mm saves x (128 B) and the weight (excluded); exp saves z (48 B)
+            losses.append((z * z[:, :].view(4, 3)).sum())  # saves z and a view of it: one storage
+        assert meter.held == meter.peak == 2 * (4 * 8 + 4 * 3) * 4
+        losses.pop().backward()  # autograd frees what that micro-batch saved
+        assert meter.held == (4 * 8 + 4 * 3) * 4
+        losses.pop().backward()
+    assert meter.held == 0 and meter.peak == 2 * (4 * 8 + 4 * 3) * 4
+    with torch.no_grad(), meter:  # a new measurement
+        (torch.randn(4, 8) @ weight).exp()  # nothing is saved without a graph
+    assert meter.peak == 0
+
+
+def test_a_measurement_counts_only_what_was_saved_inside_it():
+    meter = SavedActivations()
+    with meter:
+        left = torch.randn(10, requires_grad=True).sin()  # saves its 40 B input; never backwarded here
+    assert meter.peak == meter.held == 40
+    with meter:
+        assert meter.held == 0  # the graph left alive before does not count
+        kept = torch.randn(6, requires_grad=True).sin()
+        del left  # releasing an earlier measurement's tensor changes nothing here
+        assert meter.held == meter.peak == 24
+    del kept  # its graph goes, and with it the saved input
+    assert meter.held == 0 and meter.peak == 24
+
+
+def test_a_graph_never_backwarded_is_freed_under_the_meter():
+    """exp saves its output; a metric computed with gradients and detached leaves that graph unreferenced,
+    and it must be freed (the meter keeps no reference that would close a cycle through the graph)."""
+    meter = SavedActivations()
+    with meter:
+        y = torch.randn(10, requires_grad=True).exp()
+        alive = weakref.ref(y)
+        stat = y.sum().detach()
+        assert meter.held == 40
+        del y
+        gc.collect()
+        assert alive() is None and meter.held == 0 and meter.peak == 40
+        z = torch.randn(10, requires_grad=True)
+        (z.exp() * 2).sum().backward()  # backward through the saved output still works
+        assert torch.allclose(z.grad, 2 * z.detach().exp()) and meter.held == 0
+    assert float(stat) != 0

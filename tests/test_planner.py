@@ -22,8 +22,8 @@ from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
-from rlhf.planner.cost import (Cluster, Workload, allreduce_s, decode_step_s, decode_terms, pass_collectives,
-                               saturating_batch, task_cost)
+from rlhf.planner.cost import (BF16, FP32, Cluster, Precision, Workload, allreduce_s, decode_step_s, decode_terms,
+                               pass_collectives, saturating_batch, task_cost, task_memory)
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import HARDWARE_PRESETS as HW
 from rlhf.planner.hardware import load_hardware, save_hardware
@@ -34,7 +34,8 @@ from rlhf.planner import fused_generation, real_appendix
 from rlhf.planner.iteration_sim import Call, Sharing, schedule_calls
 from rlhf.planner.placement_search import (APP_PLACEMENTS, PlacementSearchConfig, allocations, generation_order,
                                            search_placements, set_partitions, strategies)
-from rlhf.planner.plan import FUSED_GENERATION, Plan, evaluate, plan_from_placement_file, stage_seconds
+from rlhf.planner.plan import (FUSED_GENERATION, Plan, evaluate, memory_parts_per_rank, memory_per_rank,
+                               plan_from_placement_file, stage_seconds)
 from rlhf.schedule.cost_model import CostConfig, build_problem
 from rlhf.schedule.generators import serial_1f1b_makespan
 from rlhf.tasks import INFERENCE_TASKS, MODELS, TASKS, task_kind
@@ -224,6 +225,57 @@ def test_training_bubble_matches_the_schedule_simulator():
     assert c.parts["compute"] == pytest.approx(3 * forward_flops_per_token(cfg, "lm", WL.seq) * tokens
                                                / (8 * hw.gpu_flops * hw.mfu))
     assert c.static_bytes == 18 * max(stage_parameters(cfg, "lm", 4)) / 2
+
+
+def test_memory_parts_take_their_element_sizes_from_the_precision():
+    cfg = llama_shape("llama-13b")
+    stage = max(stage_parameters(cfg, "lm", 4)) / 2  # pp 4, tp 2: the largest stage's share
+    train = _mesh("actor_train", ParallelStrategy(dp=1, pp=4, tp=2))
+    bf16, fp32 = (task_memory("actor_train", cfg, "lm", train, WL, precision=p) for p in (BF16, FP32))
+    # bf16 weights, fp32 gradients (accumulated as Megatron-LM does for bf16), fp32 main params and Adam moments
+    assert (bf16["parameters"], bf16["gradients"], bf16["optimizer"]) == (2 * stage, 4 * stage, 12 * stage)
+    assert (fp32["parameters"], fp32["gradients"], fp32["optimizer"]) == (4 * stage, 4 * stage, 8 * stage)
+    logits = WL.micro_batch_size * WL.seq * cfg.vocab_size * 4 / 2  # fp32 logits of one micro-batch
+    assert fp32["activations"] - logits == pytest.approx(2 * (bf16["activations"] - logits))
+    gen = _mesh("actor_gen", ParallelStrategy(dp=2, tp=4))
+    kv16, kv32 = (task_memory("actor_gen", cfg, "lm", gen, WL, precision=p)["kv"] for p in (BF16, FP32))
+    assert kv16 == WL.samples / 2 * WL.seq * kv_bytes_per_token(cfg) / 4 and kv32 == 2 * kv16
+    ref = task_memory("ref_inf", cfg, "lm", _mesh("ref_inf", ParallelStrategy(dp=8)), WL, precision=FP32)
+    assert ref["parameters"] == 4 * parameter_count(cfg, "lm") and ref["gradients"] == ref["optimizer"] == 0
+    cost = task_cost("actor_train", cfg, "lm", train, WL, HW["a100"], Cluster(1, 8), precision=FP32)
+    assert cost.memory == fp32 and cost.static_bytes == 16 * stage
+    with pytest.raises(PlannerError, match="grad=-1 must be bytes per element >= 0"):
+        Precision("odd", weight=2, grad=-1, main=0, optimizer=8)
+    # full recompute keeps one hidden state per chunk of layers per micro-batch in flight, and one chunk's
+    # activations again while its backward runs; selective is what the 34-byte constant already assumes
+    tokens, layers = WL.micro_batch_size * WL.seq, cfg.num_layers // 4
+    full = task_memory("actor_train", cfg, "lm", train, WL, precision=FP32, recompute=("full", 2))
+    assert full["activations"] == pytest.approx(4 * layers / 2 * tokens * cfg.hidden_size * 4  # chunk inputs
+                                                + max(logits, 2 * tokens * cfg.hidden_size * 34 * 2 / 2))
+    assert task_memory("actor_train", cfg, "lm", train, WL, precision=FP32, recompute=("selective", None)) == fp32
+
+
+def test_memory_parts_per_rank_add_up_to_the_memory_per_rank():
+    plan = _flat_plan(8, train=ParallelStrategy(dp=1, pp=4, tp=2), gen=ParallelStrategy(dp=4, tp=2))
+    critic = plan.meshes["critic_train"]
+    fused = Plan("fused", {**plan.meshes, "critic_train": TaskMesh("critic_train", critic.ranks, critic.strategy,
+                                                                   reverse_pp=True)}, fuse_training=True)
+    for p in (plan, fused):
+        ev = evaluate(p, MODELS_7B, WL, HW["h100"], Cluster(1, 8), precision=FP32)
+        parts = memory_parts_per_rank(p, {t: c.memory for t, c in ev.costs.items()})
+        assert set(parts) == set(ev.memory) == set(memory_per_rank(p, ev.costs))
+        for rank, total in ev.memory.items():
+            assert sum(parts[rank].values()) == pytest.approx(total, rel=1e-12)
+    fp32 = evaluate(plan, MODELS_7B, WL, HW["h100"], Cluster(1, 8), precision=FP32)
+    assert evaluate(plan, MODELS_7B, WL, HW["h100"], Cluster(1, 8)).peak_memory < fp32.peak_memory
+    memory = {t: c.memory for t, c in fp32.costs.items()}
+    resident = memory_parts_per_rank(plan, memory, resident_kv=True)  # the KV cache kept between generations
+    for rank in plan.meshes["actor_gen"].ranks:
+        others = max(memory[t]["activations"] for t, mesh in plan.meshes.items() if rank in mesh.ranks)
+        static = sum(memory[t][p] for t, mesh in plan.meshes.items() if rank in mesh.ranks
+                     for p in ("parameters", "gradients", "optimizer", "kv"))
+        assert resident[rank]["kv"] == memory["actor_gen"]["kv"] > 0
+        assert sum(resident[rank].values()) == pytest.approx(static + others, rel=1e-12)
 
 
 def test_fused_training_is_no_slower_than_serial():
@@ -721,3 +773,32 @@ def test_tool_bad_input_is_one_line(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert re.match(message, err.replace(str(bad), "BAD")), err
+
+
+def test_the_dry_run_prints_the_predicted_memory_per_rank():
+    """The tiny default on its built-in 4-rank plan, fp32 (every model today): each rank's static parts
+    summed by hand from its tasks (a task's largest stage / tp)."""
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.dry_run import dry_run, predicted_memory, short_bytes
+    from rlhf.ppo.layout import build_placement
+
+    config = parse_args([])
+    actor, critic = config.models["actor"], config.models["critic"]
+
+    def share(cfg, kind, pp, tp):
+        return max(stage_parameters(cfg, kind, pp)) / tp
+
+    trained = share(actor, "lm", 2, 2) + share(critic, "value", 2, 1)  # actor_train TP2xPP2, critic_train PP2xDP2
+    frozen = {0: share(critic, "value", 1, 1), 2: share(actor, "lm", 1, 1)}  # reward_inf on 0-1, ref_inf on 2-3
+    predicted = predicted_memory(config, build_placement(config, 4))
+    out = dry_run(config, 4)
+    for rank in range(4):
+        weights = trained + share(actor, "lm", 1, 2) + share(critic, "value", 1, 2) + frozen[rank // 2 * 2]
+        parts = predicted[rank]
+        assert (parts["parameters"], parts["gradients"], parts["optimizer"]) == (4 * weights, 4 * trained,
+                                                                                8 * trained)
+        assert f"  rank {rank}: parameters {short_bytes(4 * weights)}, gradients {short_bytes(4 * trained)}" in out
+        assert f"; total {short_bytes(sum(parts.values()))}" in out
+        # the engine's cache, resident: per replica (16 prompts / dp 2 + 1) x 4 samples x (32 // 16 + 2) blocks
+        # of 16 tokens, K and V of 2 layers x 2 KV heads x 16 dims, fp32, this TP rank's half of the heads
+        assert parts["kv"] == (16 // 2 + 1) * 4 * (32 // 16 + 2) * 16 * 2 * 2 * 2 * 16 * 4 / 2

@@ -30,9 +30,10 @@ def results(tmp_path_factory):
     return launch(4, "scenario_reward_training:run", root=str(tmp_path_factory.mktemp("reward")))[0]
 
 
-@pytest.mark.parametrize("layout", ["tp2pp2", "pp2dp2"])
+@pytest.mark.parametrize("layout", ["tp2pp2", "pp2dp2", "tp2pp2-full", "pp2dp2-selective"])
 def test_one_step_equals_the_loss_definition(results, layout):
     r = results["exactness"][layout]
+    assert r["recompute"] == (layout.split("-") + [None])[1]  # recomputing (full, selective) trains the same
     assert r["names"] and r["moved"] > 1e-4  # the step changed every parameter the reference has
     assert r["max_diff"] < TOL
     ref, metrics = r["reference"], r["metrics"]
@@ -46,7 +47,7 @@ def test_one_step_equals_the_loss_definition(results, layout):
 def test_one_bf16_step_is_within_bf16_of_the_loss_definition(results):
     """train_reward.py --bf16 (bf16 model, fp32 main weights and moments): the step's loss and gradient norm
     within bf16's ~3 significant digits of the fp32 definition's, and the weights moved by the update."""
-    r = results["exactness"]["tp2pp2 bf16"]
+    r = results["exactness"]["tp2pp2-bf16"]
     ref, metrics = r["reference"], r["metrics"]
     assert r["names"] and r["moved"] > 1e-4
     assert metrics["loss"] == pytest.approx(ref["loss"], rel=0.01)

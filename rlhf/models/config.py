@@ -7,6 +7,11 @@ from dataclasses import asdict, dataclass, fields
 from typing import Iterable
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+"""Activation recomputation as Megatron-LM's --recompute-granularity: ``full`` recomputes whole transformer
+layers in the backward (only each chunk's input is kept), ``selective`` only the core attention."""
+
+
 class ModelConfigError(ValueError):
     """An invalid model configuration; the message names the field."""
 

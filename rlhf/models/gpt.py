@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf import platform
-from rlhf.models.config import ModelConfig, padded_vocab_size
+from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, padded_vocab_size
 from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding
 from rlhf.tasks import KINDS
 
@@ -41,10 +41,39 @@ class PipelineStage:
         return self.index == self.count - 1
 
 
-def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = torch.float32):
-    """megatron TransformerConfig for ``cfg`` sharded tp x pp (no fusions, no dropout)."""
+def recompute_fields(granularity: str | None, num_layers: int | None, stage_layers: int) -> dict:
+    """TransformerConfig's recompute fields for Megatron-LM's ``--recompute-granularity`` and
+    ``--recompute-num-layers`` on a pipeline stage of ``stage_layers`` layers.
+
+    ``full``: method uniform, chunks of ``num_layers`` layers (default 1), each recomputed from its input;
+    ``selective``: megatron's core-attention recompute (``num_layers`` must be None); None: no recompute.
+    ValueError names the argument and what is valid.
+    """
+    if granularity is None:
+        if num_layers is not None:
+            raise ValueError(f"recompute_num_layers={num_layers} needs recompute_granularity 'full'")
+        return {}
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity={granularity!r} is not one of {RECOMPUTE_GRANULARITIES} (or None)")
+    if granularity == "selective":
+        if num_layers is not None:
+            raise ValueError("recompute_num_layers applies to recompute_granularity 'full' only; selective "
+                             "recomputes the core attention of every layer")
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    chunk = 1 if num_layers is None else num_layers
+    if not (isinstance(chunk, int) and 1 <= chunk <= stage_layers and stage_layers % chunk == 0):
+        raise ValueError(f"recompute_num_layers={num_layers} must divide the {stage_layers} layers of a pipeline "
+                         f"stage (megatron's uniform method recomputes chunks of that many layers)")
+    return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": chunk}
+
+
+def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = torch.float32,
+                       recompute_granularity: str | None = None, recompute_num_layers: int | None = None):
+    """megatron TransformerConfig for ``cfg`` sharded tp x pp (no fusions, no dropout), recomputing
+    activations as :func:`recompute_fields` says."""
     from megatron.core.transformer import TransformerConfig
 
+    recompute = recompute_fields(recompute_granularity, recompute_num_layers, cfg.num_layers // pp)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -73,6 +102,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = 
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype,
+        **recompute,
     )
 
 
@@ -117,7 +147,8 @@ class ValueHead(torch.nn.Module):
 
 def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage = PipelineStage(),
                 seed: int = 1234, dtype: torch.dtype = torch.float32,
-                transformer_impl: str | None = None, padded_vocab: int | None = None) -> torch.nn.Module:
+                transformer_impl: str | None = None, padded_vocab: int | None = None,
+                recompute_granularity: str | None = None, recompute_num_layers: int | None = None) -> torch.nn.Module:
     """This rank's ``stage`` of a model of ``kind`` (``lm`` or ``value``), sharded over ``pg_collection``.
 
     megatron takes the TP size from ``pg_collection.tp`` and the stage's layers
@@ -129,6 +160,9 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     default: ``cfg.vocab_size`` rounded up to a multiple of this tp). Every layout
     the weights are resharded between must use the same value. The padded rows
     start at zero; ``model.unpadded_vocab_size`` records ``cfg.vocab_size``.
+
+    ``recompute_granularity``, ``recompute_num_layers``: activation recomputation in training forwards
+    (:func:`recompute_fields`; megatron recomputes only in training mode and with gradients enabled).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -147,7 +181,7 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     platform.setup_megatron()
     platform.seed_model_parallel_rng(seed + 1000 * stage.index)
     model = GPTModel(
-        config=transformer_config(cfg, tp, stage.count, dtype),
+        config=transformer_config(cfg, tp, stage.count, dtype, recompute_granularity, recompute_num_layers),
         transformer_layer_spec=_layer_spec(transformer_impl or platform.transformer_impl()),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_seq_len,

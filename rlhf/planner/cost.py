@@ -32,31 +32,71 @@ update the executor's barrier, the DP gradient all-reduce and the gradient
 norm; per engine step 2 per layer, the embedding's and the logits'), which is
 what TP costs when the messages are small.
 
-Memory per GPU (bytes): a task's *static* part stays resident for the whole
-iteration (training: 18 bytes per parameter: bf16 weights and gradients, fp32
-master weights and Adam moments; inference and generation: bf16 weights), its
-*transient* part only while it runs (training: activations of the micro-batches
-1F1B keeps in flight, 34 bytes per token and hidden unit per layer, and fp32
-logits; generation: the KV cache; inference: one layer's activations and the
-logits). A GPU must hold the static parts of all its tasks plus the largest
-transient part.
+Memory per GPU (bytes, :func:`task_memory`, in the parts of ``MEMORY_PARTS``): a
+task's *static* part stays resident for the whole iteration (its parameters;
+a trained model's gradients and optimizer state too), its *transient* part
+only while it runs (training: activations of the micro-batches 1F1B keeps in
+flight, 34 bytes per token and hidden unit per layer at 16-bit, and fp32
+logits; generation: the KV cache and one step's logits; inference: one layer's
+activations and the logits). Element sizes come from a :class:`Precision`:
+``BF16`` (the default, Megatron-LM's bf16 training: bf16 weights, fp32
+gradients, fp32 main parameters and Adam moments, 18 bytes per trained
+parameter; bf16 activations and KV) or ``FP32`` (16 bytes per trained
+parameter, 4-byte activations and KV). A GPU must hold the static parts of
+all its tasks plus the largest transient part.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import TaskMesh
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
-from rlhf.planner.shapes import BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, stage_parameters
+from rlhf.planner.shapes import (BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, kv_width,
+                                 stage_parameters)
 
 ROLE = {"actor_gen": "generation", "ref_inf": "inference", "reward_inf": "inference", "critic_inf": "inference",
         "actor_train": "training", "critic_train": "training"}
-TRAIN_BYTES_PER_PARAM = 18
-ACT_BYTES_PER_TOKEN_HIDDEN = 34  # per layer (Korthikanti et al.), as rlhf.schedule.cost_model
+ACT_BYTES_PER_TOKEN_HIDDEN = 34  # per layer at 16-bit (Korthikanti et al.), as rlhf.schedule.cost_model
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what the memory model counts: every model's ``weight``s (activations and the
+    KV cache are computed in the same type), a trained model's ``grad`` buffer, the optimizer's ``main``
+    parameters (an fp32 copy of low-precision weights; 0 when the weights are fp32 already) and its
+    ``optimizer`` state per parameter (Adam's two fp32 moments: 8)."""
+
+    name: str
+    weight: int
+    grad: int
+    main: int
+    optimizer: int
+
+    def __post_init__(self):
+        for part in ("weight", "grad", "main", "optimizer"):
+            value = getattr(self, part)
+            if not (isinstance(value, int) and value >= 0):
+                raise PlannerError(f"precision {self.name}: {part}={value!r} must be bytes per element >= 0")
+
+    @property
+    def trained_bytes_per_param(self) -> int:
+        """Resident bytes per parameter of a trained model: weight, gradient, main copy, optimizer state."""
+        return self.weight + self.grad + self.main + self.optimizer
+
+
+BF16 = Precision("bf16", weight=2, grad=4, main=4, optimizer=8)
+"""Megatron-LM's bf16 training (gradients accumulated in fp32, fp32 main parameters and Adam moments)."""
+FP32 = Precision("fp32", weight=4, grad=4, main=0, optimizer=8)
+"""Everything fp32 (a job without --bf16/--fp16): the optimizer updates the weights themselves."""
+PRECISIONS = {p.name: p for p in (BF16, FP32)}
+TRAIN_BYTES_PER_PARAM = BF16.trained_bytes_per_param  # 18: the default cluster's assumption
+MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "kv")
+"""The parts of a task's bytes per GPU; the first three are static, the last two transient."""
+STATIC_PARTS = MEMORY_PARTS[:3]
 
 
 @dataclass(frozen=True)
@@ -128,6 +168,8 @@ class TaskCost:
     parts: dict = field(default_factory=dict)
     steps: int = 0
     collectives: int = 0
+    memory: dict = field(default_factory=dict)
+    """Bytes per GPU by part (``MEMORY_PARTS``): static_bytes + transient_bytes split up."""
 
 
 def allreduce_s(nbytes: float, ranks, cluster: Cluster, hw: Hardware) -> float:
@@ -150,18 +192,103 @@ def split(samples: int, dp: int, wl: Workload, count: int | None) -> tuple[int, 
     return count, samples / (dp * count)
 
 
-def task_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
-              cluster: Cluster, count: int | None = None) -> TaskCost:
-    """Seconds and bytes per GPU of ``task`` running model ``cfg`` (``kind`` lm or value) on ``mesh``, in
-    ``count`` micro-batches per DP replica (per mini-batch in training) when given (see the module
-    docstring)."""
+def _role(task: str, count: int | None) -> str:
     role = ROLE.get(task)
     if role is None:
         raise PlannerError(f"unknown task {task!r}; tasks: {', '.join(ROLE)}")
     if count is not None and count < 1:
         raise PlannerError(f"{task}: micro-batches={count!r} must be a positive integer")
-    cost = {"training": _training, "inference": _inference, "generation": _generation}[role]
-    return cost(cfg, kind, mesh, wl, hw, cluster, count)
+    return role
+
+
+def task_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
+              cluster: Cluster, count: int | None = None, precision: Precision = BF16) -> TaskCost:
+    """Seconds and bytes per GPU of ``task`` running model ``cfg`` (``kind`` lm or value) on ``mesh``, in
+    ``count`` micro-batches per DP replica (per mini-batch in training) when given, its bytes at
+    ``precision`` (see the module docstring)."""
+    cost = {"training": _training, "inference": _inference, "generation": _generation}[_role(task, count)]
+    memory = task_memory(task, cfg, kind, mesh, wl, count, precision)
+    return replace(cost(cfg, kind, mesh, wl, hw, cluster, count), static_bytes=sum(memory[p] for p in STATIC_PARTS),
+                   transient_bytes=memory["activations"] + memory["kv"], memory=memory)
+
+
+def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, count: int | None = None,
+                precision: Precision = BF16, recompute: tuple = (None, None),
+                activation_model: str = "korthikanti") -> dict:
+    """{part: bytes} per GPU of ``task`` (``MEMORY_PARTS``; see the module docstring): its largest pipeline
+    stage's share of the parameters at ``precision``, and what the call adds while it runs. ``recompute``:
+    a training call's (granularity, layers per chunk) as Megatron-LM's flags, its activations counted by
+    ``activation_model`` (:func:`training_activations`)."""
+    role, s = _role(task, count), mesh.strategy
+    stage = _stage_bytes(cfg, kind, mesh, 1)
+    out = dict.fromkeys(MEMORY_PARTS, 0.0)
+    out["parameters"] = stage * precision.weight
+    scale = precision.weight / BYTES  # activations and KV in the weights' type; the constants are 16-bit
+    if role == "training":
+        out["gradients"] = stage * precision.grad
+        out["optimizer"] = stage * (precision.main + precision.optimizer)
+        m, samples = split(wl.samples // wl.minibatches, s.dp, wl, count)
+        tokens = samples * wl.seq
+        # fp32 logits: one copy (Korthikanti); our vocab-parallel log-softmax saves two (shifted logits, exp)
+        copies = 2 if activation_model == "local" else 1
+        head = copies * tokens * head_outputs(cfg, kind) * 4 / s.tp
+        out["activations"] = training_activations(cfg, s.pp, s.tp, min(m, s.pp), tokens, precision, head,
+                                                  *recompute, wl.seq, activation_model)
+    elif role == "inference":
+        m, samples = split(wl.samples, s.dp, wl, count)
+        tokens = samples * wl.seq
+        act = tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_hidden_size) * BYTES / s.tp
+        out["activations"] = act * scale + tokens * head_outputs(cfg, kind) * 4 / s.tp
+    else:
+        m = count or 1
+        batch = math.ceil(wl.samples / s.dp)
+        part = batch / m if m > 1 else batch
+        out["kv"] = batch * wl.seq * kv_bytes_per_token(cfg) / (s.tp * s.pp) * scale
+        out["activations"] = part * cfg.vocab_size * 4 / s.tp  # one step's fp32 logits
+    return out
+
+
+ACTIVATION_MODELS = ("korthikanti", "local")
+"""How training activations per layer are counted: Korthikanti et al.'s 34 bytes per token and hidden unit at
+16-bit (the default: what the ReaL reproductions assume), or the element count measured on megatron's local
+layer spec (:func:`local_layer_elements`; docs/planner.md, "Memory: predicted against measured")."""
+
+
+def local_layer_elements(cfg: ModelConfig, tp: int, seq: int, scores: bool) -> float:
+    """Elements one token of a micro-batch leaves saved for backward in one layer of megatron's local layer spec
+    (RMSNorm, RoPE, SwiGLU, unfused attention; no sequence parallelism), measured with
+    rlhf.memory.SavedActivations and fitted on CPU: 4h + 18 replicated over the TP ranks (the norms' inputs
+    and outputs, their statistics) and 5h + 5 ffn + 3 h_kv split over them (queries, attention output, the
+    MLP's intermediates, keys and values); ``scores``: the softmax output, heads x ``seq`` more (gone with
+    selective recompute)."""
+    h, ffn, h_kv = cfg.hidden_size, cfg.ffn_hidden_size, kv_width(cfg)
+    split = 5 * h + 5 * ffn + 3 * h_kv + (cfg.num_attention_heads * seq if scores else 0)
+    return 4 * h + 18 + split / tp
+
+
+def training_activations(cfg: ModelConfig, pp: int, tp: int, in_flight: int, tokens: int, precision: Precision,
+                         head: float, granularity: str | None = None, chunk: int | None = None, seq: int = 0,
+                         model: str = "korthikanti") -> float:
+    """Bytes one pipeline stage keeps for backward for ``in_flight`` micro-batches of ``tokens`` tokens
+    (sequences of ``seq``): its layers' activations, per layer as ``model`` (``ACTIVATION_MODELS``) counts
+    them in the weights' type, and the ``head`` bytes of one micro-batch's loss. Korthikanti et al.'s 34
+    bytes is their selective-recompute figure (no attention scores), so granularity None and "selective"
+    predict the same with it. "full" keeps each chunk's input only (one hidden state per ``chunk`` layers,
+    default 1) and, once the head's backward has run, one chunk's layers again while their backward runs."""
+    if model not in ACTIVATION_MODELS:
+        raise PlannerError(f"activation model {model!r} is not one of {', '.join(ACTIVATION_MODELS)}")
+    layers, scale = cfg.num_layers / pp, precision.weight / BYTES
+    if model == "korthikanti":
+        per_layer = tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / tp * scale
+        if granularity != "full":
+            return in_flight * layers * tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / tp * scale + head
+    else:
+        per_layer = tokens * local_layer_elements(cfg, tp, seq, scores=True) * precision.weight
+        if granularity != "full":
+            kept = local_layer_elements(cfg, tp, seq, scores=granularity is None)
+            return in_flight * layers * tokens * kept * precision.weight + head
+    chunk = chunk or 1
+    return in_flight * layers / chunk * tokens * cfg.hidden_size * precision.weight + max(head, chunk * per_layer)
 
 
 def _stage_bytes(cfg: ModelConfig, kind: str, mesh: TaskMesh, per_param: float) -> float:
@@ -221,11 +348,7 @@ def _training(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
              "latency": collectives * hw.collective_latency_s,
              "overhead": hw.call_overhead_s + updates * hw.update_overhead_s
                          + passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
-    layers = cfg.num_layers / s.pp
-    act = min(m, s.pp) * layers * tokens * cfg.hidden_size * ACT_BYTES_PER_TOKEN_HIDDEN / s.tp
-    logits = tokens * head_outputs(cfg, kind) * 4 / s.tp
-    return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, TRAIN_BYTES_PER_PARAM), act + logits, parts,
-                    passes, collectives)
+    return TaskCost(sum(parts.values()), 0.0, 0.0, parts, passes, collectives)  # bytes: task_memory
 
 
 def _inference(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
@@ -238,10 +361,7 @@ def _inference(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     parts = {"compute": m * f, "bubble": (s.pp - 1) * f, "tp_pp_comm": passes * comm,
              "latency": collectives * hw.collective_latency_s,
              "overhead": hw.call_overhead_s + passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
-    act = tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_hidden_size) * BYTES / s.tp
-    logits = tokens * head_outputs(cfg, kind) * 4 / s.tp
-    return TaskCost(sum(parts.values()), _stage_bytes(cfg, kind, mesh, BYTES), act + logits, parts, passes,
-                    collectives)
+    return TaskCost(sum(parts.values()), 0.0, 0.0, parts, passes, collectives)  # bytes: task_memory
 
 
 def decode_terms(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, hw: Hardware,
@@ -288,7 +408,4 @@ def _generation(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     parts = {"prefill": prefill, bound: (steps - 1) * (passes / s.pp) * max(read, compute),
              "decode_comm": steps * (passes / s.pp) * comm, "latency": collectives * hw.collective_latency_s,
              "overhead": hw.call_overhead_s + steps * passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
-    kv = batch * wl.seq * kv_bytes_per_token(cfg) / (s.tp * s.pp)
-    logits = part * cfg.vocab_size * 4 / s.tp
-    return TaskCost(sum(parts.values()), _stage_bytes(cfg, "lm", mesh, BYTES), kv + logits, parts, steps * passes,
-                    collectives)
+    return TaskCost(sum(parts.values()), 0.0, 0.0, parts, steps * passes, collectives)  # bytes: task_memory

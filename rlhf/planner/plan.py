@@ -40,7 +40,8 @@ from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import PlacementError, TaskMesh
 from rlhf.parallel.placement import Placement
 from rlhf.planner import fused_generation
-from rlhf.planner.cost import Cluster, TaskCost, Workload, microbatches_per_replica, task_cost
+from rlhf.planner.cost import (BF16, MEMORY_PARTS, STATIC_PARTS, Cluster, Precision, TaskCost, Workload,
+                               microbatches_per_replica, task_cost)
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
 from rlhf.planner.shapes import schedule_shape
@@ -146,11 +147,11 @@ class Evaluation:
 
 
 def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Cluster,
-             durations: dict | None = None) -> Evaluation:
-    """Predict ``plan``'s iteration (``models``: ModelConfig per model name). ``durations`` overrides
-    the cost model's seconds of named tasks (e.g. measured per-call times)."""
+             durations: dict | None = None, precision: Precision = BF16) -> Evaluation:
+    """Predict ``plan``'s iteration (``models``: ModelConfig per model name; bytes at ``precision``).
+    ``durations`` overrides the cost model's seconds of named tasks (e.g. measured per-call times)."""
     costs = {task: cached_cost(task, models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl, hw, cluster,
-                               plan.microbatches.get(task)) for task, mesh in plan.meshes.items()}
+                               plan.microbatches.get(task), precision) for task, mesh in plan.meshes.items()}
     seconds = {task: c.seconds for task, c in costs.items()} | (durations or {})
     moved = {name: most_received(models[TASK_MODEL[src]], MODEL_KIND[TASK_MODEL[src]], plan.meshes[src],
                                  plan.meshes[dst]) for name, (src, dst) in weight_moves(plan).items()}
@@ -277,9 +278,9 @@ def stage_seconds(ev: Evaluation) -> dict:
 
 @lru_cache(maxsize=None)
 def cached_cost(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Workload, hw: Hardware,
-                cluster: Cluster, count: int | None = None) -> TaskCost:
+                cluster: Cluster, count: int | None = None, precision: Precision = BF16) -> TaskCost:
     """rlhf.planner.cost.task_cost, remembered (the search asks for the same layouts again and again)."""
-    return task_cost(task, cfg, kind, mesh, wl, hw, cluster, count)
+    return task_cost(task, cfg, kind, mesh, wl, hw, cluster, count, precision)
 
 
 @lru_cache(maxsize=None)
@@ -300,6 +301,28 @@ def memory_per_rank(plan: Plan, costs: dict) -> dict:
             static[r] = static.get(r, 0.0) + c.static_bytes
             transient[r] = max(transient.get(r, 0.0), extra)
     return {r: static[r] + transient[r] for r in static}
+
+
+def memory_parts_per_rank(plan: Plan, memory: dict, resident_kv: bool = False) -> dict:
+    """{rank: {part: bytes}} (rlhf.planner.cost.MEMORY_PARTS) of :func:`memory_per_rank`'s peak, from each
+    task's parts (``memory[task]``: ``TaskCost.memory``, rlhf.planner.cost.task_memory): every task's static
+    parts summed, the transient parts of the call with the largest transient bytes (both training calls
+    when fused); the parts of a rank add up to its memory_per_rank. ``resident_kv``: the KV cache stays
+    allocated between generations (our trainer without --release-generation-memory), so it is static."""
+    out = {}
+    static_parts = (*STATIC_PARTS, "kv") if resident_kv else STATIC_PARTS
+    for task, mesh in plan.meshes.items():
+        calls = [memory[task]]
+        if plan.fuse_training and task in ("actor_train", "critic_train"):
+            calls = [memory["actor_train"], memory["critic_train"]]
+        transient = {p: sum(x[p] for x in calls) for p in MEMORY_PARTS if p not in static_parts}
+        for r in mesh.ranks:
+            parts = out.setdefault(r, {"static": dict.fromkeys(static_parts, 0.0), "transient": None})
+            for p in static_parts:
+                parts["static"][p] += memory[task][p]
+            if parts["transient"] is None or sum(transient.values()) > sum(parts["transient"].values()):
+                parts["transient"] = transient
+    return {r: parts["static"] | parts["transient"] for r, parts in out.items()}
 
 
 def fused_training_seconds(plan: Plan, models: dict, wl: Workload, hw: Hardware, serial_s: float) -> float:

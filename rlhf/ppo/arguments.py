@@ -182,6 +182,14 @@ SECTIONS = {
                                             "allocation and a memset per iteration (and may fragment a GPU "
                                             "allocator's cache), so it is off unless actor_gen shares devices "
                                             "with tasks short of memory"),
+        ("recompute_granularity", str, "activation recomputation of the trained models (actor_train, "
+                                       "critic_train), as Megatron-LM: full (recompute whole transformer layers in "
+                                       "the backward, keeping only each chunk's input) or selective (recompute the "
+                                       "core attention); none by default. Same results, less activation memory, "
+                                       "more compute"),
+        ("recompute_num_layers", int, "with --recompute-granularity full: layers per recomputed chunk (megatron's "
+                                      "uniform method; default 1); must divide the layers of each training "
+                                      "pipeline stage"),
     ]),
 }
 

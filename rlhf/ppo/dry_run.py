@@ -11,11 +11,17 @@ are counted from the shapes by the planner's count (rlhf/planner/shapes.py).
 Not checked here (the job checks them at start-up, before any model is
 built): the tokenizer, the prompt file's records, the reward function's
 import and a ``--load`` root's checkpoints.
+
+It also prints the planner's predicted memory per rank (rlhf/planner/cost.py
+``task_memory``) in the parts the job measures and logs (``memory_training_*``
+metrics, docs/training.md), at the job's precision (:func:`job_precision`).
 """
 
 from __future__ import annotations
 
-from rlhf.planner.shapes import parameter_count, stage_parameters
+from rlhf.planner.cost import FP32, MEMORY_PARTS, Precision, Workload, task_memory
+from rlhf.planner.plan import Plan, memory_parts_per_rank
+from rlhf.planner.shapes import BYTES, kv_bytes_per_token, parameter_count, stage_parameters
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
 from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
@@ -63,7 +69,71 @@ def dry_run(config: JobConfig, world_size: int) -> str:
             line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
     lines += [_describe_batches(config), _describe_generation(config, placement), _describe_training(config, placement)]
+    lines += describe_memory(config, placement)
     return "\n".join(lines)
+
+
+def short_bytes(n: float) -> str:
+    """``3145728`` -> ``3.00 MiB`` (KiB, MiB, GiB)."""
+    for scale, unit in ((2**30, "GiB"), (2**20, "MiB")):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def job_precision(config: JobConfig) -> Precision:
+    """The element sizes the job trains with (``--bf16``/``--fp16``, docs/precision.md): fp32 weights,
+    gradients and Adam moments; or 16-bit weights with fp32 main weights and moments, and fp32 gradients
+    unless fp16 keeps them 16-bit (no --accumulate-allreduce-grads-in-fp32)."""
+    p = config.precision
+    if p.name == "fp32":
+        return FP32
+    return Precision(p.name, weight=2, grad=4 if p.grads_in_fp32 else 2, main=4, optimizer=8)
+
+
+def workload(config: JobConfig) -> Workload:
+    """The planner's workload of the job: its samples, token budgets, mini-batches and micro-batches."""
+    ppo, gen = config.ppo, config.generation
+    return Workload(ppo.rollout_samples, gen.max_prompt_len, gen.max_response_len, ppo.minibatches,
+                    ppo.micro_batch_size, ppo.ppo_epochs)
+
+
+def predicted_memory(config: JobConfig, placement, precision: Precision | None = None) -> dict:
+    """{rank: {part: bytes}} the planner predicts at the peak of each rank (rlhf.planner.plan
+    ``memory_parts_per_rank``) for the tasks the job runs, at ``precision`` (default :func:`job_precision`),
+    with the job's activation recomputation, and its engine's KV cache (:func:`engine_kv_bytes`) resident
+    unless ``--release-generation-memory`` frees it between generations."""
+    precision = precision or job_precision(config)
+    meshes = {t: m for t, m in placement.meshes.items() if t in config.needed_tasks()}
+    wl, mem = workload(config), config.memory
+    recompute = (mem.recompute_granularity, mem.recompute_num_layers)
+    memory = {task: task_memory(task, config.models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl,
+                                None, precision, recompute, "local") for task, mesh in meshes.items()}
+    if "actor_gen" in memory:
+        memory["actor_gen"]["kv"] = engine_kv_bytes(config, placement, precision)
+    plan = Plan("job", meshes, fuse_training=config.fusion.intra_stage_fusion)
+    return memory_parts_per_rank(plan, memory, resident_kv=not mem.release_generation_memory)
+
+
+def engine_kv_bytes(config: JobConfig, placement, precision: Precision) -> float:
+    """Bytes of the KV cache one actor_gen rank allocates (rlhf.ppo.layout.engine_config's blocks: every
+    sample of a replica's share of the prompts, one prompt more, whole blocks and a spare per sequence)."""
+    engine, tp = layout.engine_config(config, placement), placement["actor_gen"].strategy.tp
+    per_token = kv_bytes_per_token(config.models["actor"]) / BYTES * precision.weight
+    return engine.num_blocks * engine.block_size * per_token / tp
+
+
+def describe_memory(config: JobConfig, placement) -> list[str]:
+    """The predicted bytes per rank, one line each, in the parts of the logged memory metrics."""
+    precision = job_precision(config)
+    kv = "freed between generations" if config.memory.release_generation_memory else "resident"
+    lines = [f"memory per rank, predicted (planner, {precision.name}: {precision.weight} B weights, "
+             f"{precision.grad} B gradients, {precision.main + precision.optimizer} B optimizer state per trained "
+             f"parameter; the largest call's activations; KV cache {kv}):"]
+    for rank, parts in sorted(predicted_memory(config, placement, precision).items()):
+        shown = ", ".join(f"{p} {short_bytes(parts[p])}" for p in MEMORY_PARTS)
+        lines.append(f"  rank {rank}: {shown}; total {short_bytes(sum(parts.values()))}")
+    return lines
 
 
 def _describe_generation(config: JobConfig, placement) -> str:

@@ -12,6 +12,7 @@ it).
 from __future__ import annotations
 
 from rlhf.config import ConfigError
+from rlhf.engine.types import EngineConfig
 from rlhf.models.config import padded_vocab_size as padded_size
 from rlhf.parallel import Placement, PlacementError
 from rlhf.pipeline.compiler import compile_all
@@ -61,7 +62,8 @@ def check_placement(config: JobConfig, placement: Placement) -> None:
                           "critic (grpo, reinforce++)", "ppo.advantage_estimator")
     if missing:
         raise PlacementError(f"{', '.join(missing)} must be placed: every run needs it")
-    for task in config.trained_tasks().values():
+    for model, task in config.trained_tasks().items():
+        config.memory.check_stage_layers(task, config.models[model].num_layers // placement[task].strategy.pp)
         dp = placement[task].strategy.dp
         if ppo.ppo_mini_batch_size % (dp * ppo.micro_batch_size):
             raise ConfigError(f"ppo_mini_batch_size {ppo.ppo_mini_batch_size} must be a multiple of {task}'s "
@@ -83,6 +85,15 @@ def padded_vocab_size(config: JobConfig, model: str, placement: Placement) -> in
     family = ("actor", "reference") if model in ("actor", "reference") else (model,)
     tps = [mesh.strategy.tp for task, mesh in placement.meshes.items() if TASK_MODEL[task] in family]
     return padded_size(config.models[model].vocab_size, config.models.make_vocab_size_divisible_by, tps)
+
+
+def engine_config(config: JobConfig, placement: Placement) -> EngineConfig:
+    """Each actor_gen replica's engine: a KV cache for all the samples of its share of the prompts (one
+    prompt more, for a share that is not even) at their longest."""
+    gen, ppo = config.generation, config.ppo
+    return EngineConfig.for_batch(prompts=ppo.rollout_batch_size // placement["actor_gen"].strategy.dp + 1,
+                                  samples_per_prompt=ppo.n_samples_per_prompt,
+                                  max_model_len=gen.max_prompt_len + gen.max_response_len)
 
 
 def microbatches(config: JobConfig, placement: Placement, task: str) -> int:

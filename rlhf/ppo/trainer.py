@@ -115,7 +115,8 @@ class Trainer:
         self._reshard("critic_train", "critic_inf")
         self.memory = StageMemory(self.models, None if self.engine is None else self.engine.decoder.kv_cache,
                                   offload_frozen=config.memory.offload_ref_reward,
-                                  release_generation=config.memory.release_generation_memory)
+                                  release_generation=config.memory.release_generation_memory,
+                                  optimizers=self.optimizers)
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
                                          config.generation.logprob_temperature)
 
@@ -160,7 +161,8 @@ class Trainer:
         with self.timer.stage("advantage"):
             batch, local = self.advantages(batch)
         with self.timer.stage("training"):
-            local.update(self.update(batch))
+            with self.memory.training_activations():
+                local.update(self.update(batch))
             self.memory.note("training")
         with self.timer.stage("reshard"):
             self._reshard("critic_train", "critic_inf")
@@ -367,9 +369,10 @@ class Trainer:
 
     def _build(self, task: str) -> torch.nn.Module:
         g, model = self.groups[task], TASK_MODEL[task]
+        recompute = self.config.memory.recompute if task in self.config.trained_tasks().values() else {}
         return build_model(self.config.models[model], task_kind(task), g.pg_collection, g.stage,
                            seed=self.config.run.seed + MODEL_SEEDS[model], dtype=self.config.precision.dtype,
-                           padded_vocab=layout.padded_vocab_size(self.config, model, self.placement))
+                           padded_vocab=layout.padded_vocab_size(self.config, model, self.placement), **recompute)
 
     def _load_initial(self, weights: dict) -> None:
         """Starting weights into the task that owns each model's weights (the others are resharded).
@@ -385,12 +388,8 @@ class Trainer:
                 load_full_weights(stage, self.groups[task], full)
 
     def _engine_config(self) -> EngineConfig:
-        """Each actor_gen replica's engine: a KV cache for all the samples of its share of the prompts
-        (one prompt more, for a share that is not even) at their longest."""
-        gen, ppo = self.config.generation, self.config.ppo
-        return EngineConfig.for_batch(prompts=ppo.rollout_batch_size // self.placement["actor_gen"].strategy.dp + 1,
-                                      samples_per_prompt=ppo.n_samples_per_prompt,
-                                      max_model_len=gen.max_prompt_len + gen.max_response_len)
+        """Each actor_gen replica's engine (rlhf.ppo.layout.engine_config)."""
+        return layout.engine_config(self.config, self.placement)
 
     def _build_optimizers(self) -> dict:
         """megatron DDP + AdamW + LR schedule per trained model on this rank (collective over its task)."""

@@ -35,6 +35,12 @@ REWARD_SECTIONS = {
         ("center_rewards_coef", float, "weight of the reward-centering term coef * (r_chosen + r_rejected)^2 "
                                        "(0: off)"),
         ("eval_interval", int, "score --eval-data every this many iterations (and after the last)"),
+        ("recompute_granularity", str, "activation recomputation, as Megatron-LM: full (recompute whole "
+                                       "transformer layers in the backward, keeping only each chunk's input) or "
+                                       "selective (recompute the core attention); none by default. Same results, "
+                                       "less activation memory, more compute"),
+        ("recompute_num_layers", int, "with --recompute-granularity full: layers per recomputed chunk (default 1); "
+                                      "must divide the layers of each pipeline stage"),
     ]),
     "optimizer": (RewardOptimizerConfig, "optimizer (AdamW; the schedule counts optimizer steps)", [
         ("lr", float, "learning rate"),

@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
-                         check_positive_ints)
+                         check_positive_ints, check_recompute)
 from rlhf.data.preferences import PreferenceDatasetConfig
 from rlhf.models.config import ModelConfig, preset
 from rlhf.models.precision import PrecisionConfig
@@ -38,16 +38,20 @@ class RewardTrainingConfig:
     its share in micro-batches of ``micro_batch_size`` pairs (2 sequences each: a pair's answers
     always share a micro-batch). ``center_rewards_coef`` weighs the reward-centering term of the
     loss (0: off). With eval data, held-out pairs are scored every ``eval_interval`` iterations
-    and after the last one."""
+    and after the last one. ``recompute_granularity`` and ``recompute_num_layers``: Megatron-LM's
+    activation recomputation (as ``pretrain_rlhf.py``'s; rlhf.config.check_recompute)."""
 
     global_batch_size: int = 64
     micro_batch_size: int = 4
     center_rewards_coef: float = 0.0
     eval_interval: int = 50
+    recompute_granularity: str | None = None
+    recompute_num_layers: int | None = None
 
     def __post_init__(self):
         check_field_types("training", self)
         check_positive_ints("training", self, ("global_batch_size", "micro_batch_size", "eval_interval"))
+        check_recompute("training", self.recompute_granularity, self.recompute_num_layers)
         if not self.center_rewards_coef >= 0:
             raise ConfigError(f"center_rewards_coef={self.center_rewards_coef!r} must be >= 0 (0 turns it off)",
                               "training.center_rewards_coef")

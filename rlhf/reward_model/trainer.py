@@ -29,7 +29,7 @@ from rlhf import platform
 from rlhf.algorithms import preference_loss
 from rlhf.batch import Batch
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
-from rlhf.config import ConfigError
+from rlhf.config import ConfigError, check_recompute_stage
 from rlhf.data import PromptBatchIterator
 from rlhf.data.preferences import PreferenceDataset, PreferencePair
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
@@ -87,8 +87,11 @@ def pair_statistics(loss: torch.Tensor, chosen: torch.Tensor, rejected: torch.Te
 
 
 def check_placement(config: RewardJobConfig, placement: Placement) -> None:
-    """Refuse batch sizes the reward model's DP size cannot split (ConfigError naming the field)."""
+    """Refuse batch sizes the reward model's DP size cannot split, and a recompute chunk that does not divide
+    a pipeline stage's layers (ConfigError naming the field)."""
     dp, t = placement[TASK].strategy.dp, config.training
+    check_recompute_stage("training", TASK, t.recompute_granularity, t.recompute_num_layers,
+                          config.model.num_layers // placement[TASK].strategy.pp)
     if t.global_batch_size % (dp * t.micro_batch_size):
         raise ConfigError(f"global_batch_size {t.global_batch_size} must be a multiple of the reward model's "
                           f"dp {dp} x micro_batch_size {t.micro_batch_size} (each DP replica runs whole "
@@ -125,8 +128,10 @@ class RewardTrainer:
         self.model = self.optimizer = None
         if self.groups is not None:
             g = self.groups
+            t = config.training
             self.model = build_model(config.model, "value", g.pg_collection, g.stage, seed=config.run.seed,
-                                     dtype=config.precision.dtype)
+                                     dtype=config.precision.dtype, recompute_granularity=t.recompute_granularity,
+                                     recompute_num_layers=t.recompute_num_layers)
             if initial_weights is not None:
                 full = initial_weights
                 if callable(full):  # asked for this rank's stage only

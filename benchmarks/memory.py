@@ -1,0 +1,95 @@
+"""Memory per rank: what the job measures against what the planner predicts, on CPU placements.
+
+For each case (a world size and ``pretrain_rlhf.py`` flags) the job runs in-process on gloo ranks
+(``rlhf.testing.distributed.launch``, ``rlhf.ppo.job.build_trainer``) for ``--iterations`` iterations;
+each rank reports the parts ``StageMemory`` measured in the last one's training stage (parameters of
+every model resident, KV cache, gradient buffers, optimizer state, activations saved for backward:
+docs/training.md, "Memory per rank"). Beside it, ``rlhf.ppo.dry_run.predicted_memory`` (the planner's
+model, rlhf/planner/cost.py ``task_memory``, at the job's precision) for the same placement. It prints,
+per case and part, the heaviest rank's measured and predicted bytes and their ratio, then the same for
+each rank's total; docs/planner.md, "Memory: predicted against measured", has a run.
+
+    python benchmarks/memory.py [--iterations 1] [--smollm2]
+
+``--smollm2`` adds SmolLM2-135M's shape (random weights) on one rank. The last line is the summary,
+e.g. ``memory: predicted / measured total per rank 0.97-1.08 over 3 placements``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+SMOLLM2_SHAPE = {"num_layers": 30, "hidden_size": 576, "ffn_hidden_size": 1536, "num_attention_heads": 9,
+                 "num_kv_heads": 3, "vocab_size": 49152, "max_seq_len": 8192, "rope_theta": 100000.0,
+                 "norm_eps": 1e-5, "tie_embeddings": True}
+"""SmolLM2-135M's config.json in ModelConfig fields (docs/real_model.md)."""
+SMALL_BATCH = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--ppo-mini-batch-size", "8",
+               "--micro-batch-size", "2", "--reward-fn", "rlhf.data.synthetic:gold_reward"]
+
+
+def cases(smollm2: bool) -> list:
+    """(name, world size, flags) of the placements compared."""
+    out = [("tiny, built-in 4-rank plan", 4, []),
+           ("tiny, 2 ranks data parallel", 2, []),
+           ("tiny, 1 rank, full recompute", 1, ["--recompute-granularity", "full"])]
+    if smollm2:
+        shape = Path(tempfile.mkdtemp(prefix="memory_bench_")) / "smollm2.json"
+        shape.write_text(json.dumps(SMOLLM2_SHAPE))
+        out.append(("SmolLM2-135M shape, 1 rank", 1, ["--actor-model", str(shape), "--critic-model", str(shape),
+                                                      *SMALL_BATCH]))
+    return out
+
+
+# -- on every rank -------------------------------------------------------------------
+def measure(job_flags: list, iterations: int) -> dict:
+    """This rank's measured training-stage parts after ``iterations`` iterations (collective)."""
+    import torch.distributed as dist
+
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.job import build_trainer
+    from rlhf.ppo.layout import build_placement
+
+    config = parse_args(job_flags)
+    trainer = build_trainer(config, build_placement(config, dist.get_world_size()))
+    for _ in range(iterations):
+        trainer.step()
+    return dict(trainer.memory.last_parts["training"])
+
+
+# -- in the launching process --------------------------------------------------------
+def compare(name: str, world: int, flags: list, iterations: int) -> float:
+    """Print one case's parts; returns its predicted / measured total on the heaviest rank."""
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.dry_run import predicted_memory, short_bytes
+    from rlhf.ppo.layout import build_placement
+    from rlhf.testing.distributed import launch
+
+    config = parse_args(flags)
+    predicted = predicted_memory(config, build_placement(config, world))
+    measured = dict(enumerate(launch(world, "memory:measure", timeout_s=1200, job_flags=flags,
+                                     iterations=iterations)))
+    print(f"{name} ({world} rank{'s' * (world > 1)}): heaviest rank, measured / predicted")
+    for part in ("parameters", "gradients", "optimizer", "activations", "kv"):
+        got, want = max(m[part] for m in measured.values()), max(p[part] for p in predicted.values())
+        ratio = f"{want / got:5.2f}" if got else "    -"
+        print(f"    {part:12s} {short_bytes(got):>11s} {short_bytes(want):>11s}  {ratio}")
+    got = max(sum(m.values()) for m in measured.values())
+    want = max(sum(p.values()) for p in predicted.values())
+    print(f"    {'total':12s} {short_bytes(got):>11s} {short_bytes(want):>11s}  {want / got:5.2f}")
+    return want / got
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=1)
+    parser.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M's shape on one rank")
+    args = parser.parse_args(argv)
+    ratios = [compare(name, world, flags, args.iterations) for name, world, flags in cases(args.smollm2)]
+    print(f"memory: predicted / measured total per rank {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} "
+          "placements")
+
+
+if __name__ == "__main__":
+    main()
