@@ -12,7 +12,7 @@ each rank's total; docs/planner.md, "Memory: predicted against measured", has a 
     python benchmarks/memory.py [--iterations 1] [--smollm2]
 
 ``--smollm2`` adds SmolLM2-135M's shape (random weights) on one rank. The last line is the summary,
-e.g. ``memory: predicted / measured total per rank 0.97-1.08 over 3 placements``.
+e.g. ``memory: predicted / measured total per rank 0.99-1.01 over 4 placements``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """4-rank scenario for activation recomputation and the measured memory per rank.
 
-actor_train runs TP2xPP2 and critic_train PP2xDP2 reversed (the trainer scenario's plan), each model 4
+actor_train runs TP2xPP2 and critic_train PP2xDP2 reversed (the built-in 4-rank plan), each model 4
 layers (2 per pipeline stage). One ``Trainer.learn`` (2 PPO epochs, so the second epoch's gradients
 depend on the first update) runs on fixed samples without recomputation, with full recomputation in
 chunks of 1 and of 2 layers, and with selective recomputation, from the same weights. Each rank returns
@@ -22,20 +22,14 @@ from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import gather_tp_full_weights
 from rlhf.planner.shapes import model_weights, weight_stage
 from rlhf.ppo.config import GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig
+from rlhf.ppo.layout import DEFAULT_PLANS
 from rlhf.ppo.trainer import Trainer
 from rlhf.tasks import MODEL_KIND, TASK_MODEL
 from rlhf.testing.models import full_weights
 
 MODEL = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
                     vocab_size=64, max_seq_len=32)
-PLAN = {
-    "actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
-    "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
-    "actor_gen": {"ranks": "0-3", "tp": 2, "dp": 2},
-    "ref_inf": {"ranks": [2, 3]},
-    "reward_inf": {"ranks": [0, 1]},
-    "critic_inf": {"ranks": "0-3", "tp": 2},
-}
+PLAN = DEFAULT_PLANS[4]  # actor_train TP2xPP2, critic_train PP2xDP2 reversed, every other kind of layout
 PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=8, ppo_epochs=2,
                 micro_batch_size=2, lr=5e-4, critic_lr=1e-3, clip_grad=0.05, kl_coef=0.1)
 SETTINGS = {"none": MemoryConfig(), "full": MemoryConfig(recompute_granularity="full"),
