@@ -34,6 +34,7 @@ DEFAULT_PPO_FLAGS=(
   --lr 1e-6 --critic-lr 5e-6 --lr-warmup-iters 20 --clip-grad 1.0
   --clip-eps 0.2 --value-clip 0.2 --kl-coef 0.05 --kl-estimator k1 --gamma 1.0 --lam 0.95
   --temperature 1.0 --top-p 1.0
+  --bf16 --recompute-granularity full
 )
 
 # example_flags EXAMPLE WORLD_SIZE: set FLAGS to the example's pretrain_rlhf.py flags on WORLD_SIZE ranks
