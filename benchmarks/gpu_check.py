@@ -45,8 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SMOLLM2_SHAPE = dict(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9, num_kv_heads=3,
                      vocab_size=49152, max_seq_len=2048, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
