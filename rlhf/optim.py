@@ -10,6 +10,8 @@ A :class:`ModelOptimizer` per trained model on this rank owns three megatron pie
   group (``finalize_model_grads``: an all-reduce, or a reduce-scatter with the
   distributed optimizer).
 * The optimizer: torch AdamW (or plain SGD) inside megatron's ``FP32Optimizer``
+  (fp32 models), ``Float16OptimizerWithFloat16Params`` (bf16/fp16 models,
+  ``PrecisionConfig``: fp32 main copies of the weights, a loss scaler for fp16)
   or, with ``use_distributed_optimizer``, its ``DistributedOptimizer`` (each DP
   rank updates 1/dp of the flat parameter buffer, then all-gathers it), wrapped
   in ``ChainedOptimizer``. The gradient norm is over the whole model: summed over
@@ -135,7 +137,7 @@ class StateSlice:
 class ModelOptimizer:
     """megatron DDP + optimizer + LR scheduler of one model's stage on this rank.
 
-    ``module``: the fp32 stage (``build_model``) to run forward and backward on;
+    ``module``: the stage (``build_model``, in ``precision``'s dtype) to run forward and backward on;
     ``groups``: its task's ``TaskGroups``. Construction and every method except
     :meth:`zero_grad` are collective over the task's groups (DP, and TP/PP for
     the gradient norm). Gradients accumulate over micro-batches between steps.
