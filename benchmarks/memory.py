@@ -11,7 +11,8 @@ each rank's total; docs/planner.md, "Memory: predicted against measured", has a 
 
     python benchmarks/memory.py [--iterations 1] [--smollm2]
 
-``--smollm2`` adds SmolLM2-135M's shape (random weights) on one rank. The last line is the summary,
+``--smollm2`` adds SmolLM2-135M's shape (random weights) on 1, 2 and 4 ranks; ``--bf16`` runs every
+case in bf16; ``--no-tiny`` leaves the tiny default's cases out. The last line is the summary,
 e.g. ``memory: predicted / measured total per rank 0.99-1.01 over 4 placements``.
 """
 from __future__ import annotations
@@ -29,17 +30,27 @@ SMALL_BATCH = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--pp
                "--micro-batch-size", "2", "--reward-fn", "rlhf.data.synthetic:gold_reward"]
 
 
-def cases(smollm2: bool) -> list:
-    """(name, world size, flags) of the placements compared."""
-    out = [("tiny, built-in 4-rank plan", 4, []),
-           ("tiny, 2 ranks data parallel", 2, []),
-           ("tiny, 1 rank, full recompute", 1, ["--recompute-granularity", "full"])]
+SMOLLM2_4_RANKS = ["--actor-train", "tp=1,pp=2,dp=2", "--actor-gen", "tp=1,dp=4", "--critic-inf", "tp=1,dp=4"]
+"""The built-in 4-rank plan with tp 1 wherever it has 2: SmolLM2's 9 heads admit no tp=2."""
+
+
+def cases(tiny: bool, smollm2: bool, precision: list) -> list:
+    """(name, world size, flags) of the placements compared, each run with the ``precision`` flags."""
+    out = []
+    if tiny:
+        out += [("tiny, built-in 4-rank plan", 4, []),
+                ("tiny, 2 ranks data parallel", 2, []),
+                ("tiny, 1 rank, full recompute", 1, ["--recompute-granularity", "full"])]
     if smollm2:
         shape = Path(tempfile.mkdtemp(prefix="memory_bench_")) / "smollm2.json"
         shape.write_text(json.dumps(SMOLLM2_SHAPE))
-        out.append(("SmolLM2-135M shape, 1 rank", 1, ["--actor-model", str(shape), "--critic-model", str(shape),
-                                                      *SMALL_BATCH]))
-    return out
+        models = ["--actor-model", str(shape), "--critic-model", str(shape), *SMALL_BATCH]
+        out += [("SmolLM2-135M shape, 1 rank", 1, models),
+                ("SmolLM2-135M shape, 2 ranks data parallel", 2, models),
+                ("SmolLM2-135M shape, 4 ranks (actor PP2xDP2, critic PP2xDP2 reversed)", 4,
+                 [*models, *SMOLLM2_4_RANKS])]
+    return [(f"{name}{', ' + ' '.join(precision) if precision else ''}", world, [*flags, *precision])
+            for name, world, flags in out]
 
 
 # -- on every rank -------------------------------------------------------------------
@@ -84,9 +95,13 @@ def compare(name: str, world: int, flags: list, iterations: int) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=1)
-    parser.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M's shape on one rank")
+    parser.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M's shape on 1, 2 and 4 ranks")
+    parser.add_argument("--no-tiny", dest="tiny", action="store_false", help="leave out the tiny default's cases")
+    parser.add_argument("--bf16", action="store_true", help="run every case with --bf16 (docs/precision.md)")
     args = parser.parse_args(argv)
-    ratios = [compare(name, world, flags, args.iterations) for name, world, flags in cases(args.smollm2)]
+    precision = ["--bf16"] if args.bf16 else []
+    ratios = [compare(name, world, flags, args.iterations)
+              for name, world, flags in cases(args.tiny, args.smollm2, precision)]
     print(f"memory: predicted / measured total per rank {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} "
           "placements")
 
