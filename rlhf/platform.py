@@ -70,6 +70,17 @@ def device_name() -> str:
     return torch.cuda.get_device_name(device()) if has_accelerator() else "cpu"
 
 
+def slow_half_precision(dtype: torch.dtype) -> bool:
+    """True where bf16 or fp16 products run far slower than fp32's: a CPU without the matrix instructions
+    oneDNN uses for them (AVX-512 BF16/FP16, AMX). On an AVX2-only host bf16 matmuls ran at 0.3-10 GFLOP/s
+    against fp32's 45-63 (docs/real_model.md)."""
+    if has_accelerator() or dtype == torch.float32:
+        return False
+    supported = torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16 else \
+        torch.ops.mkldnn._is_mkldnn_fp16_supported
+    return not supported()
+
+
 def backend() -> str:
     """Collective backend: NCCL on GPUs, gloo on CPU."""
     return "nccl" if has_accelerator() else "gloo"

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from rlhf import platform
 from rlhf.cli import UsageError
 from rlhf.ppo.arguments import parse_args
 from rlhf.testing.distributed import launch
@@ -90,6 +92,8 @@ def test_tiny_default_learns_in_bf16(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
+    # the start-up warning where bf16 products are slow (this AVX2-only CI host: yes)
+    assert ("warning: --bf16 on this CPU" in out.stdout) == platform.slow_half_precision(torch.bfloat16)
     gold = [json.loads(line)["gold_reward_mean"] for line in metrics.read_text().splitlines()]
     first, last = gold[:10], gold[-10:]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731

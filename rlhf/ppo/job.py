@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from rlhf import platform
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
 from rlhf.config import ConfigError, LoggingConfig, RunConfig
 from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
@@ -55,6 +56,10 @@ def build_trainer(config: JobConfig, placement) -> Trainer:
             weights["reward"] = trained_reward_weights(config, dataset, tokenizer, placement)
     if dist.get_rank() == 0:
         print(describe_rewards(config), flush=True)
+        if platform.slow_half_precision(config.precision.dtype):
+            print(f"warning: --{config.precision.name} on this CPU, which lacks {config.precision.name} matrix "
+                  "instructions: its products run 5-170x slower than fp32's (docs/real_model.md); drop the flag "
+                  "for CPU runs", flush=True)
     return Trainer(config, placement, prompts, tokenizer, initial_weights=weights, reward_fn=reward_fn)
 
 
