@@ -18,7 +18,8 @@
 3. Decoding SmolLM2 in bf16: our engine against transformers' ``generate`` (one
    left-padded batch), greedy, the same chat prompts; tokens/s of each and how
    many completions are equal; each unequal one must part from transformers'
-   at a near-tie (its top-2 logits within one bf16 step, tests/test_smollm2.py).
+   at a near-tie (its top-2 logits within one bf16 step, tests/test_smollm2.py;
+   the logits from one more, untimed generate call).
 4. The 1.1B job's allocator peak against the planner's predicted bytes for the
    rank (rlhf/planner: bf16 weights, 18 bytes per trained parameter, the
    activations of the micro-batches in flight).
@@ -44,10 +45,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from memory import SMOLLM2_SHAPE  # benchmarks/memory.py: SmolLM2-135M's config in ModelConfig fields
+
 ROOT = Path(__file__).resolve().parents[1]
 
-SMOLLM2_SHAPE = dict(num_layers=30, hidden_size=576, ffn_hidden_size=1536, num_attention_heads=9, num_kv_heads=3,
-                     vocab_size=49152, max_seq_len=2048, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
 LLAMA_1B_SHAPE = dict(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32, num_kv_heads=4,
                       vocab_size=32000, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5)
 TINY_SHAPE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,
@@ -96,31 +97,22 @@ def gpu_tests() -> str:
 # ---- model directories ------------------------------------------------------------
 
 
-def hf_llama_config(shape: dict):
-    """transformers' LlamaConfig of our ModelConfig fields ``shape`` (one label: a reward model's score)."""
-    from transformers import LlamaConfig
-
-    from rlhf.models.config import ModelConfig
-
-    c = ModelConfig(**shape)
-    return LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size,
-                       num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
-                       num_key_value_heads=c.num_kv_heads, max_position_embeddings=c.max_seq_len,
-                       rope_theta=c.rope_theta, rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
-                       num_labels=1, pad_token_id=0)
-
-
 def random_hf_dir(shape: dict, cls_name: str, out: Path) -> str:
-    """A random-weight HF ``cls_name`` (LlamaForCausalLM or LlamaForSequenceClassification) of ``shape``,
-    drawn on the compute device in bf16 and saved to ``out``."""
+    """A random-weight HF ``cls_name`` (LlamaForCausalLM or LlamaForSequenceClassification) of our
+    ModelConfig fields ``shape`` (its config.json as our HF export writes it), drawn on the compute device in
+    bf16 and saved to ``out``."""
     import torch
     import transformers
 
     from rlhf import platform
+    from rlhf.checkpoint.hf import hf_config_dict
+    from rlhf.models.config import ModelConfig
 
     if not (out / "config.json").is_file():
+        kind = "sequence_classification" if cls_name.endswith("SequenceClassification") else "causal_lm"
+        config = transformers.LlamaConfig(**hf_config_dict(ModelConfig(**shape), kind, "llama"), pad_token_id=0)
         with torch.device(platform.device()):
-            model = getattr(transformers, cls_name)(hf_llama_config(shape)).to(torch.bfloat16)
+            model = getattr(transformers, cls_name)(config).to(torch.bfloat16)
         model.save_pretrained(out)
         del model
     return str(out)
@@ -152,7 +144,8 @@ def ppo_job(name: str, actor: str, reward_dir: str, sizes: Sizes, work: Path) ->
     flags = ["--bf16", "--actor-model", actor, "--critic-model", actor, "--reward-model", reward_dir,
              "--iterations", str(sizes.iterations), "--rollout-batch-size", str(sizes.prompts),
              "--n-samples-per-prompt", str(sizes.samples), "--ppo-mini-batch-size", str(sizes.prompts * sizes.samples),
-             "--ppo-epochs", "1", "--micro-batch-size", str(sizes.micro_batch), "--max-response-len", str(sizes.response_len),
+             "--ppo-epochs", "1", "--micro-batch-size", str(sizes.micro_batch),
+             "--max-response-len", str(sizes.response_len),
              "--metrics-file", str(metrics), "--no-progress", "--log-samples", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(ROOT / "pretrain_rlhf.py"), *flags]
@@ -217,7 +210,7 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from real_model_generate import engine_generate, timed
+    from real_model_generate import engine_generate, hf_batched, timed
     from rlhf import platform
     from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.engine import Engine, EngineConfig
@@ -225,7 +218,7 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(platform.device()).eval()
     loaded = load_unsharded_lm(path, dtype=torch.bfloat16)
     engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=2048))
-    runs = {"hf": lambda: hf_greedy_with_gaps(hf, prompts, new_tokens, eos),
+    runs = {"hf": lambda: hf_batched(hf, prompts, new_tokens, eos),
             "engine": lambda: engine_generate(engine, prompts, new_tokens, eos)}
     best, out = {}, {}
     with torch.no_grad():
@@ -233,7 +226,8 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
             for name, fn in runs.items():
                 out[name], seconds = timed(lambda: _synchronized(fn))
                 best[name] = min(best.get(name, float("inf")), seconds)
-    (hf_tokens, gaps), ours = out["hf"], out["engine"]
+        gaps = top2_gaps(hf, prompts, new_tokens, eos)
+    hf_tokens, ours = out["hf"], out["engine"]
     partings = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, hf_tokens)]
     unequal = [(i, j) for i, j in enumerate(partings) if j is not None or len(ours[i]) != len(hf_tokens[i])]
     near_ties = sum(j is not None and gaps[i][j] <= NEAR_TIE for i, j in unequal)
@@ -254,21 +248,15 @@ def _synchronized(fn):
     return out
 
 
-def hf_greedy_with_gaps(model, prompts: list[list[int]], new: int, eos: int) -> tuple[list, list]:
-    """transformers' greedy tokens of all prompts in one left-padded batch (cut after the EOS) and each
-    step's top-2 logit gap."""
+def top2_gaps(model, prompts: list[list[int]], new: int, eos: int) -> list[list[float]]:
+    """Each prompt's top-1 / top-2 logit gap at every step of transformers' greedy batch (untimed)."""
     import torch
 
-    width = max(map(len, prompts))
-    dev = next(model.parameters()).device
-    x = torch.tensor([[eos] * (width - len(p)) + p for p in prompts], device=dev)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
-    out = model.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos,
-                         pad_token_id=eos, output_scores=True, return_dict_in_generate=True)
+    from real_model_generate import hf_batched
+
+    _, out = hf_batched(model, prompts, new, eos, output_scores=True, return_dict_in_generate=True)
     top2 = torch.stack(out.scores, dim=1).float().topk(2).values  # [B, steps, 2]
-    gaps = (top2[..., 0] - top2[..., 1]).tolist()
-    rows = out.sequences[:, width:].tolist()
-    return [row[:row.index(eos) + 1] if eos in row else row for row in rows], gaps
+    return (top2[..., 0] - top2[..., 1]).tolist()
 
 
 # ---- the check --------------------------------------------------------------------

@@ -58,14 +58,19 @@ def hf_one_at_a_time(model, prompts: list[list[int]], new: int, eos: int) -> lis
     return out
 
 
-def hf_batched(model, prompts: list[list[int]], new: int, eos: int) -> list[list[int]]:
-    """transformers' greedy tokens, all prompts in one left-padded generate call (cut after the EOS)."""
+def hf_batched(model, prompts: list[list[int]], new: int, eos: int, **generate):
+    """transformers' greedy tokens, all prompts in one left-padded generate call on the model's device (cut
+    after the EOS); with ``generate`` options (``output_scores=True, return_dict_in_generate=True``) the
+    tokens and generate's whole output."""
     width = max(map(len, prompts))
-    x = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    gen = model.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos,
-                         pad_token_id=eos)[:, width:].tolist()
-    return [row[:row.index(eos) + 1] if eos in row else row for row in gen]
+    dev = next(model.parameters()).device
+    x = torch.tensor([[eos] * (width - len(p)) + p for p in prompts], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
+    out = model.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=new, eos_token_id=eos,
+                         pad_token_id=eos, **generate)
+    rows = (out.sequences if generate else out)[:, width:].tolist()
+    tokens = [row[:row.index(eos) + 1] if eos in row else row for row in rows]
+    return (tokens, out) if generate else tokens
 
 
 def engine_generate(engine, prompts: list[list[int]], new: int, eos: int) -> list[list[int]]:

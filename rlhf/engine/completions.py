@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 from rlhf.checkpoint.hf import HFConversionError
 from rlhf.checkpoint.loading import load_unsharded_lm
-from rlhf.models.precision import DTYPES
 from rlhf.checkpoint.megatron import MegatronCheckpointError
 from rlhf.checkpoint.sources import ModelSourceError
 from rlhf.checkpoint.storage import CheckpointError
@@ -25,6 +24,7 @@ from rlhf.data import PromptDataError, TokenizerError, build_tokenizer, encode_p
 from rlhf.engine.engine import Engine
 from rlhf.engine.sampler import mixed_seed
 from rlhf.engine.types import EngineConfig, EngineConfigError, NeverFitsError, Request, SamplingParams
+from rlhf.models.precision import DTYPES
 
 FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
          "top_p": "--top-p", "num_blocks": "--kv-blocks"}

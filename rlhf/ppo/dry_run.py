@@ -19,7 +19,9 @@ metrics, docs/training.md), at the job's precision (:func:`job_precision`).
 
 from __future__ import annotations
 
-from rlhf.planner.cost import FP32, MEMORY_PARTS, Precision, Workload, task_memory
+from dataclasses import replace
+
+from rlhf.planner.cost import BF16, FP32, MEMORY_PARTS, Precision, Workload, task_memory
 from rlhf.planner.plan import Plan, memory_parts_per_rank
 from rlhf.planner.shapes import BYTES, kv_bytes_per_token, parameter_count, stage_parameters
 from rlhf.ppo import layout
@@ -88,7 +90,7 @@ def job_precision(config: JobConfig) -> Precision:
     p = config.precision
     if p.name == "fp32":
         return FP32
-    return Precision(p.name, weight=2, grad=4 if p.grads_in_fp32 else 2, main=4, optimizer=8)
+    return replace(BF16, name=p.name, grad=BF16.grad if p.grads_in_fp32 else BF16.weight)
 
 
 def workload(config: JobConfig) -> Workload:
