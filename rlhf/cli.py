@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -48,6 +49,19 @@ def is_first_rank() -> bool:
     return rank == "0"
 
 
+FIRST_RANK_GRACE_S = 10.0
+"""How long another rank waits before it exits with a usage error: a launcher (torchrun,
+mpiexec) stops every worker once one fails, so a rank that fails first would have the
+first rank killed before it prints the message. The first rank exits first; the
+launcher then stops the waiting ranks at once."""
+
+
+def wait_for_first_rank_report() -> None:
+    """On ranks other than 0, wait (bounded) before exiting on bad input (FIRST_RANK_GRACE_S)."""
+    if not is_first_rank():
+        time.sleep(FIRST_RANK_GRACE_S)
+
+
 def report(program: str, error: Exception) -> int:
     """Print ``<program>: <error>`` to stderr on the first rank; the exit status of bad input."""
     if is_first_rank():
@@ -57,12 +71,18 @@ def report(program: str, error: Exception) -> int:
 
 @contextlib.contextmanager
 def quiet_unless_first_rank():
-    """Silence stdout and stderr on ranks other than 0 (argparse's own errors and --help print there)."""
+    """Silence stdout and stderr on ranks other than 0 (argparse's own errors and --help print there);
+    an argparse error there waits for the first rank's message (wait_for_first_rank_report)."""
     if is_first_rank():
         yield
         return
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    except SystemExit as exc:
+        if exc.code:
+            wait_for_first_rank_report()
+        raise
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -140,7 +160,9 @@ def run_program(program: str, parse, run, argv=None) -> int:
         with quiet_unless_first_rank():
             config = parse(argv)
     except UsageError as exc:
-        return report(program, exc)
+        status = report(program, exc)
+        wait_for_first_rank_report()  # no process group yet to wait on
+        return status
     if config is None:
         return 0
     import torch.distributed as dist

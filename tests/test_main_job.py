@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,23 @@ def test_flag_errors_print_once_with_status_2():
     out = _torchrun("--iterations", "x", nproc=2)
     assert out.stderr.count("error: argument --iterations: invalid int value: 'x'") == 1
     assert 'pretrain_rlhf.py", line' not in out.stderr  # no traceback through our code (torchrun prints its own)
+
+
+@pytest.mark.parametrize("flags", [("--iterations", "x"), ("--iterations", "0")])
+def test_other_ranks_outwait_the_first_ranks_flag_error(flags):
+    """A launcher stops every worker once one fails: a rank other than 0 that refused the flags
+    first would have rank 0 killed before it printed why, so the others exit later than rank 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RANK="1")
+    started = time.monotonic()
+    other = subprocess.Popen([sys.executable, str(ROOT / "pretrain_rlhf.py"), *flags], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.run([sys.executable, str(ROOT / "pretrain_rlhf.py"), *flags], cwd=ROOT,
+                           env=dict(env, RANK="0"), capture_output=True, text=True, timeout=120)
+    assert first.returncode == 2 and "--iterations" in first.stderr
+    time.sleep(max(0.0, started + 6.0 - time.monotonic()))  # a refusal alone takes ~2 s
+    try:
+        assert other.poll() is None  # still waiting once rank 0 has printed and exited
+    finally:
+        other.kill()
+        _, err = other.communicate()
+    assert err == ""  # and it prints nothing itself

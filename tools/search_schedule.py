@@ -23,7 +23,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlhf.cli import HelpFormatter, UsageError, quiet_unless_first_rank, report
+from rlhf.cli import HelpFormatter, UsageError, quiet_unless_first_rank, report, wait_for_first_rank_report
 from rlhf.schedule import search
 from rlhf.schedule.anneal import AnnealConfig
 from rlhf.schedule.cost_model import CostConfig
@@ -85,7 +85,9 @@ def main(argv=None) -> int:
             args = parse_args(argv)
         pb, cap = check_inputs(args)
     except UsageError as err:
-        return report(PROGRAM, err)
+        status = report(PROGRAM, err)
+        wait_for_first_rank_report()
+        return status
     cfg = search.SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget, seed=args.seed,
                               mem_cap=cap, makespan_slack=args.makespan_slack,
                               anneal=AnnealConfig(t0_scale=args.t0_scale))
