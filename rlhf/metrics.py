@@ -135,11 +135,15 @@ class StageTimer:
         shift = other.origin - self.timeline.origin
         self.timeline.events.extend(Event(e.label, e.kind, e.start + shift, e.end + shift) for e in other.events)
 
+    def elapsed(self) -> float:
+        """Seconds since :meth:`start_iteration`."""
+        return self.clock() - self._start
+
     def metrics(self) -> dict[str, float]:
         """``{"time_<stage>_s": seconds}`` for each stage run, and ``time_iteration_s``:
         seconds since :meth:`start_iteration`."""
         out = {f"time_{name}_s": s for name, s in self.seconds.items()}
-        out["time_iteration_s"] = self.clock() - self._start
+        out["time_iteration_s"] = self.elapsed()
         return out
 
 

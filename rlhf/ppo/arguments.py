@@ -119,6 +119,11 @@ SECTIONS = {
         ("critic_warmup", int, "iterations that train the critic alone before the actor starts"),
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
                                      "engine's (also reports mismatch_kl: the engine vs the trainer)"),
+        ("max_staleness", int, "asynchronous RL: actor_gen, placed on ranks of its own, generates the next K "
+                               "iterations' batches while the other ranks train, so a batch is trained at most "
+                               "K policy versions after the weights that generated it; the old log-probs are "
+                               "recomputed (decoupled PPO's proximal policy; --tis-cap weights proximal over "
+                               "behaviour); 0: synchronous (docs/async.md)"),
     ]),
     "logging": (_LOGGING_CONFIG, _LOGGING_TITLE, [*_LOGGING_FIELDS, (
         "log_samples", int, "print one decoded prompt and response with its reward every this many iterations "

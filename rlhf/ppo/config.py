@@ -99,6 +99,13 @@ class PPOConfig:
     overlong penalty (``overlong_penalty`` "LEN,COEF"), truncated importance
     sampling of the rollout policy (``tis_cap``, ``tis_mode``), and
     ``critic_warmup`` iterations that update the critic alone.
+
+    ``max_staleness`` K > 0 makes the iteration asynchronous (rlhf/ppo/asynchronous.py,
+    docs/async.md): actor_gen, on ranks of its own, generates the batches of the next K
+    iterations while the others train, so a batch is trained at most K policy versions after
+    the weights that generated it; the old log-probs are then always recomputed (the proximal
+    policy of decoupled PPO, ``recomputes_logprobs``) and ``tis_cap`` weights each token by
+    proximal over behaviour (the engine's) probability.
     """
 
     rollout_batch_size: int = 16
@@ -137,6 +144,7 @@ class PPOConfig:
     tis_mode: str = "token"
     critic_warmup: int = 0
     recompute_logprobs: bool = False
+    max_staleness: int = 0
 
     def __post_init__(self):
         check_field_types("ppo", self)
@@ -183,11 +191,14 @@ class PPOConfig:
             check_range("ppo", "dual_clip", self.dual_clip, 1.0 + 1e-9, float("inf"), "> 1, or None to disable")
         check_range("ppo", "entropy_coef", self.entropy_coef, 0.0, float("inf"), ">= 0 (0: off)")
         check_range("ppo", "critic_warmup", self.critic_warmup, 0, float("inf"), ">= 0 iterations")
+        check_range("ppo", "max_staleness", self.max_staleness, 0, float("inf"),
+                    ">= 0 policy versions (0: synchronous)")
         if self.tis_cap is not None:
             check_range("ppo", "tis_cap", self.tis_cap, 1.0, float("inf"), ">= 1 (the importance weights' cap)")
-            if not self.recompute_logprobs:
+            if not self.recomputes_logprobs:
                 raise ConfigError("tis_cap corrects the engine's rollout log-probs against the trainer's, which only "
-                                  "--recompute-logprobs computes; turn it on or drop the cap", "ppo.tis_cap")
+                                  "--recompute-logprobs (or --max-staleness > 0) computes; turn it on or drop the "
+                                  "cap", "ppo.tis_cap")
         if self.overlong_penalty is not None:
             self.overlong_punishment  # noqa: B018 -- parses "LEN,COEF" (ConfigError naming the field)
         if self.kl_in_loss and self.kl_estimator_name == "k1":
@@ -200,6 +211,11 @@ class PPOConfig:
         if self.critic_warmup and not self.uses_critic:
             raise ConfigError(f"critic_warmup trains the critic alone first, but {self.advantage_estimator!r} has no "
                               "critic; drop it or pick gae", "ppo.critic_warmup")
+
+    @property
+    def recomputes_logprobs(self) -> bool:
+        """Whether actor_train recomputes the old log-probs: asked for, or asynchronous (``max_staleness``)."""
+        return self.recompute_logprobs or self.max_staleness > 0
 
     @property
     def kl_in_loss(self) -> bool:
@@ -485,6 +501,10 @@ class JobConfig:
                               f"{self.generation.max_response_len}; give a buffer within it", "ppo.overlong_penalty")
         used = [m for m in MODELS if any(TASK_MODEL[t] == m for t in self.needed_tasks())]  # the models built
         self.models.check_reads_actor_ids([m for m in ("reference", "critic", "reward") if m in used])
+        if self.ppo.max_staleness and self.fusion.inter_stage_fusion:
+            raise ConfigError("inter-stage fusion lends generation's ranks to inference once the long tail "
+                              "migrates, but with max_staleness > 0 generation has ranks of its own and never "
+                              "waits for inference; drop one of the two", "ppo.max_staleness")
         total = self.generation.max_prompt_len + self.generation.max_response_len
         for model in used:
             context = self.models[model].max_seq_len

@@ -71,10 +71,25 @@ def check_placement(config: JobConfig, placement: Placement) -> None:
                               "whole micro-batches)", "ppo.ppo_mini_batch_size")
     if config.fusion.intra_stage_fusion:
         fused_schedule(config, placement)
+    if ppo.max_staleness:
+        check_generation_apart(placement, ppo.max_staleness)
     if config.fusion.inter_stage_fusion and placement["actor_gen"].strategy.dp < 2:
         raise ConfigError(f"inter-stage fusion migrates samples between generation instances, but actor_gen "
                           f"has dp {placement['actor_gen'].strategy.dp}; place actor_gen with dp >= 2",
                           "fusion.inter_stage_fusion")
+
+
+def check_generation_apart(placement: Placement, max_staleness: int) -> None:
+    """Asynchronous iterations generate while the other tasks train: actor_gen's ranks must hold no
+    other task (ConfigError naming ppo.max_staleness and the first task that shares one)."""
+    generation = set(placement["actor_gen"].ranks)
+    for task, mesh in placement.meshes.items():
+        shared = sorted(generation & set(mesh.ranks)) if task != "actor_gen" else []
+        if shared:
+            raise ConfigError(f"max_staleness {max_staleness} generates while the other tasks train, so actor_gen "
+                              f"needs ranks of its own, but {task} shares rank(s) {shared} with it; place "
+                              "actor_gen apart (e.g. --actor-gen ranks=0-1 and every other task on ranks 2-3)",
+                              "ppo.max_staleness")
 
 
 def padded_vocab_size(config: JobConfig, model: str, placement: Placement) -> int:

@@ -92,16 +92,17 @@ def checked_scores(fn: RewardFn, prompts: list, responses: list) -> list[float]:
     return [float(score) for score in scores]
 
 
-def function_scores(fn: RewardFn, batch: Batch) -> torch.Tensor:
-    """[N] float32 scores of ``fn`` on the batch, the same on every rank (collective: rank 0 calls it
-    and broadcasts the scores or the ConfigError's message, which every rank then raises)."""
-    box = [None]
-    if dist.get_rank() == 0:
+def function_scores(fn: RewardFn, batch: Batch, group=None) -> torch.Tensor:
+    """[N] float32 scores of ``fn`` on the batch, the same on every rank of ``group`` (default: all;
+    collective: its first rank calls it and broadcasts the scores or the ConfigError's message, which
+    every rank then raises)."""
+    box, first = [None], dist.get_global_rank(group, 0) if group is not None else 0
+    if dist.get_rank() == first:
         try:
             box = [checked_scores(fn, *prompts_and_responses(batch))]
         except ConfigError as exc:
             box = [str(exc)]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=first, group=group)
     if isinstance(box[0], str):
         raise ConfigError(box[0], "reward.reward_fn")
     return torch.tensor(box[0], dtype=torch.float32, device=batch.tokens.device)

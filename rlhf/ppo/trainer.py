@@ -39,6 +39,7 @@ from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_sta
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed
 from rlhf.fusion.inter_stage import FusionOutcome, InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
+from rlhf.fusion.runtime import FusedGeneration
 from rlhf.memory import StageMemory
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
@@ -50,6 +51,7 @@ from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import load_full_weights, reshard
 from rlhf.pipeline.inference import InferenceRunner
 from rlhf.ppo import layout
+from rlhf.ppo.asynchronous import GenerationAhead, learner_group
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.reward_fn import RewardFn, function_scores
 from rlhf.ppo.update import PPOUpdate
@@ -96,13 +98,15 @@ class Trainer:
             raise ValueError("a run without a reward model needs a reward_fn: its scores are the reward")
         self.reward_fn = reward_fn
         self.groups = build_task_groups(placement)
+        self.learners = learner_group(placement) if config.ppo.max_staleness else None
         self.tasks = list(config.needed_tasks())
         self.models = {t: self._build(t) for t in self.tasks if self.groups[t] is not None}
         initial_weights = initial_weights or {}
         self._load_initial(initial_weights)
         self.optimizers = self._build_optimizers()
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
-        self.ppo_update = PPOUpdate(config, placement, self.groups, self.models, self.optimizers, self.timer)
+        self.ppo_update = PPOUpdate(config, placement, self.groups, self.models, self.optimizers, self.timer,
+                                    group=self.learners)
         engine_config = self._engine_config()
         self.engine = (Engine(self.models["actor_gen"], self.groups["actor_gen"], config.models.actor, engine_config)
                        if "actor_gen" in self.models else None)
@@ -119,6 +123,7 @@ class Trainer:
                                   optimizers=self.optimizers)
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
                                          config.generation.logprob_temperature)
+        self.ahead = GenerationAhead(self) if config.ppo.max_staleness else None
 
     # ---- the iteration ---------------------------------------------------------------
 
@@ -139,7 +144,9 @@ class Trainer:
                     self.save(ckpt.save)
 
     def step(self) -> IterationResult:
-        """One PPO iteration on the next prompts."""
+        """One PPO iteration on the next prompts (asynchronous with ``ppo.max_staleness``: GenerationAhead)."""
+        if self.ahead is not None:
+            return self.ahead.step()
         self.timer.start_iteration(self.iteration + 1)
         platform.reset_peak_memory()
         prompts = next(self.prompts)
@@ -150,11 +157,14 @@ class Trainer:
         return self.learn(rollout.batch, rollout.fusion)
 
     def learn(self, batch: Batch, fusion: Optional[FusionOutcome] = None) -> IterationResult:
-        """Everything after generation: inference (with what ``fusion``'s freed ranks inferred already),
-        advantages, PPO epochs, critic reshard.
+        """Everything after generation: :meth:`update_from`, then :meth:`finish_iteration`."""
+        batch, local = self.update_from(batch, fusion)
+        return self.finish_iteration(batch, local, fusion)
 
-        Returns the final batch and the iteration's metrics, reduced over all ranks (collective).
-        """
+    def update_from(self, batch: Batch, fusion: Optional[FusionOutcome] = None) -> tuple[Batch, dict]:
+        """Inference (with what ``fusion``'s freed ranks inferred already), advantages, PPO epochs, critic
+        reshard: the batch with every field, and this rank's metrics. Collective over the ranks that run
+        these tasks (all, or an asynchronous run's learners)."""
         batch = batch.to(platform.device())  # per-token tensors live where the models compute
         with self.timer.stage("inference"):
             batch = self.infer(batch, fusion)
@@ -167,6 +177,12 @@ class Trainer:
         with self.timer.stage("reshard"):
             self._reshard("critic_train", "critic_inf")
             self.memory.note("reshard")
+        return batch, local
+
+    def finish_iteration(self, batch: Batch, local: dict, fusion: Optional[FusionOutcome] = None
+                         ) -> IterationResult:
+        """Count the iteration and reduce its metrics (``local`` and the batch's, timings, memory) over
+        all ranks (collective; ``batch`` complete on every rank)."""
         self.iteration += 1
         local.update(self._batch_metrics(batch))
         local.update(self.timer.metrics())
@@ -193,11 +209,17 @@ class Trainer:
         self.memory.note("reshard")
 
     def generate(self, prompt_batch) -> Rollout:
-        """Samples of ``prompt_batch`` from the actor_gen replicas, as one Batch on every rank.
+        """Samples of ``prompt_batch`` from the actor_gen replicas, as one Batch on every rank
+        (collective): :meth:`generate_here`, then :meth:`collect_rollout`."""
+        mine, fused = self.generate_here(prompt_batch, self.iteration)
+        return self.collect_rollout(prompt_batch, mine, fused)
 
-        Prompt ``i`` goes to replica ``i % dp``; every TP rank of a replica runs
-        the same engine on the same requests, and its TP rank 0 contributes them.
-        With inter-stage fusion the rollout also carries what the freed ranks inferred.
+    def generate_here(self, prompt_batch, iteration: int) -> tuple[list, Optional[FusedGeneration]]:
+        """This rank's part of generating ``prompt_batch`` for (0-based) iteration ``iteration``, whose
+        index seeds the sampling: the samples it contributes, and what inter-stage fusion did here.
+
+        Prompt ``i`` goes to replica ``i % dp``; every TP rank of a replica runs the same engine on the
+        same requests, and its TP rank 0 contributes them. Collective over actor_gen's ranks only.
         """
         if self.memory.generation_released:  # the same on every rank
             raise RuntimeError("actor_gen's weights and KV cache were released after the last generation "
@@ -207,7 +229,7 @@ class Trainer:
         g, mine, fused = self.groups["actor_gen"], [], None
         if g is not None:
             dp = g.mesh.strategy.dp
-            requests = [Request(str(i), tuple(p.token_ids), self._sampling_params(i))
+            requests = [Request(str(i), tuple(p.token_ids), self._sampling_params(i, iteration))
                         for i, p in enumerate(prompt_batch.prompts) if i % dp == g.coord.dp]
             if self.inter_stage is not None:
                 fused = self.inter_stage.generate(self.engine, requests, g)
@@ -217,6 +239,11 @@ class Trainer:
             mine = results if g.tp_rank == 0 else []
         self.memory.note("generation")
         self.memory.release_generation()
+        return mine, fused
+
+    def collect_rollout(self, prompt_batch, mine: list, fused: Optional[FusedGeneration] = None) -> Rollout:
+        """Every rank's generated samples of ``prompt_batch`` as one Batch on every rank (collective);
+        with inter-stage fusion the freed ranks first infer what finished early."""
         ids = {str(i): i for i in range(len(prompt_batch.prompts))}
         fusion = None
         if self.inter_stage is None:
@@ -229,14 +256,14 @@ class Trainer:
         samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
         return Rollout(Batch.from_samples(samples, self.tokenizer.pad_id, ids), fusion)
 
-    def _sampling_params(self, prompt_index: int) -> SamplingParams:
+    def _sampling_params(self, prompt_index: int, iteration: int) -> SamplingParams:
         """Prompt ``prompt_index``'s sampling: the configured one, stopping at the tokenizer's stop ids and
         ``generation.stop_token_ids``, or the declared long-tailed workload (``generation.long_tail_median``:
         a drawn length per sample, EOS ignored). Log-probs are of logits / T, as the update's are. The
         seed is mixed from (run seed, iteration, prompt), so no two requests of a run share one; the
         engine mixes in the sample index."""
         gen, n = self.config.generation, self.config.ppo.n_samples_per_prompt
-        seed = mixed_seed(self.config.run.seed, self.iteration, prompt_index)
+        seed = mixed_seed(self.config.run.seed, iteration, prompt_index)
         common = dict(max_new_tokens=gen.max_response_len, temperature=gen.temperature, top_p=gen.top_p,
                       top_k=gen.top_k, seed=seed, n=n, logprobs_of="tempered")
         if not gen.long_tail_median:
@@ -248,7 +275,8 @@ class Trainer:
     # ---- 2. inference ----------------------------------------------------------------
 
     def infer(self, batch: Batch, fusion: Optional[FusionOutcome] = None) -> Batch:
-        """ref_logprobs, scores, values (with a critic) and recomputed old_logprobs (if asked), on every rank.
+        """ref_logprobs, scores, values (with a critic) and recomputed old_logprobs (if asked), on every rank
+        (of ``learners``: an asynchronous run's ranks besides actor_gen's; all ranks otherwise).
 
         Each task's replicas share the samples ``fusion``'s freed ranks did not infer already; the
         outputs of every rank (those included) are gathered as batches and put back by sample.
@@ -267,15 +295,15 @@ class Trainer:
                         outputs.append(out)
         self.memory.note("inference")
         names = [INFERENCE_FIELDS[task] for task in self._inference_tasks()]
-        batch = batch.with_fields_from(gather_to_all(outputs), names)
+        batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
         if not self.config.has_reward_model:
-            batch = batch.with_fields(scores=function_scores(self.reward_fn, batch))
+            batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners))
         return batch
 
     def _inference_tasks(self) -> list[str]:
         """This run's inference tasks, in order (rlhf.tasks.INFERENCE_FIELDS: what each adds)."""
         return [task for task in INFERENCE_FIELDS if task in self.tasks
-                and (task != "actor_train" or self.config.ppo.recompute_logprobs)]
+                and (task != "actor_train" or self.config.ppo.recomputes_logprobs)]
 
     # ---- 3. advantages ---------------------------------------------------------------
 
@@ -321,9 +349,12 @@ class Trainer:
 
     def save(self, root: str) -> str:
         """Save every model (with optimizer and LR schedule), the KL controller, the data position
-        and each rank's RNG as checkpoint ``iteration`` under ``root`` (collective, atomic)."""
+        and each rank's RNG as checkpoint ``iteration`` under ``root`` (collective, atomic). Batches
+        generated ahead (asynchronous runs) are not saved: the position is that of their prompts, which
+        the resumed run generates again."""
         with self.memory.on_device(*self.memory.offloaders):  # collectives gather the weights where they compute
-            path = save_rlhf_state(root, self.iteration, self._slots(), data_position=self.prompts.state_dict(),
+            position = self.prompts.state_dict() if self.ahead is None else self.ahead.data_position()
+            path = save_rlhf_state(root, self.iteration, self._slots(), data_position=position,
                                    extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD)
         if self.config.checkpoint.save_format == "torch_dist":
             self._export_megatron_actor(root)
@@ -342,6 +373,8 @@ class Trainer:
             state = load_rlhf_state(root, self._slots(), group=dist.group.WORLD)
         self.iteration = state.iteration
         self.prompts.load_state_dict(state.data_position)
+        if self.ahead is not None:
+            self.ahead.forget()
         self.kl.value = torch.tensor(state.extra["kl_coef"])
         self._reshard("critic_train", "critic_inf")
         self.ppo_update.reuse_cached_schedule(root)  # searched by the run that saved
@@ -412,7 +445,7 @@ class Trainer:
                "response_length_mean": lengths.mean(), "response_length_min": lengths.min(),
                "response_length_max": lengths.max(), "truncated_fraction": float(truncated),
                **sample_statistics(batch)}
-        if self.config.ppo.recompute_logprobs:
+        if self.config.ppo.recomputes_logprobs:
             out.update(rollout_mismatch(batch))
         if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
             out.update(samples_count=float(len(batch)), tokens_count=lengths.sum())

@@ -51,9 +51,10 @@ class PPOUpdate:
     """
 
     def __init__(self, config: JobConfig, placement: Placement, groups: dict, models: dict, optimizers: dict,
-                 timer: StageTimer):
+                 timer: StageTimer, group=None):
         self.config, self.placement, self.groups, self.models = config, placement, groups, models
         self.optimizers, self.timer = optimizers, timer
+        self.group = group  # the ranks that run update(): all, or the learners of an asynchronous run
         self.trained = config.trained_tasks()
         self.schedules = {name: serial_schedule(name, placement[task], layout.microbatches(config, placement, task))
                           for name, task in self.trained.items()}
@@ -129,19 +130,21 @@ class PPOUpdate:
                                                  if self.groups[t] is not None})
 
     def _search_fused_schedule(self) -> Schedule:
-        """A fused schedule for the measured stage times, searched on rank 0 and shared (collective)."""
-        costs = self.stage_times.per_stage({m: self.placement[t].strategy.pp for m, t in self.trained.items()})
+        """A fused schedule for the measured stage times, searched on the first rank of ``group`` and shared
+        (collective over it)."""
+        costs = self.stage_times.per_stage({m: self.placement[t].strategy.pp for m, t in self.trained.items()},
+                                           group=self.group)
         problem = layout.fusion_problem(self.config, self.placement, costs)
-        found = [None]
-        if dist.get_rank() == 0:
+        found, first = [None], dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        if dist.get_rank() == first:
             budget = self.config.fusion.search_budget
             found = [schedule_to_dict(search(problem, SearchConfig(budget_s=budget, memory_budget_s=budget / 4,
                                                                    seed=self.config.run.seed)).schedule)]
-        dist.broadcast_object_list(found, src=0)
+        dist.broadcast_object_list(found, src=first, group=self.group)
         schedule = schedule_from_dict(found[0])
         layout.check_fused(self.config, schedule, self.placement)
         root = self.config.checkpoint.save
-        if root is not None and dist.get_rank() == 0:  # a resumed run reuses it (reuse_cached_schedule)
+        if root is not None and dist.get_rank() == first:  # a resumed run reuses it (reuse_cached_schedule)
             os.makedirs(root, exist_ok=True)
             save_schedule(os.path.join(root, FUSED_SCHEDULE_FILE), schedule)
         return schedule
@@ -217,13 +220,13 @@ class ActorLoss(ModelLoss):
         logprobs = response_logprobs(positions, mb, g)
         per_token, stats = policy_loss_per_token(logprobs, mb.old_logprobs, mb.advantages, mask, ppo.clip_eps,
                                                  ppo.clip_eps_high, ppo.dual_clip)
-        record = {"policy_loss": aggregate_loss(per_token.detach(), mask, ppo.loss_agg), "clip_fraction":
-                  stats["clipfrac"], "approx_kl": stats["approx_kl"], "ratio_mean": stats["ratio_mean"],
-                  "ratio_max": stats["ratio_max"]}
-        if ppo.tis_cap is not None:
+        record = {"clip_fraction": stats["clipfrac"], "approx_kl": stats["approx_kl"],
+                  "ratio_mean": stats["ratio_mean"], "ratio_max": stats["ratio_max"]}
+        if ppo.tis_cap is not None:  # the surrogate weighted by proximal / behaviour (decoupled PPO)
             weights, tis = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, mask, ppo.tis_cap, ppo.tis_mode)
             per_token = per_token * weights
             record.update(tis)
+        record["policy_loss"] = aggregate_loss(per_token.detach(), mask, ppo.loss_agg)
         if self.kl_coef:
             kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name)
             per_token = per_token + self.kl_coef * kl

@@ -1,0 +1,82 @@
+"""4-rank scenario for asynchronous iterations (--max-staleness K): actor_gen on ranks 0-1, the rest on 2-3.
+
+Exactly once: an epoch of 12 prompts (6 iterations of 2 prompts x 2 samples) runs straight, and again as
+3 iterations, a save, and a fresh trainer that loads and runs the other 3, for K = 0, 1 and 2; the reward
+function records every prompt it scores on each rank (it scores each trained sample once: on rank 0 when
+synchronous, on the learners' first rank otherwise).
+Off-policy correction: with the policy frozen (learning rate 1e-12) K = 1 runs with and without
+--tis-cap, whose losses must agree; with a learning rate the weights of the corrected run must move off 1.
+"""
+
+from rlhf.config import CheckpointConfig, RunConfig
+from rlhf.data import ByteTokenizer, PromptBatchIterator
+from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
+from rlhf.models import ModelConfig
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups
+from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RewardConfig
+from rlhf.ppo.trainer import Trainer
+from rlhf.testing.models import full_weights
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                    vocab_size=320, max_seq_len=32)  # holds the byte tokenizer's 259 ids
+PLAN = {"actor_gen": {"ranks": [0, 1], "dp": 2},
+        "actor_train": {"ranks": [2, 3], "pp": 2},
+        "critic_train": {"ranks": [2, 3], "pp": 2, "reverse_pp": True},
+        "ref_inf": {"ranks": [2, 3]}, "reward_inf": {"ranks": [2, 3]}, "critic_inf": {"ranks": [2, 3], "tp": 2}}
+PLACEMENT = Placement.from_plan(PLAN, 4)
+WEIGHTS: dict = {}  # the actor's and critic's full weights, drawn once by run()
+PROMPTS, PER_ITERATION = 12, 2
+
+
+class Recorder:
+    """gold_reward that keeps every prompt it scored (as a tuple of ids)."""
+
+    def __init__(self):
+        self.prompts: list = []
+
+    def __call__(self, prompts: list, responses: list) -> list:
+        self.prompts.extend(tuple(p) for p in prompts)
+        return gold_reward(prompts, responses)
+
+
+def dataset():
+    return SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=PROMPTS, seed=3, max_length=8))
+
+
+def trainer(staleness: int, iterations: int, reward_fn, root: str | None = None, **ppo) -> Trainer:
+    """A fresh trainer of 2 prompts x 2 samples per iteration from fixed weights (no reward model: the
+    function's score is the reward)."""
+    options = dict(rollout_batch_size=PER_ITERATION, n_samples_per_prompt=2, ppo_mini_batch_size=4,
+                   micro_batch_size=2, lr=1e-3, max_staleness=staleness)
+    config = JobConfig(models=ModelsConfig(actor=MODEL, critic=MODEL), run=RunConfig(iterations=iterations, seed=7),
+                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
+                       ppo=PPOConfig(**{**options, **ppo}), reward=RewardConfig(reward_fn="test:recorder"),
+                       checkpoint=CheckpointConfig(save=root))
+    prompts = PromptBatchIterator(dataset(), PER_ITERATION, seed=7)
+    return Trainer(config, PLACEMENT, prompts, ByteTokenizer(), initial_weights=WEIGHTS, reward_fn=reward_fn)
+
+
+def run(root: str) -> dict:
+    global WEIGHTS
+    build_task_groups(PLACEMENT)  # the process groups the weights are drawn with
+    WEIGHTS = {"actor": full_weights("lm", MODEL, 21), "critic": full_weights("value", MODEL, 22)}
+    out = {"dataset": [tuple(p.token_ids) for p in dataset()]}
+    for k in (0, 1, 2):
+        straight = Recorder()
+        metrics = []
+        t = trainer(k, PROMPTS // PER_ITERATION, straight)
+        while t.iteration < t.config.run.iterations:
+            metrics.append(t.step().metrics)
+        resumed = Recorder()
+        first = trainer(k, PROMPTS // PER_ITERATION // 2, resumed, root=f"{root}/k{k}")
+        first.train()
+        second = trainer(k, PROMPTS // PER_ITERATION, resumed)
+        second.load(f"{root}/k{k}")
+        second.train()
+        out[k] = {"straight": straight.prompts, "resumed": resumed.prompts, "metrics": metrics}
+    for name, options in (("frozen", dict(lr=1e-12)), ("frozen_corrected", dict(lr=1e-12, tis_cap=2.0)),
+                          ("corrected", dict(tis_cap=2.0))):
+        t = trainer(1, 3, Recorder(), **options)
+        out[name] = [t.step().metrics for _ in range(3)]
+    return out

@@ -1,0 +1,108 @@
+"""Asynchronous iterations (--max-staleness K, docs/async.md): every prompt trained once, the staleness bound,
+the off-policy correction, and the tiny default learning with K = 1 and 2 as a user runs it.
+
+See tests/scenario_async.py for the 4-rank trainer scenario.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import UsageError
+from rlhf.ppo.arguments import parse_args
+from rlhf.testing.distributed import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+APART = ["--actor-gen", "tp=1,dp=2,ranks=0-1", "--actor-train", "tp=1,pp=2,ranks=2-3",
+         "--critic-train", "dp=1,pp=2,ranks=2-3,reverse_pp", "--ref-inf", "ranks=2-3", "--reward-inf", "ranks=2-3",
+         "--critic-inf", "tp=1,ranks=2-3"]
+"""The tiny default's tasks with generation on ranks 0-1 and everything else on 2-3."""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    ranks = launch(4, "scenario_async:run", timeout_s=600, root=str(tmp_path_factory.mktemp("ckpt")))
+    out = dict(ranks[0])
+    for k in (0, 1, 2):  # the prompts the reward function scored on any rank
+        out[k] = {**ranks[0][k], **{run: sum((r[k][run] for r in ranks), []) for run in ("straight", "resumed")}}
+    return out
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("run", ["straight", "resumed"])
+def test_every_prompt_of_the_epoch_is_trained_once(results, k, run):
+    """The recording reward function scored each prompt of the epoch exactly n = 2 times (its two samples),
+    with or without a save and load in the middle while batches were generated ahead."""
+    expected = Counter({p: 2 * c for p, c in Counter(results["dataset"]).items()})
+    assert Counter(results[k][run]) == expected
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_staleness_stays_within_the_bound(results, k):
+    """The batch of (0-based) iteration i is min(i, K) policy versions stale: the first K were generated
+    before training started, by the initial weights; every later one K versions before its update."""
+    staleness = [m.get("staleness_max", 0.0) for m in results[k]["metrics"]]
+    assert staleness == [float(min(i, k)) for i in range(len(staleness))]
+
+
+def test_a_frozen_policy_makes_the_correction_neutral(results):
+    """At learning rate 1e-12 the proximal and behaviour policies are the same: weights 1, equal losses."""
+    for plain, corrected in zip(results["frozen"], results["frozen_corrected"]):
+        assert abs(corrected["tis_weight_mean"] - 1) < 1e-6
+        assert corrected["policy_loss"] == pytest.approx(plain["policy_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_stale_samples_are_reweighted(results):
+    """With a learning rate, a batch one version stale has proximal != behaviour: weights off 1."""
+    weights = [m["tis_weight_mean"] for m in results["corrected"]]
+    assert abs(weights[0] - 1) < 1e-6  # the first batch is not stale
+    assert all(abs(w - 1) > 1e-4 for w in weights[1:]), weights
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-staleness", "-1"], "--max-staleness: max_staleness=-1 must be >= 0 policy versions"),
+    (["--max-staleness", "1", "--inter-stage-fusion"], "--max-staleness: inter-stage fusion lends"),
+])
+def test_bad_staleness_flags_are_refused_naming_the_flag(flags, message):
+    with pytest.raises(UsageError, match=message):
+        parse_args(flags)
+
+
+def _torchrun(*flags) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(ROOT / "pretrain_rlhf.py"), *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_generation_sharing_ranks_with_training_is_refused():
+    out = _torchrun("--max-staleness", "1", "--iterations", "1")  # the default placement shares every rank
+    assert out.returncode != 0
+    assert ("pretrain_rlhf.py: --max-staleness: max_staleness 1 generates while the other tasks train, so "
+            "actor_gen needs ranks of its own, but ref_inf shares rank(s) [2, 3] with it") in out.stderr
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_tiny_default_learns_asynchronously(tmp_path, k):
+    """The main job with generation on ranks 0-1 and training on 2-3, the synthetic task's gold rule as the
+    reward: over 20 iterations the reward of the last 10 is above the first 10's by more than 3 standard
+    errors, every iteration's staleness is at most K (K from iteration K + 1 on) and each side reports how
+    long it waited for the other."""
+    metrics = tmp_path / "metrics.jsonl"
+    out = _torchrun(*APART, "--max-staleness", str(k), "--iterations", "20", "--reward-fn",
+                    "rlhf.data.synthetic:gold_reward", "--no-progress", "--metrics-file", str(metrics))
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["staleness_max"] for r in records] == [float(min(i, k)) for i in range(20)]
+    assert all(0 <= r["generation_idle_fraction"] <= 1 and 0 <= r["training_idle_fraction"] <= 1 for r in records)
+    reward = [r["reward_mean"] for r in records]
+    first, last = reward[:10], reward[-10:]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
+    assert mean(last) - mean(first) > 3 * math.sqrt(var(first) / 10 + var(last) / 10), reward
