@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import pretrain_rlhf
 from rlhf.cli import UsageError
 from rlhf.ppo.arguments import parse_args
 from rlhf.testing.distributed import launch
@@ -81,11 +82,14 @@ def _torchrun(*flags) -> subprocess.CompletedProcess:
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_generation_sharing_ranks_with_training_is_refused():
-    out = _torchrun("--max-staleness", "1", "--iterations", "1")  # the default placement shares every rank
-    assert out.returncode != 0
+def test_generation_sharing_ranks_with_training_is_refused(capsys):
+    """The launch check (the dry run's, which the job runs too) refuses the default placement, where every
+    task shares ranks with actor_gen, and passes generation apart."""
+    assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "1"]) == 2
     assert ("pretrain_rlhf.py: --max-staleness: max_staleness 1 generates while the other tasks train, so "
-            "actor_gen needs ranks of its own, but ref_inf shares rank(s) [2, 3] with it") in out.stderr
+            "actor_gen needs ranks of its own, but ref_inf shares rank(s) [2, 3] with it"
+            ) in capsys.readouterr().err
+    assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "1", *APART]) == 0
 
 
 @pytest.mark.parametrize("k", [1, 2])
