@@ -475,6 +475,35 @@ def test_iteration_from_given_call_times_overlaps_disjoint_meshes():
     assert "reshard actor" not in ev.timeline.start  # actor_train and actor_gen share a layout: nothing moves
 
 
+@pytest.mark.parametrize("generation_s", [4.0, 30.0])
+def test_asynchronous_iteration_is_the_slower_side_plus_the_meeting(generation_s):
+    """Generation apart (ranks 0-3) and ahead: it runs beside inference and training of the batch before
+    (ranks 4-7); the actor's move into actor_gen waits for both, and the iteration ends with it. The same
+    plan synchronous runs generation first."""
+    s = ParallelStrategy(dp=4)
+    meshes = {"actor_gen": _mesh("actor_gen", s), "actor_train": _mesh("actor_train", s, 4),
+              "ref_inf": _mesh("ref_inf", s, 4), "reward_inf": _mesh("reward_inf", s, 4),
+              "critic_inf": _mesh("critic_inf", s, 4), "critic_train": _mesh("critic_train", s, 4)}
+    times = {"actor_gen": generation_s, "ref_inf": 2.0, "reward_inf": 1.0, "critic_inf": 3.0, "actor_train": 5.0,
+             "critic_train": 4.0}
+    hw = replace(HW["h100"], inter_node_bandwidth=1e30, intra_node_bandwidth=1e30, host_s=0.5)
+    ev = evaluate(Plan("apart", meshes, asynchronous=True), MODELS_7B, WL, hw, Cluster(1, 8), times)
+    sync = evaluate(Plan("apart", meshes), MODELS_7B, WL, hw, Cluster(1, 8), times)
+    t = ev.timeline
+    learning = 2.0 + 1.0 + 3.0 + 0.5 + 5.0 + 4.0  # every call of the learners in turn on ranks 4-7
+    assert t.start["actor_gen"] == t.start["ref_inf"] == 0.0
+    assert t.start["reshard actor"] == pytest.approx(max(generation_s, learning))
+    assert ev.seconds == pytest.approx(t.end["reshard actor"])
+    meeting = t.end["reshard actor"] - t.start["reshard actor"]
+    assert sync.seconds == pytest.approx(meeting + generation_s + learning)
+    assert t.start["advantage"] == pytest.approx(6.0)  # on the learners only: it does not wait for generation
+
+
+def test_asynchronous_plans_need_generation_apart():
+    with pytest.raises(PlannerError, match=r"asynchronous generation needs ranks of its own, but ref_inf"):
+        Plan("flat", _flat_plan(8, ParallelStrategy(dp=8), ParallelStrategy(dp=8)).meshes, asynchronous=True)
+
+
 TINY_MODELS = {"actor": MODEL_PRESETS["tiny"], "reference": MODEL_PRESETS["tiny"],
                "critic": MODEL_PRESETS["tiny-critic"], "reward": MODEL_PRESETS["tiny-critic"]}
 """The job's built-in tiny default."""
@@ -560,6 +589,27 @@ def test_search_space_enumeration_and_pruning():
     assert "actor_gen dp4xpp2xtp1: generation decodes a whole model (pp=1)" in why
     _, why = strategies("critic_train", cfg, tuple(range(8)), Workload(48, 8, 8, 2, 4), Cluster(1, 8))
     assert "critic_train dp8xpp1xtp1: dp=8 x micro-batch 4 does not divide the mini-batch of 24 samples" in why
+
+
+def test_asynchronous_search_keeps_both_modes_and_places_generation_apart():
+    """With asynchronous on, the search tries each placement with actor_gen on a block of its own both ways;
+    the best asynchronous plans are searched even where synchronous ones score better first, and their
+    time is the plan's own prediction."""
+    from rlhf.ppo.layout import check_generation_apart
+
+    hw, cluster, wl = HW["h100"], Cluster(1, 8), replace(WL, samples=128, minibatches=2)
+    res = search_placements(MODELS_7B, wl, hw, cluster, PlacementSearchConfig(options=2, keep=2, asynchronous=True))
+    ahead = [ev for ev in res.ranked if ev.plan.asynchronous]
+    assert ahead and any(not ev.plan.asynchronous for ev in res.ranked)
+    for ev in ahead[:5]:
+        gen = set(ev.plan.meshes["actor_gen"].ranks)
+        assert ev.plan.name.startswith("gen | ") and gen == set(range(len(gen)))  # the first block
+        assert all(not gen & set(m.ranks) for t, m in ev.plan.meshes.items() if t != "actor_gen")
+        assert ev.seconds == pytest.approx(evaluate(ev.plan, MODELS_7B, wl, hw, cluster).seconds)
+        _job_accepts(ev.plan.placement(), MODELS_7B, 8, wl)
+        check_generation_apart(Placement.from_plan(ev.plan.placement(), 8), 1)  # the job's --max-staleness check
+    default = search_placements(MODELS_7B, wl, hw, cluster, PlacementSearchConfig(options=2, keep=2))
+    assert not any(ev.plan.asynchronous or ev.plan.name.startswith("gen | ") for ev in default.ranked)
 
 
 def test_inference_tasks_may_take_half_a_set_and_then_run_side_by_side():
@@ -726,6 +776,23 @@ def test_tool_writes_a_plan_the_job_accepts(tmp_path, capsys, actor, critic, nod
     assert text.splitlines()[2].split()[1] == capsys.readouterr().out.splitlines()[2].split()[1]
 
 
+def test_tool_predicts_a_placement_synchronous_and_asynchronous(tmp_path, capsys):
+    """--max-staleness with a placement whose generation is apart: both iterations, the faster first, the ratio,
+    and the job flags of the winner."""
+    plan, out = tmp_path / "apart.json", tmp_path / "best.json"
+    plan.write_text(json.dumps({"actor_gen": {"ranks": "0-1", "dp": 2}, "actor_train": {"ranks": "2-3", "pp": 2},
+                                "critic_train": {"ranks": "2-3", "pp": 2, "reverse_pp": True},
+                                **{t: {"ranks": "2-3"} for t in INFERENCE_TASKS}}))
+    assert plan_placement.main(["--actor", "tiny", "--critic", "tiny-critic", "--nodes", "1", "--gpus-per-node", "4",
+                                "--hardware", "a100", "--placement", str(plan), "--max-staleness", "2",
+                                "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fast, slow = (float(line.split()[1]) for line in lines[2:4])
+    assert "apart.json async:" in lines[2] and "+async" in lines[2] and "apart.json:" in lines[3]
+    assert lines[4] == f"asynchronous wins: {slow / fast:.2f}x the best synchronous plan's iteration (steady state)"
+    assert lines[-1].endswith(f"--placement {out} --max-staleness 2)")
+
+
 def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
     """Stage times made with known constants (a slow 'GPU' with large overheads) are fitted back."""
     measured, hw_out = tmp_path / "stages.json", tmp_path / "cpu.json"
@@ -765,6 +832,11 @@ def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
      r"^plan_placement.py: --migration-threshold: needs --placement and --inter-stage-fusion"),
     (["--actor", "tiny", "--critic", "tiny", "--ppo-mini-batch-size", "100"],
      r"^plan_placement.py: --ppo-mini-batch-size: 100 does not divide the 512 samples"),
+    (["--actor", "tiny", "--critic", "tiny", "--max-staleness", "-1"],
+     r"^plan_placement.py: --max-staleness: -1 must be >= 0"),
+    (["--actor", "tiny", "--critic", "tiny", "--gpus-per-node", "4", "--max-staleness", "1", "--placement",
+      str(ROOT / "examples" / "placement_4ranks.json")],
+     r"^plan_placement.py: plan 'placement_4ranks.json async': asynchronous generation needs ranks of its own"),
 ])
 def test_tool_bad_input_is_one_line(tmp_path, capsys, args, message):
     bad = tmp_path / "bad.json"

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from rlhf.cli import fraction_or_auto
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--migration-threshold", type=fraction_or_auto, default="auto", metavar="R|auto",
                    help="with --placement --inter-stage-fusion: the plan migrates at this fraction of unfinished "
                         "samples (auto: the fusion policy's choice; a search picks R per plan and prints it)")
+    s.add_argument("--max-staleness", type=int, default=0, metavar="K",
+                   help="also try asynchronous plans (pretrain_rlhf.py --max-staleness K: actor_gen on ranks of "
+                        "its own, generating ahead of training), and say whether the best of them beats the best "
+                        "synchronous one and by how much (with --placement: the given plan both ways)")
     s.add_argument("--options", type=int, default=PlacementSearchConfig.options,
                    help="fastest strategies kept per task (the leanest is kept too)")
     s.add_argument("--keep", type=int, default=PlacementSearchConfig.keep,
@@ -162,6 +167,8 @@ def check_inputs(args) -> tuple:
     for flag in ("out", "write_hardware"):
         if getattr(args, flag) is not None:
             check_out_path(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    if args.max_staleness < 0:
+        raise UsageError(f"--max-staleness: {args.max_staleness} must be >= 0 (0: synchronous)")
     if args.measured and not args.placement:
         raise UsageError("--measured: needs --placement, the plan the measured run used")
     if args.migration_threshold is not None and not (args.placement and args.inter_stage_fusion):
@@ -199,10 +206,15 @@ def run(args) -> None:
             if args.measured:
                 hw = calibrated(args, plan, models, wl, hw, cluster)
             ranked, pruned, how = [evaluate(plan, models, wl, hw, cluster)], [], "the given placement"
+            if args.max_staleness:
+                ranked.append(evaluate(replace(plan, name=f"{plan.name} async", asynchronous=True), models, wl,
+                                       hw, cluster))
+                ranked.sort(key=lambda ev: ev.seconds)
+                how += ", synchronous and asynchronous"
         else:
             cfg = PlacementSearchConfig(options=args.options, keep=args.keep, brute_force_limit=args.brute_force_limit,
                                proposals=args.proposals, seed=args.seed, fuse_training=args.intra_stage_fusion,
-                               fuse_generation=args.inter_stage_fusion)
+                               fuse_generation=args.inter_stage_fusion, asynchronous=args.max_staleness > 0)
             res = search_placements(models, wl, hw, cluster, cfg)
             ranked, pruned = res.ranked, res.pruned
             how = f"{res.method}, {res.evaluations} plans evaluated"
@@ -211,6 +223,8 @@ def run(args) -> None:
     print(f"{cluster.nodes} x {cluster.gpus_per_node} GPUs ({hw.name}); {wl.samples} samples of {wl.prompt_len} + "
           f"{wl.response_len} tokens, {wl.minibatches} mini-batches, micro-batches of {wl.micro_batch_size}; {how}")
     print_table(ranked, args.top)
+    if args.max_staleness:
+        print_winner(ranked)
     if pruned:
         print(f"pruned: {len(pruned)} (first {min(args.show_pruned, len(pruned))} shown)")
         for what, why in pruned[:args.show_pruned]:
@@ -218,12 +232,26 @@ def run(args) -> None:
     if args.out:
         args.out.write_text(json.dumps(ranked[0].plan.placement(), indent=2) + "\n")
         print(f"best plan written to {args.out} (pretrain_rlhf.py --placement {args.out}"
-              f"{''.join(' ' + f for f in job_flags(ranked[0], wl))})")
+              f"{''.join(' ' + f for f in job_flags(ranked[0], wl, args.max_staleness))})")
 
 
-def job_flags(ev, wl: Workload) -> list[str]:
+def print_winner(ranked: list) -> None:
+    """Which of the best asynchronous and the best synchronous plan is faster, and by how much."""
+    best = {mode: next((ev for ev in ranked if ev.plan.asynchronous == mode), None) for mode in (True, False)}
+    if None in best.values():
+        missing = "asynchronous" if best[True] is None else "synchronous"
+        print(f"no {missing} plan fits (see pruned)")
+        return
+    fast, slow = sorted(best.values(), key=lambda ev: ev.seconds)
+    modes = ("asynchronous", "synchronous") if fast.plan.asynchronous else ("synchronous", "asynchronous")
+    print(f"{modes[0]} wins: {slow.seconds / fast.seconds:.2f}x the best {modes[1]} plan's iteration (steady state)")
+
+
+def job_flags(ev, wl: Workload, max_staleness: int = 0) -> list[str]:
     """The pretrain_rlhf.py flags besides --placement that run ``ev``'s plan as predicted."""
     flags = ["--intra-stage-fusion"] if ev.plan.fuse_training else []
+    if ev.plan.asynchronous:
+        flags.append(f"--max-staleness {max_staleness}")
     if ev.plan.fuse_generation:
         flags += ["--inter-stage-fusion", f"--migration-threshold {ev.migration_threshold:g}"]
     if wl.long_tail_median:

@@ -21,7 +21,8 @@ The space, pruned as it is built:
   two inference calls of one set run side by side.
 
 Each (placement, allocation) is first scored with every task's fastest
-option; the ``keep`` best go on to a full search of their option products.
+option; the ``keep`` best go on to a full search of their option products
+(the ``keep`` best synchronous and the ``keep`` best asynchronous ones).
 That search is brute force when the products hold at most
 ``brute_force_limit`` plans, otherwise simulated annealing (one task's option
 changed per proposal, ``proposals`` proposals per candidate, seeded: the same
@@ -30,7 +31,10 @@ kept out of the ranking and reported with their reason. Where actor and
 critic share a set, fused training (intra-stage fusion) is tried too when
 ``fuse_training`` is set; where all four models share one set, fused
 generation and inference (inter-stage fusion, rlhf.planner.fused_generation)
-when ``fuse_generation`` is set and actor_gen has dp >= 2.
+when ``fuse_generation`` is set and actor_gen has dp >= 2. With
+``asynchronous`` every placement is also tried with actor_gen on a block of
+its own before the models' blocks (``gen | ...``), both synchronous and
+asynchronous (``--max-staleness``: the steady state of rlhf.planner.plan).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from rlhf.planner.plan import Evaluation, Plan, cached_cost, evaluate, most_rece
 from rlhf.planner.reshard_bytes import hybridflow_ranks
 from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, MODELS, TASK_MODEL, TASKS
 
+GENERATION = "generation"
+"""The set of an asynchronous candidate that holds actor_gen alone (rlhf/ppo/asynchronous.py)."""
 APP_PLACEMENTS = {
     "flatten": (("actor", "reference", "reward", "critic"),),
     "interleave": (("actor", "reference"), ("reward", "critic")),
@@ -69,6 +75,7 @@ class PlacementSearchConfig:
     seed: int = 0
     fuse_training: bool = False
     fuse_generation: bool = False
+    asynchronous: bool = False
 
 
 class Pruned(NamedTuple):
@@ -208,14 +215,17 @@ def generation_order(meshes: dict, models: dict) -> dict:
     return meshes
 
 
-def placement_candidates(cluster: Cluster) -> list[Candidate]:
-    """Every placement and allocation on ``cluster``; APP's placements named."""
+def placement_candidates(cluster: Cluster, asynchronous: bool = False) -> list[Candidate]:
+    """Every placement and allocation on ``cluster``; APP's placements named. With ``asynchronous`` also
+    each with actor_gen apart: a first set of its own (``GENERATION``) before the models' sets."""
     named = {v: k for k, v in APP_PLACEMENTS.items()}
     out = []
     for sets in set_partitions(MODELS):
-        for sizes in allocations(len(sets), cluster):
-            label = named.get(sets, " | ".join("+".join(m[:3] for m in s) for s in sets))
-            out.append(Candidate(f"{label} [{','.join(map(str, sizes))}]", sets, sizes))
+        label = named.get(sets, " | ".join("+".join(m[:3] for m in s) for s in sets))
+        variants = [((), label)] + ([(((GENERATION,),), f"gen | {label}")] if asynchronous else [])
+        for prefix, name in variants:
+            for sizes in allocations(len(sets) + len(prefix), cluster):
+                out.append(Candidate(f"{name} [{','.join(map(str, sizes))}]", prefix + sets, sizes))
     return out
 
 
@@ -224,7 +234,7 @@ def search_placements(models: dict, wl: Workload, hw: Hardware, cluster: Cluster
     """Rank plans for ``models`` (ModelConfig per model name) on ``cluster``; PlannerError if none fits."""
     result = PlacementSearchResult(ranked=[])
     scored = []
-    for name, sets, sizes in placement_candidates(cluster):
+    for name, sets, sizes in placement_candidates(cluster, config.asynchronous):
         options = _options(name, sets, sizes, models, wl, hw, cluster, config, result)
         if options is None:
             continue
@@ -235,7 +245,8 @@ def search_placements(models: dict, wl: Workload, hw: Hardware, cluster: Cluster
             if firsts:
                 scored.append(Scored(min(ev.seconds for ev in firsts), name, options, fuse))
     scored.sort(key=lambda x: x.seconds)
-    kept = scored[:config.keep]
+    # the best of each mode goes on: asynchronous candidates (fuse[2]) are not crowded out by synchronous ones
+    kept = [c for mode in (False, True) for c in [c for c in scored if c.fuse[2] == mode][:config.keep]]
     total = sum(math.prod(len(o) for o in c.options.values()) for c in kept)
     result.method = ("brute force" if total <= config.brute_force_limit else
                      f"simulated annealing ({config.proposals} proposals per candidate)")
@@ -266,12 +277,14 @@ def _nothing_fits(pruned: list, cluster: Cluster) -> str:
             "that divides the heads and layers (a power of two) or change the batch sizes")
 
 
-def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool]]:
-    """(fuse_training, fuse_generation) variants worth trying on this placement."""
+def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool, bool]]:
+    """(fuse_training, fuse_generation, asynchronous) variants worth trying on this placement: a candidate
+    with actor_gen apart runs asynchronous (and synchronous too: generation apart can win without it)."""
     training = (False, True) if config.fuse_training and any("actor" in s and "critic" in s for s in sets) \
         else (False,)
     generation = (False, True) if config.fuse_generation and len(sets) == 1 else (False,)
-    return list(itertools.product(training, generation))
+    apart = (False, True) if (GENERATION,) in sets else (False,)
+    return list(itertools.product(training, generation, apart))
 
 
 def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict | None:
@@ -283,7 +296,7 @@ def _options(name, sets, sizes, models, wl, hw, cluster, config, result) -> dict
         offset += size
     options = {}
     for task in TASKS:
-        block = blocks[TASK_MODEL[task]]
+        block = blocks[GENERATION if task == "actor_gen" and GENERATION in blocks else TASK_MODEL[task]]
         kept, why = task_options(task, models, block, wl, hw, cluster, config.options)
         if not kept:
             result.pruned.append(Pruned(name, why[-1] if why else f"{task}: no strategy"))
@@ -311,9 +324,9 @@ def _evaluate(name, choice, options, fuse, models, wl, hw, cluster, result) -> E
 
 def _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result) -> Evaluation | None:
     meshes = dict(zip(options, choice))
-    fuse_training, fuse_generation = fuse
+    fuse_training, fuse_generation, asynchronous = fuse
     if fuse_generation:
-        twin = _evaluate(name, choice, options, (fuse_training, False), models, wl, hw, cluster, result)
+        twin = _evaluate(name, choice, options, (fuse_training, False, False), models, wl, hw, cluster, result)
         if twin is None or fused_generation.refusal(twin.plan.meshes, hw):
             return twin
         ev = _predict(replace(twin.plan, fuse_generation=True), models, wl, hw, cluster, result)
@@ -321,7 +334,8 @@ def _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result) 
     if fuse_training:
         critic = meshes["critic_train"]
         meshes["critic_train"] = TaskMesh("critic_train", critic.ranks, critic.strategy, reverse_pp=True)
-    return _predict(Plan(name, generation_order(meshes, models), fuse_training), models, wl, hw, cluster, result)
+    return _predict(Plan(name, generation_order(meshes, models), fuse_training, asynchronous=asynchronous), models,
+                    wl, hw, cluster, result)
 
 
 def _predict(plan, models, wl, hw, cluster, result) -> Evaluation | None:

@@ -25,7 +25,16 @@ time scaled by the greedy fused schedule's makespan over serial 1F1B
 (rlhf.schedule; the annealed schedule of tools/search_schedule.py is at
 least as short). With ``fuse_generation`` generation and the three
 inference calls are one call on actor_gen's ranks, timed by the fusion
-policy's simulation (rlhf.planner.fused_generation). Memory per rank: the static
+policy's simulation (rlhf.planner.fused_generation). With ``asynchronous``
+(``--max-staleness K``, rlhf/ppo/asynchronous.py) actor_gen has ranks of its
+own and generates a later iteration's batch while the rest infer and train
+on one generated before; the two sides meet at the actor's move, the steady
+state of one iteration::
+
+    actor_gen ------------------------------------------\
+    ref_inf, reward_inf, critic_inf -> advantage -> training -> reshard critic -> reshard actor
+
+(``advantage`` then on the learners' ranks only). Memory per rank: the static
 bytes of every task on it plus the largest transient bytes of one call (both
 training calls when fused).
 """
@@ -81,11 +90,22 @@ class Plan:
     weights_return: bool = False
     """ReaL's runtime: a trained model's weights move into a call's layout before the call and back into
     the training layout after it. False: the trainer's, where the call's layout keeps its copy."""
+    asynchronous: bool = False
+    """Generation on ranks of its own runs ahead of training (``--max-staleness`` > 0): the steady state."""
 
     def __post_init__(self):
         if self.weights_return and self.fuse_generation:
             raise PlannerError(f"plan {self.name!r}: fused generation keeps the actor's copy on its ranks; it "
                                "cannot return the weights after generation (weights_return)")
+        if self.asynchronous:
+            if self.weights_return or self.fuse_generation:
+                raise PlannerError(f"plan {self.name!r}: asynchronous generation keeps its ranks to itself; it "
+                                   "neither fuses with inference nor returns the weights")
+            gen = set(self.meshes["actor_gen"].ranks)
+            shared = [t for t, m in self.meshes.items() if t != "actor_gen" and gen & set(m.ranks)]
+            if shared:
+                raise PlannerError(f"plan {self.name!r}: asynchronous generation needs ranks of its own, but "
+                                   f"{', '.join(shared)} share(s) actor_gen's")
 
     def placement(self) -> dict:
         """The plan as ``pretrain_rlhf.py --placement`` reads it (rlhf.parallel.placement)."""
@@ -102,7 +122,7 @@ class Plan:
         parts = [f"{t.split('_')[0]}.{t.split('_')[1]}={rank_spec(m.ranks)}:{m.strategy}"
                  for t, m in self.meshes.items()]
         return " ".join(parts) + (" +fused" if self.fuse_training else "") + (
-            " +inter-stage" if self.fuse_generation else "")
+            " +inter-stage" if self.fuse_generation else "") + (" +async" if self.asynchronous else "")
 
 
 def plan_from_placement_file(path: str | Path, cluster: Cluster, fuse_training: bool = False,
@@ -157,12 +177,21 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
                                  plan.meshes[dst]) for name, (src, dst) in weight_moves(plan).items()}
     moves = {name: _move_call(name, plan, nbytes, hw, cluster) for name, nbytes in moved.items() if nbytes}
     everyone = set().union(*(m.ranks for m in plan.meshes.values()))
-    calls, scored, threshold = _rollout_calls(plan, models, wl, hw, cluster, seconds, moves)
+    if plan.asynchronous:
+        calls = _ahead_calls(plan, seconds)
+        scored, threshold = calls[1:], None
+        everyone -= set(plan.meshes["actor_gen"].ranks)  # the learners
+    else:
+        calls, scored, threshold = _rollout_calls(plan, models, wl, hw, cluster, seconds, moves)
     # each inference task sends one value per token, a quarter of the batch's bytes, from its own ranks
     calls.append(Call("advantage", everyone, hw.host_s,
                       [_batch_edge(c.name, c.ranks, everyone, wl, hw, cluster, 0.25) for c in scored]
                       + _after(moves, "return critic")))
     calls += _training_calls(plan, models, wl, hw, seconds, moves)
+    if plan.asynchronous:  # the meeting: the next batch arrives, the updated actor moves into actor_gen
+        gen = plan.meshes["actor_gen"].ranks
+        calls += _placed(moves, "reshard actor", [_batch_edge("actor_gen", gen, everyone, wl, hw, cluster),
+                                                  (calls[-1].name, 0.0)])
     return Evaluation(plan, schedule_calls(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved,
                       threshold)
 
@@ -213,6 +242,14 @@ def _rollout_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster
     inferring = [Call(t, mesh[t].ranks, seconds[t], [_batch_edge("actor_gen", gen.ranks, mesh[t].ranks, wl, hw,
                                                                  cluster)] + ready[t]) for t in INFERENCE_TASKS]
     return calls + inferring + _placed(moves, "return critic", [("critic_inf", 0.0)]), inferring, None
+
+
+def _ahead_calls(plan: Plan, seconds: dict) -> list[Call]:
+    """Asynchronous generation of a later batch beside the inference calls of one generated before
+    (no edge between them: the batch the inference reads arrived at the last meeting)."""
+    mesh = plan.meshes
+    return [Call("actor_gen", mesh["actor_gen"].ranks, seconds["actor_gen"])] + [
+        Call(t, mesh[t].ranks, seconds[t]) for t in INFERENCE_TASKS]
 
 
 def _training_calls(plan: Plan, models: dict, wl: Workload, hw: Hardware, seconds: dict, moves: dict) -> list[Call]:
