@@ -22,7 +22,7 @@ run: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node=$(NPROC) pretrain_rlhf.py
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 example-smollm2: setup
 	PYTHON=$(PY) bash examples/smollm2/run.sh

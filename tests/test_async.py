@@ -5,7 +5,6 @@ See tests/scenario_async.py for the 4-rank trainer scenario.
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pretrain_rlhf
 from rlhf.cli import UsageError
 from rlhf.ppo.arguments import parse_args
 from rlhf.testing.distributed import launch
+from rlhf.testing.learning import rise_in_standard_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 APART = ["--actor-gen", "tp=1,dp=2,ranks=0-1", "--actor-train", "tp=1,pp=2,ranks=2-3",
@@ -106,7 +106,4 @@ def test_tiny_default_learns_asynchronously(tmp_path, k):
     assert [r["staleness_max"] for r in records] == [float(min(i, k)) for i in range(20)]
     assert all(0 <= r["generation_idle_fraction"] <= 1 and 0 <= r["training_idle_fraction"] <= 1 for r in records)
     reward = [r["reward_mean"] for r in records]
-    first, last = reward[:10], reward[-10:]
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
-    assert mean(last) - mean(first) > 3 * math.sqrt(var(first) / 10 + var(last) / 10), reward
+    assert rise_in_standard_errors(reward, window=10) > 3, reward

@@ -7,7 +7,6 @@ weights bitwise); the weights and KV cache held in training are half fp32's. See
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from rlhf import platform
 from rlhf.cli import UsageError
 from rlhf.ppo.arguments import parse_args
 from rlhf.testing.distributed import launch
+from rlhf.testing.learning import rise_in_standard_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 # largest |low precision - fp32| allowed, per batch field and metric (docs/precision.md, "Tolerances")
@@ -84,18 +84,16 @@ def test_bad_precision_flags_are_refused_naming_the_flag(flags, message):
 
 
 def test_tiny_default_learns_in_bf16(tmp_path):
-    """The main job as a user runs it with --bf16: 30 iterations; the gold reward of the last 10 is above
+    """The main job as a user runs it with --bf16: 20 iterations; the gold reward of the last 10 is above
     the first 10's by more than 3 standard errors of the difference."""
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "pretrain_rlhf.py"), "--bf16", "--no-progress", "--metrics-file", str(metrics)]
+           str(ROOT / "pretrain_rlhf.py"), "--bf16", "--iterations", "20", "--no-progress",
+           "--metrics-file", str(metrics)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     # the start-up warning where bf16 products are slow (this AVX2-only CI host: yes)
     assert ("warning: --bf16 on this CPU" in out.stdout) == platform.slow_half_precision(torch.bfloat16)
     gold = [json.loads(line)["gold_reward_mean"] for line in metrics.read_text().splitlines()]
-    first, last = gold[:10], gold[-10:]
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
-    assert mean(last) - mean(first) > 3 * math.sqrt(var(first) / 10 + var(last) / 10), gold
+    assert rise_in_standard_errors(gold, window=10) > 3, gold
