@@ -17,7 +17,8 @@ Padding convention (the only one)
         sample 2 (P=4, R=3):   p p p p r r r        (. = pad_id, T = 7)
 
     Response-aligned fields [N, R] (``rollout_logprobs``, ``old_logprobs``,
-    ``ref_logprobs``, ``values``, ``advantages``, ``returns``): column k is
+    ``ref_logprobs``, ``values``, ``advantages``, ``returns``,
+    ``policy_versions``): column k is
     response token k of the sample, right-padded with zeros past
     ``response_lengths``.
 
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 
 FINISH_REASONS = ("stop", "length", "context")
 HOST_FIELDS = ("prompt_lengths", "response_lengths", "prompt_ids", "sample_indices")
-RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
+                   "policy_versions")
 OPTIONAL_FIELDS = RESPONSE_FIELDS + ("scores",)
 TENSOR_FIELDS = ("tokens",) + HOST_FIELDS + OPTIONAL_FIELDS
 
@@ -85,7 +87,9 @@ class Batch:
     until their stage ran: rollout_logprobs (generation: the engine's, kept
     as they were sampled), old_logprobs (generation, or recomputed by the
     trainer), ref_logprobs (reference), scores (reward), values (critic),
-    advantages and returns (advantage estimation).
+    advantages and returns (advantage estimation); policy_versions (an
+    asynchronous run's generation, rlhf/ppo/asynchronous.py: the number of
+    updates applied to the weights that sampled each token, as floats).
 
     prompt_ids: the prompt's index in this iteration's prompts (the n samples
     of one prompt share it; GRPO groups by it); sample_indices: which of those
@@ -106,6 +110,7 @@ class Batch:
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
+    policy_versions: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:

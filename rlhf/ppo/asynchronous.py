@@ -49,11 +49,10 @@ def learner_group(placement: Placement):
 
 @dataclass
 class AheadBatch:
-    """A batch generated ahead of its iteration: the samples (on every rank), the policy version
-    (updates applied) of the weights that generated them, and the data position before their prompts."""
+    """A batch generated ahead of its iteration (on every rank; ``policy_versions`` says which weights
+    sampled each token) and the data position before its prompts were drawn."""
 
     batch: Batch
-    version: int
     data_position: dict
 
 
@@ -102,8 +101,7 @@ class GenerationAhead:
         batch = self._share_learned(batch, t)
         with t.timer.stage("reshard"):
             t.sync_generation_weights()
-        staleness = t.iteration - trained.version
-        local.update(staleness_mean=float(staleness), staleness_max=float(staleness))
+        local.update(staleness_metrics(batch, t.iteration))
         self.version = t.iteration + 1
         return t.finish_iteration(batch, local)
 
@@ -131,8 +129,9 @@ class GenerationAhead:
             return
         prompts, mine, position = self._pending
         self._pending = None
-        rollout = self.trainer.collect_rollout(prompts, mine)
-        self.waiting.append(AheadBatch(rollout.batch, self.version, position))
+        batch = self.trainer.collect_rollout(prompts, mine).batch
+        versions = torch.full_like(batch.rollout_logprobs, float(self.version)) * batch.response_mask
+        self.waiting.append(AheadBatch(batch.with_fields(policy_versions=versions), position))
 
     def _share_learned(self, batch: Batch | None, trainer: "Trainer") -> Batch:
         """The learners' finished batch on every rank, and their KL coefficient, which the checkpoint
@@ -143,3 +142,11 @@ class GenerationAhead:
             batch, kl_coef = box[0]
             trainer.kl.value = torch.tensor(kl_coef)
         return batch.to(platform.device())
+
+
+def staleness_metrics(batch: Batch, version: int) -> dict:
+    """``staleness_mean`` and ``staleness_max``: policy versions between the weights that sampled each
+    response token and ``version``, the weights the batch updates."""
+    mask = batch.response_mask
+    staleness = (version - batch.policy_versions) * mask
+    return {"staleness_mean": staleness.sum() / mask.sum().clamp(min=1), "staleness_max": staleness.max()}
