@@ -88,17 +88,17 @@ class GenerationAhead:
             self.version = t.iteration
             for ahead in range(self.k):
                 self._generate(t.iteration + ahead)
-        trained = self.waiting.popleft()
+        oldest = self.waiting.popleft()
         batch, local = None, {}
         self._generate(t.iteration + self.k, meet=False)  # draws the prompts on every rank
         if not self.generating:
-            batch, local = t.update_from(trained.batch)
+            batch, local = t.update_from(oldest.batch)
         with t.timer.stage("wait"):  # until the other side is done too
             dist.barrier()
         local["generation_idle_fraction" if self.generating else "training_idle_fraction"] = (
             t.timer.seconds["wait"] / t.timer.elapsed())
         self._meet()
-        batch = self._share_learned(batch, t)
+        batch = self._share_learned(batch)
         with t.timer.stage("reshard"):
             t.sync_generation_weights()
         local.update(staleness_metrics(batch, t.iteration))
@@ -133,14 +133,15 @@ class GenerationAhead:
         versions = torch.full_like(batch.rollout_logprobs, float(self.version)) * batch.response_mask
         self.waiting.append(AheadBatch(batch.with_fields(policy_versions=versions), position))
 
-    def _share_learned(self, batch: Batch | None, trainer: "Trainer") -> Batch:
+    def _share_learned(self, batch: Batch | None) -> Batch:
         """The learners' finished batch on every rank, and their KL coefficient, which the checkpoint
         keeps (collective; generation ranks have neither)."""
-        box = [None if batch is None else (batch.to("cpu"), float(trainer.kl.value))]
+        kl = self.trainer.kl
+        box = [None if batch is None else (batch.to("cpu"), float(kl.value))]
         dist.broadcast_object_list(box, src=self.learner_root)
         if batch is None:
             batch, kl_coef = box[0]
-            trainer.kl.value = torch.tensor(kl_coef)
+            kl.value = torch.tensor(kl_coef)
         return batch.to(platform.device())
 
 

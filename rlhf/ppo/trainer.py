@@ -16,7 +16,11 @@ hold it. Samples move between meshes as one ``Batch``: after generation and
 after inference every rank receives the whole batch (an object all-gather;
 a batch is small next to the models), so each task's DP replica takes its
 share by index. Weights move only by resharding. Synchronous semantics: every
-mini-batch sees samples of the current policy (docs/training.md).
+mini-batch sees samples of the current policy (docs/training.md), unless
+``--max-staleness K`` makes the iteration asynchronous: then generation, on
+ranks of its own, runs K iterations ahead (rlhf/ppo/asynchronous.py, which
+drives the pieces here: generate_here, collect_rollout, update_from,
+finish_iteration).
 """
 
 from __future__ import annotations
