@@ -90,6 +90,8 @@ def test_generation_sharing_ranks_with_training_is_refused(capsys):
             "actor_gen needs ranks of its own, but ref_inf shares rank(s) [2, 3] with it"
             ) in capsys.readouterr().err
     assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "1", *APART]) == 0
+    assert ("generation: 2 instance(s), samples end at EOS or --max-response-len; asynchronous: 1 iteration(s) "
+            "ahead of training on ranks of its own (--max-staleness 1)") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("k", [1, 2])
