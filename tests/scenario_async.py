@@ -6,6 +6,8 @@ function records every prompt it scores on each rank (it scores each trained sam
 synchronous, on the learners' first rank otherwise).
 Off-policy correction: with the policy frozen (learning rate 1e-12) K = 1 runs with and without
 --tis-cap, whose losses must agree; with a learning rate the weights of the corrected run must move off 1.
+Learning: the tiny default job as pretrain_rlhf.py builds it from the flags (parse_args, build_placement,
+build_trainer; the gold rule as its reward function) with K = 1 and 2, 20 iterations each.
 """
 
 from rlhf.config import CheckpointConfig, RunConfig
@@ -14,7 +16,10 @@ from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, g
 from rlhf.models import ModelConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
+from rlhf.ppo.arguments import parse_args
 from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig, RewardConfig
+from rlhf.ppo.job import build_trainer
+from rlhf.ppo.layout import build_placement
 from rlhf.ppo.trainer import Trainer
 from rlhf.testing.models import full_weights
 
@@ -24,6 +29,11 @@ PLAN = {"actor_gen": {"ranks": [0, 1], "dp": 2},
         "actor_train": {"ranks": [2, 3], "pp": 2},
         "critic_train": {"ranks": [2, 3], "pp": 2, "reverse_pp": True},
         "ref_inf": {"ranks": [2, 3]}, "reward_inf": {"ranks": [2, 3]}, "critic_inf": {"ranks": [2, 3], "tp": 2}}
+APART = ["--actor-gen", "tp=1,dp=2,ranks=0-1", "--actor-train", "tp=1,pp=2,ranks=2-3",
+         "--critic-train", "dp=1,pp=2,ranks=2-3,reverse_pp", "--ref-inf", "ranks=2-3", "--reward-inf", "ranks=2-3",
+         "--critic-inf", "tp=1,ranks=2-3"]
+"""The tiny default's tasks with generation on ranks 0-1 and everything else on 2-3 (pretrain_rlhf.py flags)."""
+LEARNING_ITERATIONS = 20
 PLACEMENT = Placement.from_plan(PLAN, 4)
 WEIGHTS: dict = {}  # the actor's and critic's full weights, drawn once by run()
 PROMPTS, PER_ITERATION = 12, 2
@@ -79,4 +89,9 @@ def run(root: str) -> dict:
                           ("corrected", dict(tis_cap=2.0))):
         t = trainer(1, 3, Recorder(), **options)
         out[name] = [t.step().metrics for _ in range(3)]
+    for k in (1, 2):
+        config = parse_args([*APART, "--max-staleness", str(k), "--iterations", str(LEARNING_ITERATIONS),
+                             "--reward-fn", "rlhf.data.synthetic:gold_reward", "--no-progress"])
+        t = build_trainer(config, build_placement(config, 4))
+        out[f"learning_k{k}"] = [t.step().metrics for _ in range(LEARNING_ITERATIONS)]
     return out

@@ -1,17 +1,14 @@
 """Asynchronous iterations (--max-staleness K, docs/async.md): every prompt trained once, the staleness bound,
-the off-policy correction, and the tiny default learning with K = 1 and 2 as a user runs it.
+the off-policy correction, and the tiny default learning with K = 1 and 2 (the job pretrain_rlhf.py builds
+from those flags).
 
 See tests/scenario_async.py for the 4-rank trainer scenario.
 """
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
+from scenario_async import APART
 
 import pretrain_rlhf
 from rlhf.cli import UsageError
@@ -19,16 +16,10 @@ from rlhf.ppo.arguments import parse_args
 from rlhf.testing.distributed import launch
 from rlhf.testing.learning import rise_in_standard_errors
 
-ROOT = Path(__file__).resolve().parents[1]
-APART = ["--actor-gen", "tp=1,dp=2,ranks=0-1", "--actor-train", "tp=1,pp=2,ranks=2-3",
-         "--critic-train", "dp=1,pp=2,ranks=2-3,reverse_pp", "--ref-inf", "ranks=2-3", "--reward-inf", "ranks=2-3",
-         "--critic-inf", "tp=1,ranks=2-3"]
-"""The tiny default's tasks with generation on ranks 0-1 and everything else on 2-3."""
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    ranks = launch(4, "scenario_async:run", timeout_s=600, root=str(tmp_path_factory.mktemp("ckpt")))
+    ranks = launch(4, "scenario_async:run", timeout_s=900, root=str(tmp_path_factory.mktemp("ckpt")))
     out = dict(ranks[0])
     for k in (0, 1, 2):  # the prompts the reward function scored on any rank
         out[k] = {**ranks[0][k], **{run: sum((r[k][run] for r in ranks), []) for run in ("straight", "resumed")}}
@@ -75,13 +66,6 @@ def test_bad_staleness_flags_are_refused_naming_the_flag(flags, message):
         parse_args(flags)
 
 
-def _torchrun(*flags) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "pretrain_rlhf.py"), *flags]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
 def test_generation_sharing_ranks_with_training_is_refused(capsys):
     """The launch check (the dry run's, which the job runs too) refuses the default placement, where every
     task shares ranks with actor_gen, and passes generation apart."""
@@ -95,17 +79,13 @@ def test_generation_sharing_ranks_with_training_is_refused(capsys):
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_tiny_default_learns_asynchronously(tmp_path, k):
-    """The main job with generation on ranks 0-1 and training on 2-3, the synthetic task's gold rule as the
-    reward: over 20 iterations the reward of the last 10 is above the first 10's by more than 3 standard
-    errors, every iteration's staleness is at most K (K from iteration K + 1 on) and each side reports how
-    long it waited for the other."""
-    metrics = tmp_path / "metrics.jsonl"
-    out = _torchrun(*APART, "--max-staleness", str(k), "--iterations", "20", "--reward-fn",
-                    "rlhf.data.synthetic:gold_reward", "--no-progress", "--metrics-file", str(metrics))
-    assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["staleness_max"] for r in records] == [float(min(i, k)) for i in range(20)]
+def test_tiny_default_learns_asynchronously(results, k):
+    """The main job's trainer built from the flags with generation on ranks 0-1 and training on 2-3, the
+    synthetic task's gold rule as the reward: over 20 iterations the reward of the last 10 is above the first
+    10's by more than 3 standard errors, every iteration's staleness is at most K (K from iteration K + 1 on)
+    and each side reports how long it waited for the other."""
+    records = results[f"learning_k{k}"]
+    assert [r["staleness_max"] for r in records] == [float(min(i, k)) for i in range(len(records))]
     assert all(0 <= r["generation_idle_fraction"] <= 1 and 0 <= r["training_idle_fraction"] <= 1 for r in records)
     reward = [r["reward_mean"] for r in records]
     assert rise_in_standard_errors(reward, window=10) > 3, reward
