@@ -15,3 +15,9 @@ def gather_to_all(mine: list, group=None) -> list:
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, mine, group=group)
     return [item for part in parts for item in part]
+
+
+def first_rank(group=None) -> int:
+    """The global rank of ``group``'s first rank (rank 0 of the world when None): where a group's
+    one-rank work runs before a broadcast from it."""
+    return dist.get_global_rank(group, 0) if group is not None else 0

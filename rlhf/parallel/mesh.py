@@ -114,3 +114,11 @@ class TaskMesh:
     def mp_ranks(self, dp: int) -> list[int]:
         """The tp x pp ranks holding one full copy of the model."""
         return [self.rank(p, dp, t) for p in range(self.strategy.pp) for t in range(self.strategy.tp)]
+
+
+def sharing_ranks(meshes: dict, task: str) -> dict[str, list[int]]:
+    """The other tasks of ``meshes`` ({task: TaskMesh}) that hold a rank of ``task``'s, with those ranks, in
+    ``meshes`` order (an asynchronous run needs none for actor_gen)."""
+    own = set(meshes[task].ranks)
+    shared = {t: sorted(own & set(m.ranks)) for t, m in meshes.items() if t != task}
+    return {t: ranks for t, ranks in shared.items() if ranks}

@@ -46,7 +46,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from rlhf.models.config import ModelConfig
-from rlhf.parallel.mesh import PlacementError, TaskMesh
+from rlhf.parallel.mesh import PlacementError, TaskMesh, sharing_ranks
 from rlhf.parallel.placement import Placement
 from rlhf.planner import fused_generation
 from rlhf.planner.cost import (BF16, MEMORY_PARTS, STATIC_PARTS, Cluster, Precision, TaskCost, Workload,
@@ -101,8 +101,7 @@ class Plan:
             if self.weights_return or self.fuse_generation:
                 raise PlannerError(f"plan {self.name!r}: asynchronous generation keeps its ranks to itself; it "
                                    "neither fuses with inference nor returns the weights")
-            gen = set(self.meshes["actor_gen"].ranks)
-            shared = [t for t, m in self.meshes.items() if t != "actor_gen" and gen & set(m.ranks)]
+            shared = sharing_ranks(self.meshes, "actor_gen")
             if shared:
                 raise PlannerError(f"plan {self.name!r}: asynchronous generation needs ranks of its own, but "
                                    f"{', '.join(shared)} share(s) actor_gen's")

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.parallel import Placement
+from rlhf.parallel.exchange import first_rank
 
 if TYPE_CHECKING:
     from rlhf.ppo.trainer import IterationResult, Trainer
@@ -63,7 +64,7 @@ class GenerationAhead:
         self.trainer = trainer
         self.k = trainer.config.ppo.max_staleness
         self.generating = trainer.groups["actor_gen"] is not None
-        self.learner_root = dist.get_global_rank(trainer.learners, 0)
+        self.learner_root = first_rank(trainer.learners)
         self.waiting: deque[AheadBatch] = deque()
         self.version = 0  # the policy version of the weights actor_gen holds
         self._pending = None  # (prompts, this rank's samples, data position) until the ranks meet

@@ -15,6 +15,7 @@ from rlhf.config import ConfigError
 from rlhf.engine.types import EngineConfig
 from rlhf.models.config import padded_vocab_size as padded_size
 from rlhf.parallel import Placement, PlacementError
+from rlhf.parallel.mesh import sharing_ranks
 from rlhf.pipeline.compiler import compile_all
 from rlhf.ppo.config import JobConfig
 from rlhf.schedule.generators import serial_1f1b
@@ -82,14 +83,13 @@ def check_placement(config: JobConfig, placement: Placement) -> None:
 def check_generation_apart(placement: Placement, max_staleness: int) -> None:
     """Asynchronous iterations generate while the other tasks train: actor_gen's ranks must hold no
     other task (ConfigError naming ppo.max_staleness and the first task that shares one)."""
-    generation = set(placement["actor_gen"].ranks)
-    for task, mesh in placement.meshes.items():
-        shared = sorted(generation & set(mesh.ranks)) if task != "actor_gen" else []
-        if shared:
-            raise ConfigError(f"max_staleness {max_staleness} generates while the other tasks train, so actor_gen "
-                              f"needs ranks of its own, but {task} shares rank(s) {shared} with it; place "
-                              "actor_gen apart (e.g. --actor-gen ranks=0-1 and every other task on ranks 2-3)",
-                              "ppo.max_staleness")
+    shared = sharing_ranks(placement.meshes, "actor_gen")
+    if shared:
+        task, ranks = next(iter(shared.items()))
+        raise ConfigError(f"max_staleness {max_staleness} generates while the other tasks train, so actor_gen "
+                          f"needs ranks of its own, but {task} shares rank(s) {ranks} with it; place "
+                          "actor_gen apart (e.g. --actor-gen ranks=0-1 and every other task on ranks 2-3)",
+                          "ppo.max_staleness")
 
 
 def padded_vocab_size(config: JobConfig, model: str, placement: Placement) -> int:

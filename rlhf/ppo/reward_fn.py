@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from rlhf.batch import Batch
 from rlhf.config import ConfigError
+from rlhf.parallel.exchange import first_rank
 from rlhf.ppo.config import JobConfig
 
 RewardFn = Callable[[list, list], list]
@@ -96,7 +97,7 @@ def function_scores(fn: RewardFn, batch: Batch, group=None) -> torch.Tensor:
     """[N] float32 scores of ``fn`` on the batch, the same on every rank of ``group`` (default: all;
     collective: its first rank calls it and broadcasts the scores or the ConfigError's message, which
     every rank then raises)."""
-    box, first = [None], dist.get_global_rank(group, 0) if group is not None else 0
+    box, first = [None], first_rank(group)
     if dist.get_rank() == first:
         try:
             box = [checked_scores(fn, *prompts_and_responses(batch))]

@@ -27,6 +27,7 @@ from rlhf.batch import Batch
 from rlhf.metrics import StageTimer
 from rlhf.models.logprobs import vocab_parallel_entropy
 from rlhf.parallel import Placement
+from rlhf.parallel.exchange import first_rank
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
@@ -135,7 +136,7 @@ class PPOUpdate:
         costs = self.stage_times.per_stage({m: self.placement[t].strategy.pp for m, t in self.trained.items()},
                                            group=self.group)
         problem = layout.fusion_problem(self.config, self.placement, costs)
-        found, first = [None], dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        found, first = [None], first_rank(self.group)
         if dist.get_rank() == first:
             budget = self.config.fusion.search_budget
             found = [schedule_to_dict(search(problem, SearchConfig(budget_s=budget, memory_budget_s=budget / 4,
