@@ -323,7 +323,8 @@ class Batch:
     @classmethod
     def from_samples(cls, samples: Sequence[SampleResult], pad_id: int, prompt_ids: Mapping[str, int]) -> Batch:
         """The engine's results as a batch, one row per sample in ``samples`` order,
-        with ``rollout_logprobs`` and ``old_logprobs`` both the engine's log-probs (float32).
+        with ``rollout_logprobs`` and ``old_logprobs`` both the engine's log-probs (float32), and
+        ``policy_versions`` when every sample carries one per token (an asynchronous run's engine).
 
         ``prompt_ids`` maps each ``request_id`` to its prompt id (e.g. the
         prompt's index in the iteration's prompt batch), given by whoever built
@@ -344,8 +345,16 @@ class Batch:
         response_width = max(response_lengths, default=0)
         tokens = [[*s.prompt, *s.tokens] + [pad_id] * (width - p - r)
                   for s, p, r in zip(samples, prompt_lengths, response_lengths)]
-        logprobs = [[*s.logprobs] + [0.0] * (response_width - r) for s, r in zip(samples, response_lengths)]
-        logprobs = torch.tensor(logprobs, dtype=torch.float32).reshape(len(samples), response_width)
+        uneven = [(s.request_id, s.sample_index) for s in samples if len(s.policy_versions) not in (0, len(s.tokens))]
+        if uneven:
+            raise ValueError(f"Batch.from_samples: samples {uneven} have policy_versions but not one per token")
+
+        def per_response_token(field: str) -> torch.Tensor:
+            rows = [[*getattr(s, field)] + [0] * (response_width - r) for s, r in zip(samples, response_lengths)]
+            return torch.tensor(rows, dtype=torch.float32).reshape(len(samples), response_width)
+
+        logprobs = per_response_token("logprobs")
+        versioned = bool(samples) and all(len(s.policy_versions) == len(s.tokens) for s in samples)
         return cls(
             tokens=torch.tensor(tokens, dtype=torch.int64).reshape(len(samples), width),
             pad_id=pad_id,
@@ -356,6 +365,7 @@ class Batch:
             finish_reasons=tuple(s.finish_reason for s in samples),
             rollout_logprobs=logprobs,
             old_logprobs=logprobs,
+            policy_versions=per_response_token("policy_versions") if versioned else None,
         )
 
 

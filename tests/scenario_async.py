@@ -6,9 +6,15 @@ function records every prompt it scores on each rank (it scores each trained sam
 synchronous, on the learners' first rank otherwise).
 Off-policy correction: with the policy frozen (learning rate 1e-12) K = 1 runs with and without
 --tis-cap, whose losses must agree; with a learning rate the weights of the corrected run must move off 1.
+Partial rollouts (--partial-rollouts, K = 2, "p2", generation as one TP2 replica): the same epoch straight,
+with generation slowed (a sleep per engine step) so that samples are in flight when the weights of an update
+arrive, and with a save and load.
 Learning: the tiny default job as pretrain_rlhf.py builds it from the flags (parse_args, build_placement,
 build_trainer; the gold rule as its reward function) with K = 1 and 2, 20 iterations each.
 """
+
+import time
+
 
 from rlhf.config import CheckpointConfig, RunConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
@@ -35,6 +41,7 @@ APART = ["--actor-gen", "tp=1,dp=2,ranks=0-1", "--actor-train", "tp=1,pp=2,ranks
 """The tiny default's tasks with generation on ranks 0-1 and everything else on 2-3 (pretrain_rlhf.py flags)."""
 LEARNING_ITERATIONS = 20
 PLACEMENT = Placement.from_plan(PLAN, 4)
+TP2_GENERATION = Placement.from_plan({**PLAN, "actor_gen": {"ranks": [0, 1], "tp": 2}}, 4)
 WEIGHTS: dict = {}  # the actor's and critic's full weights, drawn once by run()
 PROMPTS, PER_ITERATION = 12, 2
 
@@ -54,7 +61,8 @@ def dataset():
     return SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=PROMPTS, seed=3, max_length=8))
 
 
-def trainer(staleness: int, iterations: int, reward_fn, root: str | None = None, **ppo) -> Trainer:
+def trainer(staleness: int, iterations: int, reward_fn, root: str | None = None, placement=PLACEMENT,
+            **ppo) -> Trainer:
     """A fresh trainer of 2 prompts x 2 samples per iteration from fixed weights (no reward model: the
     function's score is the reward)."""
     options = dict(rollout_batch_size=PER_ITERATION, n_samples_per_prompt=2, ppo_mini_batch_size=4,
@@ -64,7 +72,45 @@ def trainer(staleness: int, iterations: int, reward_fn, root: str | None = None,
                        ppo=PPOConfig(**{**options, **ppo}), reward=RewardConfig(reward_fn="test:recorder"),
                        checkpoint=CheckpointConfig(save=root))
     prompts = PromptBatchIterator(dataset(), PER_ITERATION, seed=7)
-    return Trainer(config, PLACEMENT, prompts, ByteTokenizer(), initial_weights=WEIGHTS, reward_fn=reward_fn)
+    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=WEIGHTS, reward_fn=reward_fn)
+
+
+def slowed(step, seconds: float):
+    """An engine's ``step`` that sleeps first: generation slower than training."""
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+    return slow_step
+
+
+def iterations(t: Trainer) -> list[dict]:
+    """Step ``t`` to its last iteration: each one's metrics, with whether every sample's policy versions
+    never decrease along its tokens (``versions_ordered``)."""
+    out = []
+    while t.iteration < t.config.run.iterations:
+        result = t.step()
+        versions = result.batch.policy_versions
+        ordered = versions is None or bool(
+            (versions[:, 1:] >= versions[:, :-1]).logical_or(result.batch.response_mask[:, 1:] == 0).all())
+        out.append({**result.metrics, "versions_ordered": ordered})
+    return out
+
+
+def exactly_once(name: str, k: int, root: str, slow: bool = False, **options) -> dict:
+    """The prompts the reward function scored over the epoch straight (and the metrics) and over a run saved
+    and loaded halfway."""
+    straight = Recorder()
+    t = trainer(k, PROMPTS // PER_ITERATION, straight, **options)
+    if slow and t.engine is not None:
+        t.engine.step = slowed(t.engine.step, 0.05)
+    metrics = iterations(t)
+    resumed = Recorder()
+    first = trainer(k, PROMPTS // PER_ITERATION // 2, resumed, root=f"{root}/{name}", **options)
+    first.train()
+    second = trainer(k, PROMPTS // PER_ITERATION, resumed, **options)
+    second.load(f"{root}/{name}")
+    second.train()
+    return {"straight": straight.prompts, "resumed": resumed.prompts, "metrics": metrics}
 
 
 def run(root: str) -> dict:
@@ -73,18 +119,8 @@ def run(root: str) -> dict:
     WEIGHTS = {"actor": full_weights("lm", MODEL, 21), "critic": full_weights("value", MODEL, 22)}
     out = {"dataset": [tuple(p.token_ids) for p in dataset()]}
     for k in (0, 1, 2):
-        straight = Recorder()
-        metrics = []
-        t = trainer(k, PROMPTS // PER_ITERATION, straight)
-        while t.iteration < t.config.run.iterations:
-            metrics.append(t.step().metrics)
-        resumed = Recorder()
-        first = trainer(k, PROMPTS // PER_ITERATION // 2, resumed, root=f"{root}/k{k}")
-        first.train()
-        second = trainer(k, PROMPTS // PER_ITERATION, resumed)
-        second.load(f"{root}/k{k}")
-        second.train()
-        out[k] = {"straight": straight.prompts, "resumed": resumed.prompts, "metrics": metrics}
+        out[k] = exactly_once(f"k{k}", k, root)
+    out["p2"] = exactly_once("p2", 2, root, slow=True, partial_rollouts=True, placement=TP2_GENERATION)
     for name, options in (("frozen", dict(lr=1e-12)), ("frozen_corrected", dict(lr=1e-12, tis_cap=2.0)),
                           ("corrected", dict(tis_cap=2.0))):
         t = trainer(1, 3, Recorder(), **options)

@@ -209,10 +209,15 @@ def check_tp2(groups, placement, local) -> dict:
 
 def _run_to_end(eng, finished=()) -> dict:
     """Step until done; tokens by request id of everything that finished."""
-    finished = list(finished)
+    return {r.request_id: list(r.tokens) for r in [*finished, *_finish(eng)]}
+
+
+def _finish(eng) -> list:
+    """Step until done; the samples that finished meanwhile."""
+    finished = []
     while eng.has_unfinished():
         finished += eng.step()
-    return {r.request_id: list(r.tokens) for r in finished}
+    return finished
 
 
 def check_migration(model, local) -> dict:
@@ -258,6 +263,47 @@ def check_bf16(local) -> dict:
             "bf16_kv_dtype": str(engine.decoder.kv_cache.dtype)}
 
 
+def check_weight_refresh(local) -> dict:
+    """New weights reach samples in flight (partial rollouts): 4 steps under weights A (version 0), then B's
+    copied in and ``refresh_weights(1)``; each token's log-prob against the model of the version it records,
+    with the K/V computed again and kept; ``abort_all`` frees every block."""
+    models = [build_model(CFG, "lm", local.pg_collection, local.stage, seed=s) for s in (SEED, SEED + 7)]
+    gen = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED)
+    reqs = _requests(_prompts(3, seed=9), replace(TEMPERED, n=2))
+    out = {}
+    for keep in (False, True):
+        with torch.no_grad():
+            for p, q in zip(gen.parameters(), models[0].parameters()):
+                p.copy_(q)
+        eng = Engine(gen, local, CFG, EngineConfig(num_blocks=64, block_size=4))
+        eng.refresh_weights(0)
+        for r in reqs:
+            eng.add_request(r)
+        finished = [r for _ in range(4) for r in eng.step()]
+        with torch.no_grad():
+            for p, q in zip(gen.parameters(), models[1].parameters()):
+                p.copy_(q)
+        eng.refresh_weights(1, keep_kv=keep)
+        blocks_after_refresh = eng.kv.pool.num_used
+        results = finished + _finish(eng)
+        errors = {0: 0.0, 1: 0.0}
+        for r in results:
+            versions = torch.tensor(r.policy_versions)
+            for v in (0, 1):
+                lp = training_logprobs(models[v], r.prompt, r.tokens, local.tp, TEMPERED.temperature)
+                err = (lp - torch.tensor(r.logprobs)).abs()[versions == v]
+                errors[v] = max(errors[v], err.max().item() if len(err) else 0.0)
+        name = "keep" if keep else "recompute"
+        out[f"refresh_{name}_errors"] = errors
+        out[f"refresh_{name}_blocks"] = blocks_after_refresh
+        out[f"refresh_{name}_versions"] = sorted({tuple(r.policy_versions) for r in results})
+    eng.add_request(Request("x", [1] * 8, GREEDY))
+    eng.step()
+    eng.abort_all()
+    out["refresh_free_after_abort"] = eng.kv.pool.num_free
+    return out
+
+
 def run():
     rank = dist.get_rank()
     placement = Placement.from_plan(PLAN, dist.get_world_size())
@@ -274,4 +320,5 @@ def run():
         out.update(check_prefix_sharing(model, local))
         out.update(check_sampling_and_errors(model, local))
         out.update(check_bf16(local))
+        out.update(check_weight_refresh(local))
     return out

@@ -21,16 +21,17 @@ from rlhf.testing.learning import rise_in_standard_errors
 def results(tmp_path_factory):
     ranks = launch(4, "scenario_async:run", timeout_s=900, root=str(tmp_path_factory.mktemp("ckpt")))
     out = dict(ranks[0])
-    for k in (0, 1, 2):  # the prompts the reward function scored on any rank
+    for k in (0, 1, 2, "p2"):  # the prompts the reward function scored on any rank
         out[k] = {**ranks[0][k], **{run: sum((r[k][run] for r in ranks), []) for run in ("straight", "resumed")}}
     return out
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("k", [0, 1, 2, "p2"])
 @pytest.mark.parametrize("run", ["straight", "resumed"])
 def test_every_prompt_of_the_epoch_is_trained_once(results, k, run):
     """The recording reward function scored each prompt of the epoch exactly n = 2 times (its two samples),
-    with or without a save and load in the middle while batches were generated ahead."""
+    with or without a save and load in the middle while batches were generated ahead ("p2": K = 2 with
+    partial rollouts, samples in flight at the save)."""
     expected = Counter({p: 2 * c for p, c in Counter(results["dataset"]).items()})
     assert Counter(results[k][run]) == expected
 
@@ -41,6 +42,16 @@ def test_staleness_stays_within_the_bound(results, k):
     before training started, by the initial weights; every later one K versions before its update."""
     staleness = [m.get("staleness_max", 0.0) for m in results[k]["metrics"]]
     assert staleness == [float(min(i, k)) for i in range(len(staleness))]
+
+
+def test_partial_rollouts_carry_samples_across_updates_within_the_bound(results):
+    """K = 2 with partial rollouts and generation slower than training: samples in flight when an update's
+    weights arrive finish under them (some iteration trains samples of two versions), each token's version
+    never decreases along a sample, and no token is more than K versions stale."""
+    metrics = results["p2"]["metrics"]
+    assert all(m["staleness_max"] <= min(i, 2) for i, m in enumerate(metrics)), metrics
+    assert all(m["versions_ordered"] for m in metrics)
+    assert max(m["partial_samples_fraction"] for m in metrics) > 0, metrics
 
 
 def test_a_frozen_policy_makes_the_correction_neutral(results):
@@ -60,6 +71,11 @@ def test_stale_samples_are_reweighted(results):
 @pytest.mark.parametrize("flags, message", [
     (["--max-staleness", "-1"], "--max-staleness: max_staleness=-1 must be >= 0 policy versions"),
     (["--max-staleness", "1", "--inter-stage-fusion"], "--max-staleness: inter-stage fusion lends"),
+    (["--partial-rollouts"], "--partial-rollouts: partial_rollouts hands weight updates to samples in flight"),
+    (["--max-staleness", "2", "--partial-rollouts", "--release-generation-memory"],
+     "--release-generation-memory: partial_rollouts keeps samples in flight"),
+    (["--max-staleness", "2", "--partial-rollout-kv", "drop"],
+     "--partial-rollout-kv: partial_rollout_kv 'drop' is not one of recompute, keep"),
 ])
 def test_bad_staleness_flags_are_refused_naming_the_flag(flags, message):
     with pytest.raises(UsageError, match=message):

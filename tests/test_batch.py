@@ -76,7 +76,19 @@ def test_from_samples_exact_layout():
     assert batch.response_mask.dtype == torch.float32 and torch.equal(batch.response_mask, mask)
     want_logprobs = torch.tensor([[-0.5, -0.625, 0, 0], [-1.0, 0, 0, 0], [-0.5, -0.625, -0.75, -0.875], [0, 0, 0, 0]])
     assert batch.old_logprobs.dtype == torch.float32 and torch.equal(batch.old_logprobs, want_logprobs)
-    assert all(getattr(batch, f) is None for f in ("ref_logprobs", "values", "advantages", "returns", "scores"))
+    assert all(getattr(batch, f) is None for f in ("ref_logprobs", "values", "advantages", "returns", "scores",
+                                                   "policy_versions"))
+
+
+def test_from_samples_keeps_each_tokens_policy_version():
+    """An asynchronous run's engine records the weights' version per token: as floats, zero past the response."""
+    samples = [SampleResult("q0", 0, (1,), (2, 3, 4), (-1.0, -1.0, -1.0), "stop", 0.0, (3, 3, 4)),
+               SampleResult("q1", 0, (1,), (5,), (-1.0,), "stop", 0.0, (4,))]
+    batch = Batch.from_samples(samples, PAD, {"q0": 0, "q1": 1})
+    assert torch.equal(batch.policy_versions, torch.tensor([[3.0, 3.0, 4.0], [4.0, 0.0, 0.0]]))
+    bad = SampleResult("q0", 0, (1,), (2, 3), (-1.0, -1.0), "stop", 0.0, (3,))
+    with pytest.raises(ValueError, match=r"have policy_versions but not one per token"):
+        Batch.from_samples([bad], PAD, {"q0": 0})
 
 
 def test_from_samples_refuses_unmapped_requests_and_uneven_logprobs():

@@ -98,3 +98,20 @@ def test_tp2_equals_tp1_and_follows_each_reshard(results):
 
 def test_import_without_room_is_retry_later(results):
     assert results[1]["import_when_full"] == "OutOfBlocksError"
+
+
+def test_new_weights_reach_samples_in_flight(results):
+    """Partial rollouts: after 4 steps under weights A the engine takes weights B (refresh_weights). With the
+    K/V computed again, every token's log-prob is that of the model its recorded version names (A for the
+    first ones, B after); with the K/V kept, B's tokens attend to A's K/V and are off B's full forward."""
+    r = results[1]
+    assert r["refresh_recompute_blocks"] == 0  # every sample in flight gave its blocks back, to prefill again
+    assert r["refresh_keep_blocks"] > 0
+    for mode in ("recompute", "keep"):
+        versions = r[f"refresh_{mode}_versions"]
+        assert all(list(v) == sorted(v) for v in versions)
+        assert any(0 in v and 1 in v for v in versions)  # samples span the update
+        assert r[f"refresh_{mode}_errors"][0] < 1e-4
+    assert r["refresh_recompute_errors"][1] < 1e-4
+    assert r["refresh_keep_errors"][1] > 1e-3
+    assert r["refresh_free_after_abort"] == 64

@@ -82,5 +82,11 @@ class BlockPool:
         """The block registered under ``key``, if any."""
         return self._by_key.get(key)
 
+    def forget_prefixes(self) -> None:
+        """Empty the prefix map (the weights changed: no block computed before may be shared again);
+        the blocks stay with the sequences that hold them."""
+        self._by_key.clear()
+        self._key_of.clear()
+
     def is_registered(self, block: int) -> bool:
         return block in self._key_of

@@ -55,7 +55,8 @@ class Engine:
 
     ``model``: this rank's actor_gen GPTModel (pp=1), filled by `reshard`;
     ``groups``: its TaskGroups (TP group used for the forward's collectives), or None for
-    one process without TP (as tools/generate.py runs it).
+    one process without TP (as tools/generate.py runs it). ``policy_version``: None, or
+    the version of the weights (set by `refresh_weights`) recorded with every token sampled.
     """
 
     def __init__(self, model: torch.nn.Module, groups, model_cfg: ModelConfig,
@@ -71,6 +72,7 @@ class Engine:
         self._ids = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}
         self._t0: float | None = None
+        self.policy_version: int | None = None
 
     # ---- requests -----------------------------------------------------------------
 
@@ -116,6 +118,24 @@ class Engine:
         sorted (a request still prefilling for its other samples is left out until its first token)."""
         return sorted((s.request_id, s.sample_index, len(s.tokens)) for s in self._seqs.values()
                       if not s.pending_forks)
+
+    def refresh_weights(self, version: int, keep_kv: bool = False) -> None:
+        """The model's weights were just replaced (an asynchronous run's reshard; docs/async.md, "Partial
+        rollouts"): tokens sampled from now on are recorded under ``version``. Unfinished samples keep
+        their tokens and log-probs; their K/V, computed by the old weights, are computed again by prefill
+        (or, ``keep_kv``, kept: cheaper, but the new tokens then attend to the old weights' K/V). No block
+        computed before is shared by a prefix match again."""
+        self.policy_version = version
+        self.kv.pool.forget_prefixes()
+        if not keep_kv:
+            for seq in reversed(list(self.scheduler.running)):  # newest first: the oldest ends up in front
+                self.scheduler.preempt(seq)
+
+    def abort_all(self) -> None:
+        """Drop every unfinished sample (its blocks freed); nothing is returned for them."""
+        for seq in self._seqs.values():
+            self.scheduler.finish(seq)
+        self._seqs.clear()
 
     def generate(self, requests) -> list[SampleResult]:
         """Run ``requests`` to completion; results in request order, then sample index."""
@@ -203,6 +223,8 @@ class Engine:
         for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
+            if self.policy_version is not None:
+                seq.policy_versions.append(self.policy_version)
             self.stats.generated_tokens += 1
             reason = self._finish_reason(seq, tok)
             if reason:
@@ -225,7 +247,7 @@ class Engine:
         now = time.perf_counter() - self._t0
         self.stats.finish_times[seq.key] = now
         return SampleResult(seq.request_id, seq.sample_index, tuple(seq.tokens[:seq.prompt_len]),
-                            tuple(seq.output), tuple(seq.logprobs), reason, now)
+                            tuple(seq.output), tuple(seq.logprobs), reason, now, tuple(seq.policy_versions))
 
     def _record(self, out: SchedulerOutput) -> None:
         s, pool = self.stats, self.kv.pool
@@ -261,7 +283,7 @@ class Engine:
             kv = self.decoder.read_blocks(self.kv.tables[seq.seq_id], seq.num_computed)
         state = MigratedSequence(request_id, sample_index, seq.prompt_len, list(seq.tokens), list(seq.logprobs),
                                  seq.params, seq.generator.get_state(), seq.num_computed if kv is not None else 0,
-                                 kv)
+                                 kv, list(seq.policy_versions))
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return state
@@ -272,6 +294,7 @@ class Engine:
         prompt = state.tokens[:state.prompt_len]
         seq = self._new_sequence(state.request_id, state.sample_index, prompt, state.params)
         seq.tokens, seq.logprobs = list(state.tokens), list(state.logprobs)
+        seq.policy_versions = list(state.policy_versions)
         seq.generator.set_state(state.generator_state)
         if state.kv is None:
             self.scheduler.add(seq)

@@ -12,7 +12,7 @@ the engine knows nothing of it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,3 +35,4 @@ class MigratedSequence:
     generator_state: torch.Tensor
     num_computed: int
     kv: torch.Tensor | None = None
+    policy_versions: list[int] = field(default_factory=list)

@@ -77,10 +77,10 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed, n)
             while copies is None and self.running[-1] is not seq:
-                self._preempt(self.running[-1], out)
+                out.preempted.append(self.preempt(self.running[-1]))
                 copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed, n)
             if copies is None:  # seq is the newest: preempt it and stop
-                self._preempt(seq, out)
+                out.preempted.append(self.preempt(seq))
                 break
             out.scheduled.append((seq, n))
             out.copies.extend(copies)
@@ -105,15 +105,16 @@ class Scheduler:
             out.copies.extend(copies)
             budget -= n
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Free the sequence's blocks and put it at the front of the waiting queue."""
+    def preempt(self, seq: Sequence) -> Sequence:
+        """Free the running sequence's blocks and put it at the front of the waiting queue (its tokens
+        are kept and computed again when it runs)."""
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
         self.num_preemptions += 1
+        return seq
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or exported) sequence and return its blocks to the pool."""

@@ -37,6 +37,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator
     logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)  # per sampled token, if the engine keeps them
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None

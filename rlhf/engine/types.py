@@ -160,6 +160,8 @@ class SampleResult:
     ``finish_reason`` is ``"stop"`` (a stop token, included in ``tokens``),
     ``"length"`` (max_new_tokens) or ``"context"`` (max_model_len reached).
     ``finish_time`` is seconds since the engine started generating.
+    ``policy_versions``: the engine's ``policy_version`` when each token was
+    sampled (empty when the engine keeps none: only asynchronous runs do).
     """
 
     request_id: str
@@ -169,3 +171,4 @@ class SampleResult:
     logprobs: tuple[float, ...]
     finish_reason: str
     finish_time: float
+    policy_versions: tuple[int, ...] = ()

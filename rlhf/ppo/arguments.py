@@ -124,6 +124,13 @@ SECTIONS = {
                                "K policy versions after the weights that generated it; the old log-probs are "
                                "recomputed (decoupled PPO's proximal policy; --tis-cap weights proximal over "
                                "behaviour); 0: synchronous (docs/async.md)"),
+        ("partial_rollouts", bool, "with --max-staleness K: generation runs free between iterations, keeps the "
+                                   "batches the bound allows in flight and takes each actor update's weights "
+                                   "mid-sample (tokens and rollout log-probs kept, each token's policy version "
+                                   "recorded); samples span updates from K = 2"),
+        ("partial_rollout_kv", str, "the K/V of samples in flight when new weights arrive: recompute (prefill "
+                                    "again under the new weights, exact) or keep (cheaper; later tokens attend "
+                                    "to the old weights' K/V)"),
     ]),
     "logging": (_LOGGING_CONFIG, _LOGGING_TITLE, [*_LOGGING_FIELDS, (
         "log_samples", int, "print one decoded prompt and response with its reward every this many iterations "

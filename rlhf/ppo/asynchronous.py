@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,91 +47,111 @@ def learner_group(placement: Placement):
     return dist.new_group([r for r in range(placement.world_size) if r not in generation])
 
 
-@dataclass
-class AheadBatch:
-    """A batch generated ahead of its iteration (on every rank; ``policy_versions`` says which weights
-    sampled each token) and the data position before its prompts were drawn."""
-
-    batch: Batch
-    data_position: dict
-
-
 class GenerationAhead:
-    """The asynchronous iteration of a Trainer (module docstring): up to K batches generated ahead."""
+    """The asynchronous iteration of a Trainer (module docstring): up to K batches generated ahead.
+
+    Each batch waiting was generated on every actor_gen replica and gathered onto every rank;
+    ``positions`` keeps the data position before each batch's prompts were drawn, by its (0-based)
+    iteration. rlhf.ppo.partial_rollouts.PartialRollouts runs generation free between the meetings.
+    """
 
     def __init__(self, trainer: "Trainer"):
         self.trainer = trainer
         self.k = trainer.config.ppo.max_staleness
         self.generating = trainer.groups["actor_gen"] is not None
         self.learner_root = first_rank(trainer.learners)
-        self.waiting: deque[AheadBatch] = deque()
+        self.waiting: deque[Batch] = deque()
+        self.positions: dict[int, dict] = {}
         self.version = 0  # the policy version of the weights actor_gen holds
-        self._pending = None  # (prompts, this rank's samples, data position) until the ranks meet
+        self._pending = None  # (prompts, this rank's samples) until the ranks meet
 
     def data_position(self) -> dict:
         """Where a resumed run continues drawing prompts: before the oldest batch not trained yet."""
-        return self.waiting[0].data_position if self.waiting else self.trainer.prompts.state_dict()
+        return self.positions.get(self.trainer.iteration, self.trainer.prompts.state_dict())
 
     def forget(self) -> None:
         """Drop the batches generated ahead (a checkpoint was loaded: its position is before them)."""
         self.waiting.clear()
+        self.positions.clear()
 
     def step(self) -> "IterationResult":
-        """One iteration: learners train on the oldest batch while actor_gen generates K iterations
-        ahead, then all ranks meet (collective)."""
+        """One iteration: learners train on the oldest batch while actor_gen generates ahead, then all ranks
+        meet (collective)."""
         t = self.trainer
         t.timer.start_iteration(t.iteration + 1)
         platform.reset_peak_memory()
         if not self.waiting:  # the run's start, or a resumed one
             with t.timer.stage("reshard"):
                 t.sync_generation_weights()
-            self.version = t.iteration
-            for ahead in range(self.k):
-                self._generate(t.iteration + ahead)
+            self._hold_version(t.iteration)
+            self._fill()
         oldest = self.waiting.popleft()
+        self.positions.pop(t.iteration, None)
         batch, local = None, {}
-        self._generate(t.iteration + self.k, meet=False)  # draws the prompts on every rank
-        if not self.generating:
-            batch, local = t.update_from(oldest.batch)
-        with t.timer.stage("wait"):  # until the other side is done too
-            dist.barrier()
+        if self.generating:
+            self._generate_meanwhile()
+        else:
+            batch, local = t.update_from(oldest)
+            self._updated()
+        self._meet()
         local["generation_idle_fraction" if self.generating else "training_idle_fraction"] = (
             t.timer.seconds["wait"] / t.timer.elapsed())
-        self._meet()
         batch = self._share_learned(batch)
         with t.timer.stage("reshard"):
             t.sync_generation_weights()
+        self._hold_version(t.iteration + 1)
         local.update(staleness_metrics(batch, t.iteration))
-        self.version = t.iteration + 1
         return t.finish_iteration(batch, local)
+
+    # ---- what the lockstep iteration does at each point of step() ------------------------
+
+    def _fill(self) -> None:
+        """At the start: the first K batches, each generated and gathered at once (collective)."""
+        for ahead in range(self.k):
+            self._generate(self.trainer.iteration + ahead)
+            self._meet()
+
+    def _generate_meanwhile(self) -> None:
+        """Generation ranks, while the learners train: the batch K iterations ahead."""
+        self._generate(self.trainer.iteration + self.k)
+
+    def _updated(self) -> None:
+        """Learners, after their update: draw the prompts the generation ranks drew meanwhile."""
+        self._generate(self.trainer.iteration + self.k)
+
+    def _meet(self) -> None:
+        """Wait for both sides, then gather the pending batch's samples onto every rank and queue it
+        (collective)."""
+        with self.trainer.timer.stage("wait"):
+            dist.barrier()
+        if self._pending is not None:
+            prompts, mine = self._pending
+            self._pending = None
+            self.waiting.append(self.trainer.collect_rollout(prompts, mine).batch)
 
     # ---- pieces ------------------------------------------------------------------------
 
-    def _generate(self, iteration: int, meet: bool = True) -> None:
-        """Draw the prompts of (0-based) ``iteration`` and generate them on actor_gen; none past the run's
-        end. ``meet``: gather the samples now (collective); else at the next :meth:`_meet`."""
+    def _hold_version(self, version: int) -> None:
+        """actor_gen now holds the weights after ``version`` updates; its engine records them per token."""
+        self.version = version
+        if self.trainer.engine is not None:
+            self.trainer.engine.refresh_weights(version, keep_kv=self.trainer.config.ppo.partial_rollout_kv == "keep")
+
+    def _draw(self, iteration: int):
+        """The prompts of (0-based) ``iteration``, its data position kept (every rank draws them, in order)."""
+        self.positions[iteration] = self.trainer.prompts.state_dict()
+        return next(self.trainer.prompts)
+
+    def _generate(self, iteration: int) -> None:
+        """Draw the prompts of ``iteration`` and generate them on actor_gen (pending until the next
+        :meth:`_meet`); none past the run's end."""
         t = self.trainer
-        self._pending = None
         if iteration >= t.config.run.iterations:
             return
-        position = t.prompts.state_dict()
-        prompts = next(t.prompts)
+        prompts = self._draw(iteration)
         with t.timer.stage("generation") if self.generating else contextlib.nullcontext():
             mine, _ = t.generate_here(prompts, iteration)
-        self._pending = (prompts, mine, position)
-        if meet:
-            with t.timer.stage("wait"):
-                self._meet()
-
-    def _meet(self) -> None:
-        """Gather the generated samples of the pending batch onto every rank and queue it (collective)."""
-        if self._pending is None:
-            return
-        prompts, mine, position = self._pending
-        self._pending = None
-        batch = self.trainer.collect_rollout(prompts, mine).batch
-        versions = torch.full_like(batch.rollout_logprobs, float(self.version)) * batch.response_mask
-        self.waiting.append(AheadBatch(batch.with_fields(policy_versions=versions), position))
+        self._pending = (prompts, mine)
 
     def _share_learned(self, batch: Batch | None) -> Batch:
         """The learners' finished batch on every rank, and their KL coefficient, which the checkpoint
@@ -148,7 +167,11 @@ class GenerationAhead:
 
 def staleness_metrics(batch: Batch, version: int) -> dict:
     """``staleness_mean`` and ``staleness_max``: policy versions between the weights that sampled each
-    response token and ``version``, the weights the batch updates."""
+    response token and ``version``, the weights the batch updates; ``partial_samples_fraction``: of the
+    samples, those whose tokens more than one version sampled (partial rollouts)."""
     mask = batch.response_mask
     staleness = (version - batch.policy_versions) * mask
-    return {"staleness_mean": staleness.sum() / mask.sum().clamp(min=1), "staleness_max": staleness.max()}
+    newest = (batch.policy_versions * mask).amax(dim=1)
+    oldest = torch.where(mask.bool(), batch.policy_versions, newest.unsqueeze(1)).amin(dim=1)
+    return {"staleness_mean": staleness.sum() / mask.sum().clamp(min=1), "staleness_max": staleness.max(),
+            "partial_samples_fraction": (newest > oldest).float().mean()}

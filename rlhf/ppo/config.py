@@ -77,6 +77,9 @@ KL_IN_LOSS_ESTIMATORS = ("grpo", "dr-grpo")
 TIS_MODES = ("token", "sequence")
 """Truncated importance sampling: per-token weights, or one weight per sequence."""
 
+PARTIAL_ROLLOUT_KV = ("recompute", "keep")
+"""What becomes of the K/V of samples in flight when new weights reach them (PPOConfig.partial_rollout_kv)."""
+
 
 @dataclass(frozen=True)
 class PPOConfig:
@@ -105,7 +108,10 @@ class PPOConfig:
     iterations while the others train, so a batch is trained at most K policy versions after
     the weights that generated it; the old log-probs are then always recomputed (the proximal
     policy of decoupled PPO, ``recomputes_logprobs``) and ``tis_cap`` weights each token by
-    proximal over behaviour (the engine's) probability.
+    proximal over behaviour (the engine's) probability. ``partial_rollouts`` lets generation run
+    free between the ranks' meetings: it keeps K batches in flight and takes each update's weights
+    mid-sample, the K/V of samples in flight computed again (``partial_rollout_kv`` "recompute") or
+    kept ("keep"; rlhf/ppo/partial_rollouts.py).
     """
 
     rollout_batch_size: int = 16
@@ -145,6 +151,8 @@ class PPOConfig:
     critic_warmup: int = 0
     recompute_logprobs: bool = False
     max_staleness: int = 0
+    partial_rollouts: bool = False
+    partial_rollout_kv: str = "recompute"
 
     def __post_init__(self):
         check_field_types("ppo", self)
@@ -180,7 +188,8 @@ class PPOConfig:
 
     def _check_loss_options(self) -> None:
         """The loss settings each in range, and no combination that cannot act (ConfigError naming the field)."""
-        choices = {"kl_in": (None, *KL_PLACES), "loss_agg": tuple(LOSS_AGGREGATIONS), "tis_mode": TIS_MODES}
+        choices = {"kl_in": (None, *KL_PLACES), "loss_agg": tuple(LOSS_AGGREGATIONS), "tis_mode": TIS_MODES,
+                   "partial_rollout_kv": PARTIAL_ROLLOUT_KV}
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 names = ", ".join("auto" if v is None else v for v in valid)
@@ -193,6 +202,10 @@ class PPOConfig:
         check_range("ppo", "critic_warmup", self.critic_warmup, 0, float("inf"), ">= 0 iterations")
         check_range("ppo", "max_staleness", self.max_staleness, 0, float("inf"),
                     ">= 0 policy versions (0: synchronous)")
+        if self.partial_rollouts and not self.max_staleness:
+            raise ConfigError("partial_rollouts hands weight updates to samples in flight, which only an "
+                              "asynchronous run has; give --max-staleness >= 1 (2 or more for samples to span "
+                              "an update) or drop it", "ppo.partial_rollouts")
         if self.tis_cap is not None:
             check_range("ppo", "tis_cap", self.tis_cap, 1.0, float("inf"), ">= 1 (the importance weights' cap)")
             if not self.recomputes_logprobs:
@@ -501,6 +514,10 @@ class JobConfig:
                               f"{self.generation.max_response_len}; give a buffer within it", "ppo.overlong_penalty")
         used = [m for m in MODELS if any(TASK_MODEL[t] == m for t in self.needed_tasks())]  # the models built
         self.models.check_reads_actor_ids([m for m in ("reference", "critic", "reward") if m in used])
+        if self.ppo.partial_rollouts and self.memory.release_generation_memory:
+            raise ConfigError("partial_rollouts keeps samples in flight between iterations, so actor_gen's "
+                              "weights and KV cache cannot be released; drop one of the two",
+                              "memory.release_generation_memory")
         if self.ppo.max_staleness and self.fusion.inter_stage_fusion:
             raise ConfigError("inter-stage fusion lends generation's ranks to inference once the long tail "
                               "migrates, but with max_staleness > 0 generation has ranks of its own and never "

@@ -20,7 +20,8 @@ mini-batch sees samples of the current policy (docs/training.md), unless
 ``--max-staleness K`` makes the iteration asynchronous: then generation, on
 ranks of its own, runs K iterations ahead (rlhf/ppo/asynchronous.py, which
 drives the pieces here: generate_here, collect_rollout, update_from,
-finish_iteration).
+finish_iteration), with ``--partial-rollouts`` free-running between the
+iterations (rlhf/ppo/partial_rollouts.py, on requests_here and the engine).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from rlhf.pipeline.inference import InferenceRunner
 from rlhf.ppo import layout
 from rlhf.ppo.asynchronous import GenerationAhead, learner_group
 from rlhf.ppo.config import JobConfig
+from rlhf.ppo.partial_rollouts import PartialRollouts, signal_group
 from rlhf.ppo.reward_fn import RewardFn, function_scores
 from rlhf.ppo.update import PPOUpdate
 from rlhf.tasks import INFERENCE_FIELDS, MODEL_SEEDS, TASK_MODEL, WEIGHTS_TASK, task_kind
@@ -127,7 +129,11 @@ class Trainer:
                                   optimizers=self.optimizers)
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
                                          config.generation.logprob_temperature)
-        self.ahead = GenerationAhead(self) if config.ppo.max_staleness else None
+        self.ahead = None
+        if config.ppo.partial_rollouts:
+            self.ahead = PartialRollouts(self, signal_group(placement, self.learners))
+        elif config.ppo.max_staleness:
+            self.ahead = GenerationAhead(self)
 
     # ---- the iteration ---------------------------------------------------------------
 
@@ -232,9 +238,7 @@ class Trainer:
             self.inter_stage.start_iteration()
         g, mine, fused = self.groups["actor_gen"], [], None
         if g is not None:
-            dp = g.mesh.strategy.dp
-            requests = [Request(str(i), tuple(p.token_ids), self._sampling_params(i, iteration))
-                        for i, p in enumerate(prompt_batch.prompts) if i % dp == g.coord.dp]
+            requests = self.requests_here(prompt_batch, iteration)
             if self.inter_stage is not None:
                 fused = self.inter_stage.generate(self.engine, requests, g)
                 results = fused.samples
@@ -244,6 +248,13 @@ class Trainer:
         self.memory.note("generation")
         self.memory.release_generation()
         return mine, fused
+
+    def requests_here(self, prompt_batch, iteration: int) -> list[Request]:
+        """The engine requests of this actor_gen replica for ``prompt_batch`` in (0-based) ``iteration``:
+        prompt ``i`` (request id ``str(i)``) goes to replica ``i % dp``."""
+        g = self.groups["actor_gen"]
+        return [Request(str(i), tuple(p.token_ids), self._sampling_params(i, iteration))
+                for i, p in enumerate(prompt_batch.prompts) if i % g.mesh.strategy.dp == g.coord.dp]
 
     def collect_rollout(self, prompt_batch, mine: list, fused: Optional[FusedGeneration] = None) -> Rollout:
         """Every rank's generated samples of ``prompt_batch`` as one Batch on every rank (collective);
