@@ -499,6 +499,34 @@ def test_asynchronous_iteration_is_the_slower_side_plus_the_meeting(generation_s
     assert t.start["advantage"] == pytest.approx(6.0)  # on the learners only: it does not wait for generation
 
 
+def test_partial_rollouts_decode_a_batch_for_its_mean_length():
+    """Free-running generation keeps the engine's batch full: a batch's decode steps are its mean response
+    length, not its longest. On uniform lengths that changes nothing; on the long-tailed lognormal (median
+    1/8 of the cap) actor_gen lasts prefill + call overhead + the rest x mean/max of the same lengths the
+    trainer draws."""
+    import random
+
+    from rlhf.fusion.policy import long_tailed_lengths
+
+    s = ParallelStrategy(dp=4)
+    meshes = {"actor_gen": _mesh("actor_gen", s), "actor_train": _mesh("actor_train", s, 4),
+              **{t: _mesh(t, s, 4) for t in ("ref_inf", "reward_inf", "critic_inf", "critic_train")}}
+    hw, cluster = HW["h100"], Cluster(1, 8)
+    for wl in (WL, replace(WL, long_tail_median=WL.response_len // 8)):
+        lockstep = evaluate(Plan("apart", meshes, asynchronous=True), MODELS_7B, wl, hw, cluster)
+        partial = evaluate(Plan("apart", meshes, asynchronous=True, partial_rollouts=True), MODELS_7B, wl, hw, cluster)
+        span = {name: ev.timeline.end["actor_gen"] - ev.timeline.start["actor_gen"]
+                for name, ev in (("lockstep", lockstep), ("partial", partial))}
+        lengths = long_tailed_lengths(4096, random.Random(0), median=wl.long_tail_median, cap=wl.response_len) \
+            if wl.long_tail_median else [wl.response_len]
+        fixed = lockstep.costs["actor_gen"].parts["prefill"] + hw.call_overhead_s
+        ratio = sum(lengths) / len(lengths) / wl.response_len
+        assert span["partial"] == pytest.approx(fixed + (span["lockstep"] - fixed) * ratio)
+        assert (span["partial"] < 0.5 * span["lockstep"]) if wl.long_tail_median else (ratio == 1)
+    with pytest.raises(PlannerError, match=r"partial rollouts run asynchronous generation free; the plan is not"):
+        Plan("apart", meshes, partial_rollouts=True)
+
+
 def test_asynchronous_plans_need_generation_apart():
     with pytest.raises(PlannerError, match=r"asynchronous generation needs ranks of its own, but ref_inf"):
         Plan("flat", _flat_plan(8, ParallelStrategy(dp=8), ParallelStrategy(dp=8)).meshes, asynchronous=True)
@@ -791,6 +819,12 @@ def test_tool_predicts_a_placement_synchronous_and_asynchronous(tmp_path, capsys
     assert "apart.json async:" in lines[2] and "+async" in lines[2] and "apart.json:" in lines[3]
     assert lines[4] == f"asynchronous wins: {slow / fast:.2f}x the best synchronous plan's iteration (steady state)"
     assert lines[-1].endswith(f"--placement {out} --max-staleness 2)")
+    assert plan_placement.main(["--actor", "tiny", "--critic", "tiny-critic", "--nodes", "1", "--gpus-per-node", "4",
+                                "--hardware", "a100", "--placement", str(plan), "--max-staleness", "2",
+                                "--partial-rollouts", "--long-tail-median", "64", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "+async +partial" in lines[2] and lines[4].startswith("asynchronous wins")
+    assert lines[-1].endswith(f"--placement {out} --max-staleness 2 --partial-rollouts --long-tail-median 64)")
 
 
 def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
@@ -834,6 +868,8 @@ def test_tool_calibrates_from_measured_stages(tmp_path, capsys):
      r"^plan_placement.py: --ppo-mini-batch-size: 100 does not divide the 512 samples"),
     (["--actor", "tiny", "--critic", "tiny", "--max-staleness", "-1"],
      r"^plan_placement.py: --max-staleness: -1 must be >= 0"),
+    (["--actor", "tiny", "--critic", "tiny", "--max-staleness", "1", "--partial-rollouts"],
+     r"^plan_placement.py: --partial-rollouts: needs --max-staleness >= 2 \(got 1\)"),
     (["--actor", "tiny", "--critic", "tiny", "--gpus-per-node", "4", "--max-staleness", "1", "--placement",
       str(ROOT / "examples" / "placement_4ranks.json")],
      r"^plan_placement.py: plan 'placement_4ranks.json async': asynchronous generation needs ranks of its own"),

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also try asynchronous plans (pretrain_rlhf.py --max-staleness K: actor_gen on ranks of "
                         "its own, generating ahead of training), and say whether the best of them beats the best "
                         "synchronous one and by how much (with --placement: the given plan both ways)")
+    s.add_argument("--partial-rollouts", action="store_true",
+                   help="with --max-staleness K >= 2: the asynchronous plans run generation free between "
+                        "iterations (pretrain_rlhf.py --partial-rollouts), so a batch's decode steps are its mean "
+                        "response length, not its longest (gains with --long-tail-median)")
     s.add_argument("--options", type=int, default=PlacementSearchConfig.options,
                    help="fastest strategies kept per task (the leanest is kept too)")
     s.add_argument("--keep", type=int, default=PlacementSearchConfig.keep,
@@ -169,6 +173,9 @@ def check_inputs(args) -> tuple:
             check_out_path(f"--{flag.replace('_', '-')}", getattr(args, flag))
     if args.max_staleness < 0:
         raise UsageError(f"--max-staleness: {args.max_staleness} must be >= 0 (0: synchronous)")
+    if args.partial_rollouts and args.max_staleness < 2:
+        raise UsageError(f"--partial-rollouts: needs --max-staleness >= 2 (got {args.max_staleness}): with K = 1 the "
+                         "next batch cannot start before the meeting, so nothing runs beside a batch's tail")
     if args.measured and not args.placement:
         raise UsageError("--measured: needs --placement, the plan the measured run used")
     if args.migration_threshold is not None and not (args.placement and args.inter_stage_fusion):
@@ -207,14 +214,15 @@ def run(args) -> None:
                 hw = calibrated(args, plan, models, wl, hw, cluster)
             ranked, pruned, how = [evaluate(plan, models, wl, hw, cluster)], [], "the given placement"
             if args.max_staleness:
-                ranked.append(evaluate(replace(plan, name=f"{plan.name} async", asynchronous=True), models, wl,
-                                       hw, cluster))
+                ranked.append(evaluate(replace(plan, name=f"{plan.name} async", asynchronous=True,
+                                               partial_rollouts=args.partial_rollouts), models, wl, hw, cluster))
                 ranked.sort(key=lambda ev: ev.seconds)
                 how += ", synchronous and asynchronous"
         else:
             cfg = PlacementSearchConfig(options=args.options, keep=args.keep, brute_force_limit=args.brute_force_limit,
                                proposals=args.proposals, seed=args.seed, fuse_training=args.intra_stage_fusion,
-                               fuse_generation=args.inter_stage_fusion, asynchronous=args.max_staleness > 0)
+                               fuse_generation=args.inter_stage_fusion, asynchronous=args.max_staleness > 0,
+                               partial_rollouts=args.partial_rollouts)
             res = search_placements(models, wl, hw, cluster, cfg)
             ranked, pruned = res.ranked, res.pruned
             how = f"{res.method}, {res.evaluations} plans evaluated"
@@ -252,6 +260,8 @@ def job_flags(ev, wl: Workload, max_staleness: int = 0) -> list[str]:
     flags = ["--intra-stage-fusion"] if ev.plan.fuse_training else []
     if ev.plan.asynchronous:
         flags.append(f"--max-staleness {max_staleness}")
+    if ev.plan.partial_rollouts:
+        flags.append("--partial-rollouts")
     if ev.plan.fuse_generation:
         flags += ["--inter-stage-fusion", f"--migration-threshold {ev.migration_threshold:g}"]
     if wl.long_tail_median:

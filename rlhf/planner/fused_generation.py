@@ -67,7 +67,8 @@ def generation_cost(cfg, gen: TaskMesh, wl: Workload, hw: Hardware, cluster: Clu
 
 
 @lru_cache(maxsize=None)
-def _lengths(wl: Workload) -> LengthDistribution:
+def workload_lengths(wl: Workload) -> LengthDistribution:
+    """The response lengths that stand for ``wl``: the long-tailed lognormal's sample, or response_len."""
     if not wl.long_tail_median:
         return LengthDistribution([wl.response_len])
     return LengthDistribution(long_tailed_lengths(LENGTH_SAMPLE, random.Random(0), median=wl.long_tail_median,
@@ -77,7 +78,7 @@ def _lengths(wl: Workload) -> LengthDistribution:
 @lru_cache(maxsize=None)
 def threshold_choice(cost: GenerationCost, wl: Workload) -> ThresholdChoice:
     """The policy's R for ``cost`` on ``wl``'s lengths, with the simulated times behind it (remembered)."""
-    return choose_threshold(_lengths(wl), cost, wl.samples, trials=TRIALS, seed=0)
+    return choose_threshold(workload_lengths(wl), cost, wl.samples, trials=TRIALS, seed=0)
 
 
 def fused_seconds(cost: GenerationCost, wl: Workload, unfused_s: float,
@@ -90,5 +91,5 @@ def fused_seconds(cost: GenerationCost, wl: Workload, unfused_s: float,
         fused = dict(choice.sweep)[threshold]
     else:  # the batches choose_threshold simulated: drawn from the same seed in the same order
         rng = random.Random(0)
-        fused = sweep([_lengths(wl).draw(wl.samples, rng) for _ in range(TRIALS)], cost, [threshold])[0][1]
+        fused = sweep([workload_lengths(wl).draw(wl.samples, rng) for _ in range(TRIALS)], cost, [threshold])[0][1]
     return unfused_s * fused / choice.unfused_s, threshold

@@ -34,7 +34,9 @@ generation and inference (inter-stage fusion, rlhf.planner.fused_generation)
 when ``fuse_generation`` is set and actor_gen has dp >= 2. With
 ``asynchronous`` every placement is also tried with actor_gen on a block of
 its own before the models' blocks (``gen | ...``), both synchronous and
-asynchronous (``--max-staleness``: the steady state of rlhf.planner.plan).
+asynchronous (``--max-staleness``: the steady state of rlhf.planner.plan;
+with ``partial_rollouts`` asynchronous means free-running generation,
+``--partial-rollouts``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, MODELS, TASK_MODEL, TASKS
 
 GENERATION = "generation"
 """The set of an asynchronous candidate that holds actor_gen alone (rlhf/ppo/asynchronous.py)."""
+PARTIAL = "partial"
+"""The asynchronous mode of a candidate whose generation runs free (``partial_rollouts``)."""
 APP_PLACEMENTS = {
     "flatten": (("actor", "reference", "reward", "critic"),),
     "interleave": (("actor", "reference"), ("reward", "critic")),
@@ -76,6 +80,7 @@ class PlacementSearchConfig:
     fuse_training: bool = False
     fuse_generation: bool = False
     asynchronous: bool = False
+    partial_rollouts: bool = False
 
 
 class Pruned(NamedTuple):
@@ -246,7 +251,7 @@ def search_placements(models: dict, wl: Workload, hw: Hardware, cluster: Cluster
                 scored.append(Scored(min(ev.seconds for ev in firsts), name, options, fuse))
     scored.sort(key=lambda x: x.seconds)
     # the best of each mode goes on: asynchronous candidates (fuse[2]) are not crowded out by synchronous ones
-    kept = [c for mode in (False, True) for c in [c for c in scored if c.fuse[2] == mode][:config.keep]]
+    kept = [c for mode in (False, True) for c in [c for c in scored if bool(c.fuse[2]) == mode][:config.keep]]
     total = sum(math.prod(len(o) for o in c.options.values()) for c in kept)
     result.method = ("brute force" if total <= config.brute_force_limit else
                      f"simulated annealing ({config.proposals} proposals per candidate)")
@@ -277,13 +282,14 @@ def _nothing_fits(pruned: list, cluster: Cluster) -> str:
             "that divides the heads and layers (a power of two) or change the batch sizes")
 
 
-def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool, bool]]:
+def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool, bool | str]]:
     """(fuse_training, fuse_generation, asynchronous) variants worth trying on this placement: a candidate
-    with actor_gen apart runs asynchronous (and synchronous too: generation apart can win without it)."""
+    with actor_gen apart runs asynchronous (and synchronous too: generation apart can win without it),
+    lockstep or, with ``partial_rollouts``, free-running (``PARTIAL``)."""
     training = (False, True) if config.fuse_training and any("actor" in s and "critic" in s for s in sets) \
         else (False,)
     generation = (False, True) if config.fuse_generation and len(sets) == 1 else (False,)
-    apart = (False, True) if (GENERATION,) in sets else (False,)
+    apart = (False, PARTIAL if config.partial_rollouts else True) if (GENERATION,) in sets else (False,)
     return list(itertools.product(training, generation, apart))
 
 
@@ -334,8 +340,8 @@ def _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result) 
     if fuse_training:
         critic = meshes["critic_train"]
         meshes["critic_train"] = TaskMesh("critic_train", critic.ranks, critic.strategy, reverse_pp=True)
-    return _predict(Plan(name, generation_order(meshes, models), fuse_training, asynchronous=asynchronous), models,
-                    wl, hw, cluster, result)
+    return _predict(Plan(name, generation_order(meshes, models), fuse_training, asynchronous=bool(asynchronous),
+                         partial_rollouts=asynchronous == PARTIAL), models, wl, hw, cluster, result)
 
 
 def _predict(plan, models, wl, hw, cluster, result) -> Evaluation | None:

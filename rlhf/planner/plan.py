@@ -34,7 +34,11 @@ state of one iteration::
     actor_gen ------------------------------------------\
     ref_inf, reward_inf, critic_inf -> advantage -> training -> reshard critic -> reshard actor
 
-(``advantage`` then on the learners' ranks only). Memory per rank: the static
+(``advantage`` then on the learners' ranks only). With ``partial_rollouts`` too
+(``--partial-rollouts``, K >= 2, rlhf/ppo/partial_rollouts.py) the engine keeps
+the next batches' samples running beside a batch's long tail, so its running
+batch stays full: a batch's decode steps are its mean response length instead of
+its longest (the prefill and the call's overhead unchanged). Memory per rank: the static
 bytes of every task on it plus the largest transient bytes of one call (both
 training calls when fused).
 """
@@ -92,11 +96,16 @@ class Plan:
     the training layout after it. False: the trainer's, where the call's layout keeps its copy."""
     asynchronous: bool = False
     """Generation on ranks of its own runs ahead of training (``--max-staleness`` > 0): the steady state."""
+    partial_rollouts: bool = False
+    """Asynchronous generation running free between meetings (``--partial-rollouts``): full decode batches."""
 
     def __post_init__(self):
         if self.weights_return and self.fuse_generation:
             raise PlannerError(f"plan {self.name!r}: fused generation keeps the actor's copy on its ranks; it "
                                "cannot return the weights after generation (weights_return)")
+        if self.partial_rollouts and not self.asynchronous:
+            raise PlannerError(f"plan {self.name!r}: partial rollouts run asynchronous generation free; the plan "
+                               "is not asynchronous")
         if self.asynchronous:
             if self.weights_return or self.fuse_generation:
                 raise PlannerError(f"plan {self.name!r}: asynchronous generation keeps its ranks to itself; it "
@@ -121,7 +130,8 @@ class Plan:
         parts = [f"{t.split('_')[0]}.{t.split('_')[1]}={rank_spec(m.ranks)}:{m.strategy}"
                  for t, m in self.meshes.items()]
         return " ".join(parts) + (" +fused" if self.fuse_training else "") + (
-            " +inter-stage" if self.fuse_generation else "") + (" +async" if self.asynchronous else "")
+            " +inter-stage" if self.fuse_generation else "") + (" +async" if self.asynchronous else "") + (
+            " +partial" if self.partial_rollouts else "")
 
 
 def plan_from_placement_file(path: str | Path, cluster: Cluster, fuse_training: bool = False,
@@ -172,6 +182,8 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
     costs = {task: cached_cost(task, models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl, hw, cluster,
                                plan.microbatches.get(task), precision) for task, mesh in plan.meshes.items()}
     seconds = {task: c.seconds for task, c in costs.items()} | (durations or {})
+    if plan.partial_rollouts and "actor_gen" not in (durations or {}):
+        seconds["actor_gen"] = free_running_generation_s(costs["actor_gen"], wl, hw)
     moved = {name: most_received(models[TASK_MODEL[src]], MODEL_KIND[TASK_MODEL[src]], plan.meshes[src],
                                  plan.meshes[dst]) for name, (src, dst) in weight_moves(plan).items()}
     moves = {name: _move_call(name, plan, nbytes, hw, cluster) for name, nbytes in moved.items() if nbytes}
@@ -193,6 +205,16 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
                                                   (calls[-1].name, 0.0)])
     return Evaluation(plan, schedule_calls(calls, sharing(hw, cluster)), costs, memory_per_rank(plan, costs), moved,
                       threshold)
+
+
+def free_running_generation_s(cost: TaskCost, wl: Workload, hw: Hardware) -> float:
+    """Seconds of one batch's generation when the engine's running batch stays full (partial rollouts): its
+    decode steps (and their communication, latency and per-step overhead) scaled from the longest response
+    to the mean one of the workload's lengths; the prefill and the call's overhead as they are."""
+    lengths = fused_generation.workload_lengths(wl).lengths
+    ratio = sum(lengths) / len(lengths) / wl.response_len
+    fixed = cost.parts.get("prefill", 0.0) + hw.call_overhead_s
+    return fixed + (cost.seconds - fixed) * ratio
 
 
 def weight_moves(plan: Plan) -> dict:
