@@ -1,23 +1,31 @@
-"""Asynchronous iterations (--max-staleness K) against synchronous ones on 4 gloo ranks: measured and predicted.
+"""Asynchronous iterations (--max-staleness K, --partial-rollouts) against synchronous ones on 4 gloo ranks.
 
 The trainer of the tiny default's shape (the synthetic task, gold rule as the reward) on 4 ranks with
 actor_gen dp2 on ranks 0-1 and every other task on ranks 2-3 (docs/async.md's layout), the same
-placement for every K: K = 0 is the synchronous iteration, K >= 1 asynchronous. Compute is made to look
-like a cluster's by calibrated sleeps: each engine call sleeps ``--generation-s`` on the generation
-ranks and each PPO update ``--training-s`` on the learners, beside which the tiny models' own compute is
-small (on 2 shared cores it is not free: the residue is what the two sides' real work costs).
+placement for every run: K = 0 is the synchronous iteration, K >= 1 asynchronous in lockstep, and with
+``--partial K`` free-running (partial rollouts). Compute is made to look like a cluster's by calibrated
+sleeps: each engine step sleeps ``--step-s`` on the generation ranks (a memory-bound decode step, as
+long whatever the running batch) and each PPO update ``--training-s`` on the learners, beside which the
+tiny models' own compute is small (on 2 shared cores it is not free: the residue is what the two sides'
+real work costs). ``--long-tail-median M`` draws the responses' lengths from the trainer's long-tailed
+lognormal (median M, EOS ignored); 0: every response runs to --max-response-len.
 
 Prediction, from the synchronous run's own stage seconds: generation g = time_generation_s, learning
 l = inference + advantage + training (+ the critic's reshard), meeting m = the iteration's remainder
 (the batch gather and the actor's reshard). Synchronous: g + l + m. Asynchronous, lockstep steady
-state: max(g, l) + m (rlhf/ppo/asynchronous.py: the two sides meet once per iteration). Steady-state
-means skip the first K + 1 iterations (the start-up batches).
+state: max(g, l) + m (the two sides meet once per iteration). Partial rollouts: max(g r, g / K, l) + m
+with r = the synchronous batches' mean response length over their longest (the engine's batch stays full,
+so a batch takes its mean length in steps, not its longest) and g / K the longest sample's latency spread
+over the K iterations a batch has (rlhf.planner.plan.free_running_generation_s). Steady-state means skip
+the first K + 1 iterations (the start-up batches) and the last K (nothing left to generate).
 
 ``prompts_once``: the reward function records every prompt it scores; yes when each prompt of the
-iterations trained was scored exactly its n samples' times.
+iterations trained was scored exactly its n samples' times, in every run.
 
-Usage: ``python benchmarks/async.py [--iterations 8] [--generation-s 2] [--training-s 2] [--k 1 2]``
-Last line: ``async: sync_s=<x> async_s=<y> speedup=<x/y> predicted=<p> staleness_max=<k> prompts_once=<yes|no>``
+Usage: ``python benchmarks/async.py [--iterations 8] [--step-s 0.03] [--training-s 2] [--k 1 2] [--partial 2]
+[--long-tail-median 8] [--max-response-len 64]``
+Last line (the fastest asynchronous run): ``async: sync_s=<x> async_s=<y> speedup=<x/y> predicted=<p>
+staleness_max=<k> prompts_once=<yes|no>``
 """
 from __future__ import annotations
 
@@ -30,16 +38,17 @@ LEARNING = ("inference", "advantage", "training")
 SAMPLES_PER_PROMPT = 4
 
 
-def run_rank(k: int, iterations: int, generation_s: float, training_s: float) -> dict:
+def run_rank(k: int, partial: bool, iterations: int, step_s: float, training_s: float, long_tail_median: int,
+             max_response_len: int) -> dict:
     """One run on this rank (a worker of rlhf.testing.distributed.launch): per-iteration metrics and the
     prompts this rank's reward function scored."""
     import torch.distributed as dist
 
+    from rlhf.config import RunConfig
     from rlhf.data import ByteTokenizer, PromptBatchIterator
     from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
-    from rlhf.config import RunConfig
     from rlhf.parallel import Placement
-    from rlhf.ppo.config import JobConfig, PPOConfig, RewardConfig
+    from rlhf.ppo.config import GenerationConfig, JobConfig, PPOConfig, RewardConfig
     from rlhf.ppo.trainer import Trainer
 
     scored: list = []
@@ -52,22 +61,25 @@ def run_rank(k: int, iterations: int, generation_s: float, training_s: float) ->
             "critic_train": {"ranks": [2, 3], "pp": 2, "reverse_pp": True}, "ref_inf": {"ranks": [2, 3]},
             "reward_inf": {"ranks": [2, 3]}, "critic_inf": {"ranks": [2, 3]}}
     config = JobConfig(run=RunConfig(iterations=iterations, seed=3),
-                       ppo=PPOConfig(n_samples_per_prompt=SAMPLES_PER_PROMPT, max_staleness=k),
+                       generation=GenerationConfig(max_response_len=max_response_len,
+                                                   long_tail_median=long_tail_median),
+                       ppo=PPOConfig(n_samples_per_prompt=SAMPLES_PER_PROMPT, max_staleness=k,
+                                     partial_rollouts=partial),
                        reward=RewardConfig(reward_fn="rlhf.data.synthetic:gold_reward"))
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=3)),
                                   config.ppo.rollout_batch_size, seed=3)
     trainer = Trainer(config, Placement.from_plan(plan, 4), prompts, ByteTokenizer(), reward_fn=reward)
-    _calibrate(trainer, generation_s, training_s)
+    _calibrate(trainer, step_s, training_s)
     metrics = [trainer.step().metrics for _ in range(iterations)]
     dist.barrier()
     return {"metrics": metrics, "scored": scored}
 
 
-def _calibrate(trainer, generation_s: float, training_s: float) -> None:
-    """Make each engine call take ``generation_s`` longer and each PPO update ``training_s`` longer."""
+def _calibrate(trainer, step_s: float, training_s: float) -> None:
+    """Make each engine step take ``step_s`` longer and each PPO update ``training_s`` longer."""
     if trainer.engine is not None:
-        generate = trainer.engine.generate
-        trainer.engine.generate = lambda requests: _after_sleep(generation_s, generate, requests)
+        step = trainer.engine.step
+        trainer.engine.step = lambda: _after_sleep(step_s, step)
     update = trainer.update
     trainer.update = lambda batch: _after_sleep(training_s, update, batch)
 
@@ -78,58 +90,72 @@ def _after_sleep(seconds: float, fn, *args):
 
 
 def steady(metrics: list, k: int, key: str) -> float:
-    """Mean of ``key`` over the iterations after the first k + 1."""
-    return statistics.mean(m.get(key, 0.0) for m in metrics[k + 1:])
+    """Mean of ``key`` over the iterations after the first k + 1 and before the last k (no generation)."""
+    return statistics.mean(m.get(key, 0.0) for m in metrics[k + 1:len(metrics) - k])
 
 
-def predicted(sync: list) -> dict:
-    """Seconds per iteration, synchronous and asynchronous, from the synchronous run's stage seconds."""
+def predicted(sync: list, k: int) -> dict:
+    """Seconds per iteration of each mode from the synchronous run's stage seconds and lengths (partial
+    rollouts with staleness bound ``k``)."""
     g = steady(sync, 0, "time_generation_s")
     learn = sum(steady(sync, 0, f"time_{s}_s") for s in LEARNING)
     meet = steady(sync, 0, "time_iteration_s") - g - learn
-    return {"generation": g, "learning": learn, "meeting": meet, "sync": g + learn + meet,
-            "async": max(g, learn) + meet}
+    full = steady(sync, 0, "response_length_mean") / steady(sync, 0, "response_length_max")
+    return {"generation": g, "learning": learn, "meeting": meet, "full": full, "sync": g + learn + meet,
+            "lockstep": max(g, learn) + meet, "partial": max(g * full, g / k, learn) + meet}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--iterations", type=int, default=8, help="iterations per run (default %(default)s)")
-    ap.add_argument("--generation-s", type=float, default=2.0, help="sleep added to each engine call on the "
-                                                                    "generation ranks (default %(default)s)")
+    ap.add_argument("--iterations", type=int, default=10, help="iterations per run (default %(default)s)")
+    ap.add_argument("--step-s", type=float, default=0.03, help="sleep added to each engine step on the "
+                                                               "generation ranks (default %(default)s)")
     ap.add_argument("--training-s", type=float, default=2.0, help="sleep added to each PPO update on the "
                                                                   "learners (default %(default)s)")
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2], help="staleness bounds to run besides 0 "
-                                                                     "(default %(default)s)")
+    ap.add_argument("--k", type=int, nargs="*", default=[1, 2], help="staleness bounds to run in lockstep "
+                                                                     "besides 0 (default %(default)s)")
+    ap.add_argument("--partial", type=int, nargs="*", default=[2], help="staleness bounds to run with partial "
+                                                                        "rollouts (default %(default)s)")
+    ap.add_argument("--long-tail-median", type=int, default=0, help="draw response lengths from the long-tailed "
+                                                                    "lognormal of this median (0: all full length)")
+    ap.add_argument("--max-response-len", type=int, default=64, help="response length cap (default %(default)s)")
     args = ap.parse_args(argv)
-    if args.iterations < max(args.k) + 3 or min(args.k) < 1:
-        ap.error(f"--k {args.k} must be >= 1 and --iterations {args.iterations} >= max K + 3 (steady state)")
+    bounds = [*args.k, *args.partial]
+    if not bounds or args.iterations < 2 * max(bounds) + 3 or min(bounds) < 1 or min(args.partial, default=2) < 2:
+        ap.error(f"--k {args.k} must be >= 1, --partial {args.partial} >= 2, at least one given, and --iterations "
+                 f"{args.iterations} >= twice the largest + 3 (a steady state between start and end)")
     from rlhf.testing.distributed import launch
 
     runs = {}
-    for k in [0, *args.k]:
-        ranks = launch(4, "async:run_rank", timeout_s=900, k=k, iterations=args.iterations,
-                       generation_s=args.generation_s, training_s=args.training_s)
+    for k, partial in [(0, False), *((k, False) for k in args.k), *((k, True) for k in args.partial)]:
+        ranks = launch(4, "async:run_rank", timeout_s=900, k=k, partial=partial, iterations=args.iterations,
+                       step_s=args.step_s, training_s=args.training_s, long_tail_median=args.long_tail_median,
+                       max_response_len=args.max_response_len)
         scored = Counter(p for r in ranks for p in r["scored"])
-        runs[k] = {"metrics": ranks[0]["metrics"], "once": set(scored.values()) == {SAMPLES_PER_PROMPT}}
-    p = predicted(runs[0]["metrics"])
-    print(f"4 ranks (generation 0-1, the rest 2-3) on 2 shared cores; sleeps: generation {args.generation_s} s, "
-          f"training {args.training_s} s; synchronous stages: generation {p['generation']:.2f} s, learning "
-          f"{p['learning']:.2f} s, meeting {p['meeting']:.2f} s")
-    print("| K | s/iteration | speedup | predicted | staleness_max | gen idle | train idle | prompts once |")
-    print("|---|---|---|---|---|---|---|---|")
-    sync_s = steady(runs[0]["metrics"], 0, "time_iteration_s")
-    for k, run in runs.items():
-        m = run["metrics"]
-        s = steady(m, k, "time_iteration_s")
-        pred = p["sync"] / (p["async"] if k else p["sync"])
-        print(f"| {k} | {s:.2f} | {sync_s / s:.2f} | {pred:.2f} | {max(x.get('staleness_max', 0) for x in m):.0f} | "
+        runs[(k, partial)] = {"metrics": ranks[0]["metrics"], "once": set(scored.values()) == {SAMPLES_PER_PROMPT}}
+    predictions = {k: predicted(runs[(0, False)]["metrics"], k) for k in [1, *args.partial]}
+    p = predictions[1]
+    lengths = f"long-tailed, median {args.long_tail_median}" if args.long_tail_median else "all full length"
+    print(f"4 ranks (generation 0-1, the rest 2-3) on 2 shared cores; responses <= {args.max_response_len} tokens, "
+          f"{lengths}; sleeps: {args.step_s} s per engine step, {args.training_s} s per update; synchronous "
+          f"stages: generation {p['generation']:.2f} s, learning {p['learning']:.2f} s, meeting {p['meeting']:.2f} "
+          f"s; mean / longest response {p['full']:.2f}")
+    print("| mode | K | s/iteration | speedup | predicted | staleness_max | partial samples | gen idle | train idle "
+          "| prompts once |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    sync_s = steady(runs[(0, False)]["metrics"], 0, "time_iteration_s")
+    seconds = {}
+    for (k, partial), run in runs.items():
+        m, mode = run["metrics"], "partial" if partial else "lockstep" if k else "sync"
+        seconds[(k, partial)] = s = steady(m, k, "time_iteration_s")
+        print(f"| {mode} | {k} | {s:.2f} | {sync_s / s:.2f} | {p['sync'] / predictions.get(k, p)[mode]:.2f} | "
+              f"{max(x.get('staleness_max', 0) for x in m):.0f} | {steady(m, k, 'partial_samples_fraction'):.2f} | "
               f"{steady(m, k, 'generation_idle_fraction'):.2f} | {steady(m, k, 'training_idle_fraction'):.2f} | "
               f"{'yes' if run['once'] else 'no'} |")
-    k = args.k[0]
-    async_s = steady(runs[k]["metrics"], k, "time_iteration_s")
-    print(f"async: sync_s={sync_s:.3f} async_s={async_s:.3f} speedup={sync_s / async_s:.3f} "
-          f"predicted={p['sync'] / p['async']:.3f} "
-          f"staleness_max={max(x.get('staleness_max', 0) for x in runs[k]['metrics']):.0f} "
+    k, partial = fastest = min((key for key in runs if key[0]), key=seconds.get)
+    print(f"async: sync_s={sync_s:.3f} async_s={seconds[fastest]:.3f} speedup={sync_s / seconds[fastest]:.3f} "
+          f"predicted={p['sync'] / predictions.get(k, p)['partial' if partial else 'lockstep']:.3f} "
+          f"staleness_max={max(x.get('staleness_max', 0) for x in runs[fastest]['metrics']):.0f} "
           f"prompts_once={'yes' if all(r['once'] for r in runs.values()) else 'no'}")
 
 

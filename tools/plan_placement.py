@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--partial-rollouts", action="store_true",
                    help="with --max-staleness K >= 2: the asynchronous plans run generation free between "
                         "iterations (pretrain_rlhf.py --partial-rollouts), so a batch's decode steps are its mean "
-                        "response length, not its longest (gains with --long-tail-median)")
+                        "response length, not its longest, but it has only K iterations for its longest sample "
+                        "(gains with --long-tail-median)")
     s.add_argument("--options", type=int, default=PlacementSearchConfig.options,
                    help="fastest strategies kept per task (the leanest is kept too)")
     s.add_argument("--keep", type=int, default=PlacementSearchConfig.keep,
@@ -215,14 +216,15 @@ def run(args) -> None:
             ranked, pruned, how = [evaluate(plan, models, wl, hw, cluster)], [], "the given placement"
             if args.max_staleness:
                 ranked.append(evaluate(replace(plan, name=f"{plan.name} async", asynchronous=True,
-                                               partial_rollouts=args.partial_rollouts), models, wl, hw, cluster))
+                                               partial_rollouts=args.partial_rollouts,
+                                               max_staleness=args.max_staleness), models, wl, hw, cluster))
                 ranked.sort(key=lambda ev: ev.seconds)
                 how += ", synchronous and asynchronous"
         else:
             cfg = PlacementSearchConfig(options=args.options, keep=args.keep, brute_force_limit=args.brute_force_limit,
                                proposals=args.proposals, seed=args.seed, fuse_training=args.intra_stage_fusion,
                                fuse_generation=args.inter_stage_fusion, asynchronous=args.max_staleness > 0,
-                               partial_rollouts=args.partial_rollouts)
+                               partial_rollouts=args.partial_rollouts, max_staleness=max(1, args.max_staleness))
             res = search_placements(models, wl, hw, cluster, cfg)
             ranked, pruned = res.ranked, res.pruned
             how = f"{res.method}, {res.evaluations} plans evaluated"

@@ -58,8 +58,7 @@ from rlhf.tasks import INFERENCE_TASKS, MODEL_KIND, MODELS, TASK_MODEL, TASKS
 
 GENERATION = "generation"
 """The set of an asynchronous candidate that holds actor_gen alone (rlhf/ppo/asynchronous.py)."""
-PARTIAL = "partial"
-"""The asynchronous mode of a candidate whose generation runs free (``partial_rollouts``)."""
+
 APP_PLACEMENTS = {
     "flatten": (("actor", "reference", "reward", "critic"),),
     "interleave": (("actor", "reference"), ("reward", "critic")),
@@ -81,6 +80,14 @@ class PlacementSearchConfig:
     fuse_generation: bool = False
     asynchronous: bool = False
     partial_rollouts: bool = False
+    max_staleness: int = 1
+
+
+class AsyncMode(NamedTuple):
+    """How an asynchronous candidate's generation runs (a non-empty tuple: true where a mode is a bool)."""
+
+    partial_rollouts: bool
+    max_staleness: int
 
 
 class Pruned(NamedTuple):
@@ -282,14 +289,15 @@ def _nothing_fits(pruned: list, cluster: Cluster) -> str:
             "that divides the heads and layers (a power of two) or change the batch sizes")
 
 
-def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool, bool | str]]:
+def _fusions(sets: tuple, config: PlacementSearchConfig) -> list[tuple[bool, bool, "AsyncMode | bool"]]:
     """(fuse_training, fuse_generation, asynchronous) variants worth trying on this placement: a candidate
-    with actor_gen apart runs asynchronous (and synchronous too: generation apart can win without it),
-    lockstep or, with ``partial_rollouts``, free-running (``PARTIAL``)."""
+    with actor_gen apart runs asynchronous (the config's AsyncMode; and synchronous, False, too: generation
+    apart can win without it)."""
     training = (False, True) if config.fuse_training and any("actor" in s and "critic" in s for s in sets) \
         else (False,)
     generation = (False, True) if config.fuse_generation and len(sets) == 1 else (False,)
-    apart = (False, PARTIAL if config.partial_rollouts else True) if (GENERATION,) in sets else (False,)
+    mode = AsyncMode(config.partial_rollouts, config.max_staleness)
+    apart = (False, mode) if (GENERATION,) in sets else (False,)
     return list(itertools.product(training, generation, apart))
 
 
@@ -340,8 +348,10 @@ def _evaluate_new(name, choice, options, fuse, models, wl, hw, cluster, result) 
     if fuse_training:
         critic = meshes["critic_train"]
         meshes["critic_train"] = TaskMesh("critic_train", critic.ranks, critic.strategy, reverse_pp=True)
+    mode = asynchronous or AsyncMode(False, 1)
     return _predict(Plan(name, generation_order(meshes, models), fuse_training, asynchronous=bool(asynchronous),
-                         partial_rollouts=asynchronous == PARTIAL), models, wl, hw, cluster, result)
+                         partial_rollouts=mode.partial_rollouts, max_staleness=mode.max_staleness), models, wl, hw,
+                    cluster, result)
 
 
 def _predict(plan, models, wl, hw, cluster, result) -> Evaluation | None:

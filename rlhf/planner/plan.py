@@ -35,10 +35,13 @@ state of one iteration::
     ref_inf, reward_inf, critic_inf -> advantage -> training -> reshard critic -> reshard actor
 
 (``advantage`` then on the learners' ranks only). With ``partial_rollouts`` too
-(``--partial-rollouts``, K >= 2, rlhf/ppo/partial_rollouts.py) the engine keeps
-the next batches' samples running beside a batch's long tail, so its running
-batch stays full: a batch's decode steps are its mean response length instead of
-its longest (the prefill and the call's overhead unchanged). Memory per rank: the static
+(``--partial-rollouts``, rlhf/ppo/partial_rollouts.py) the engine keeps the next
+batches' samples running beside a batch's long tail, so its running batch stays
+full: a batch's decode steps are its mean response length instead of its
+longest (the prefill and the call's overhead unchanged). But a batch starts K
+iterations before the meeting that needs it finished (``max_staleness`` K), so
+an iteration lasts at least 1/K of the batch's own generation, its longest
+sample's latency. Memory per rank: the static
 bytes of every task on it plus the largest transient bytes of one call (both
 training calls when fused).
 """
@@ -98,6 +101,8 @@ class Plan:
     """Generation on ranks of its own runs ahead of training (``--max-staleness`` > 0): the steady state."""
     partial_rollouts: bool = False
     """Asynchronous generation running free between meetings (``--partial-rollouts``): full decode batches."""
+    max_staleness: int = 1
+    """K of an asynchronous plan; with ``partial_rollouts`` a batch has K iterations to finish."""
 
     def __post_init__(self):
         if self.weights_return and self.fuse_generation:
@@ -106,6 +111,8 @@ class Plan:
         if self.partial_rollouts and not self.asynchronous:
             raise PlannerError(f"plan {self.name!r}: partial rollouts run asynchronous generation free; the plan "
                                "is not asynchronous")
+        if self.max_staleness < 1:
+            raise PlannerError(f"plan {self.name!r}: max_staleness {self.max_staleness} must be >= 1")
         if self.asynchronous:
             if self.weights_return or self.fuse_generation:
                 raise PlannerError(f"plan {self.name!r}: asynchronous generation keeps its ranks to itself; it "
@@ -183,7 +190,7 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
                                plan.microbatches.get(task), precision) for task, mesh in plan.meshes.items()}
     seconds = {task: c.seconds for task, c in costs.items()} | (durations or {})
     if plan.partial_rollouts and "actor_gen" not in (durations or {}):
-        seconds["actor_gen"] = free_running_generation_s(costs["actor_gen"], wl, hw)
+        seconds["actor_gen"] = free_running_generation_s(costs["actor_gen"], wl, hw, plan.max_staleness)
     moved = {name: most_received(models[TASK_MODEL[src]], MODEL_KIND[TASK_MODEL[src]], plan.meshes[src],
                                  plan.meshes[dst]) for name, (src, dst) in weight_moves(plan).items()}
     moves = {name: _move_call(name, plan, nbytes, hw, cluster) for name, nbytes in moved.items() if nbytes}
@@ -207,14 +214,15 @@ def evaluate(plan: Plan, models: dict, wl: Workload, hw: Hardware, cluster: Clus
                       threshold)
 
 
-def free_running_generation_s(cost: TaskCost, wl: Workload, hw: Hardware) -> float:
-    """Seconds of one batch's generation when the engine's running batch stays full (partial rollouts): its
-    decode steps (and their communication, latency and per-step overhead) scaled from the longest response
-    to the mean one of the workload's lengths; the prefill and the call's overhead as they are."""
+def free_running_generation_s(cost: TaskCost, wl: Workload, hw: Hardware, max_staleness: int) -> float:
+    """Seconds of generation per iteration when the engine's running batch stays full (partial rollouts): a
+    batch's decode steps (and their communication, latency and per-step overhead) scaled from the longest
+    response to the mean one of the workload's lengths, the prefill and the call's overhead as they are;
+    but at least 1/K of the batch's own seconds, as it has K iterations for its longest sample."""
     lengths = fused_generation.workload_lengths(wl).lengths
     ratio = sum(lengths) / len(lengths) / wl.response_len
     fixed = cost.parts.get("prefill", 0.0) + hw.call_overhead_s
-    return fixed + (cost.seconds - fixed) * ratio
+    return max(fixed + (cost.seconds - fixed) * ratio, cost.seconds / max_staleness)
 
 
 def weight_moves(plan: Plan) -> dict:
