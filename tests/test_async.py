@@ -91,7 +91,11 @@ def test_generation_sharing_ranks_with_training_is_refused(capsys):
             ) in capsys.readouterr().err
     assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "1", *APART]) == 0
     assert ("generation: 2 instance(s), samples end at EOS or --max-response-len; asynchronous: 1 iteration(s) "
-            "ahead of training on ranks of its own (--max-staleness 1)") in capsys.readouterr().out
+            "ahead of training on ranks of its own (--max-staleness 1), the old log-probs") in capsys.readouterr().out
+    assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "2", "--partial-rollouts",
+                               *APART]) == 0
+    assert ("ahead of training on ranks of its own (--max-staleness 2), running free with partial rollouts (samples "
+            "in flight take each update's weights, K/V: recompute)") in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("k", [1, 2])

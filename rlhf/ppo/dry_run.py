@@ -142,11 +142,13 @@ def _describe_generation(config: JobConfig, placement) -> str:
     fusion, gen = config.fusion, config.generation
     workload = (f"long-tailed workload (lognormal lengths, median {gen.long_tail_median}, EOS ignored)"
                 if gen.long_tail_median else "samples end at EOS or --max-response-len")
-    k = config.ppo.max_staleness
-    if k:
+    ppo = config.ppo
+    if ppo.max_staleness:
+        free = (f", running free with partial rollouts (samples in flight take each update's weights, K/V: "
+                f"{ppo.partial_rollout_kv})" if ppo.partial_rollouts else "")
         return (f"generation: {placement['actor_gen'].strategy.dp} instance(s), {workload}; asynchronous: "
-                f"{k} iteration(s) ahead of training on ranks of its own (--max-staleness {k}), the old log-probs "
-                "recomputed by actor_train")
+                f"{ppo.max_staleness} iteration(s) ahead of training on ranks of its own (--max-staleness "
+                f"{ppo.max_staleness}){free}, the old log-probs recomputed by actor_train")
     if not fusion.inter_stage_fusion:
         return f"generation: {placement['actor_gen'].strategy.dp} instance(s), {workload}; inference after it " \
                "(no --inter-stage-fusion)"
