@@ -534,6 +534,31 @@ def test_partial_rollouts_decode_a_batch_for_its_mean_length(k):
         Plan("apart", meshes, partial_rollouts=True)
 
 
+def test_absent_tasks_at_zero_seconds_leave_generation_and_training():
+    """A critic-, reward- and reference-free algorithm (DAPO, GRPO) as benchmarks/async_published.py gives
+    it: the absent models tiny, their calls 0 s. Synchronous, the iteration is generation plus training;
+    asynchronous with partial rollouts (K = 2: free-running), the slower of the two, generation timed as
+    without given seconds."""
+    absent = ("ref_inf", "reward_inf", "critic_inf", "critic_train")
+    s = ParallelStrategy(dp=4)
+    meshes = {"actor_gen": _mesh("actor_gen", s), "actor_train": _mesh("actor_train", s, 4),
+              **{t: _mesh(t, s, 4) for t in absent}}
+    models = {"actor": llama_shape("llama-7b"), "reference": MODEL_PRESETS["tiny"],
+              "critic": MODEL_PRESETS["tiny-critic"], "reward": MODEL_PRESETS["tiny-critic"]}
+    wl = replace(WL, long_tail_median=WL.response_len // 8)
+    hw, cluster = replace(HW["h100"], inter_node_bandwidth=1e30, intra_node_bandwidth=1e30), Cluster(1, 8)
+    zero = dict.fromkeys(absent, 0.0)
+    sync = evaluate(Plan("apart", meshes), models, wl, hw, cluster, zero)
+    partial, alone = (evaluate(Plan("apart", meshes, asynchronous=True, partial_rollouts=True, max_staleness=2),
+                               models, wl, hw, cluster, given) for given in (zero, None))
+    gen, train = sync.costs["actor_gen"].seconds, sync.costs["actor_train"].seconds
+    assert sync.seconds == pytest.approx(gen + train)
+    span = {name: ev.timeline.end["actor_gen"] - ev.timeline.start["actor_gen"]
+            for name, ev in (("partial", partial), ("alone", alone))}
+    assert span["partial"] == pytest.approx(span["alone"]) and span["partial"] < 0.75 * gen
+    assert partial.seconds == pytest.approx(max(span["partial"], train))
+
+
 def test_asynchronous_plans_need_generation_apart():
     with pytest.raises(PlannerError, match=r"asynchronous generation needs ranks of its own, but ref_inf"):
         Plan("flat", _flat_plan(8, ParallelStrategy(dp=8), ParallelStrategy(dp=8)).meshes, asynchronous=True)
