@@ -8,22 +8,23 @@ sleeps: each engine step sleeps ``--step-s`` on the generation ranks (a memory-b
 long whatever the running batch) and each PPO update ``--training-s`` on the learners, beside which the
 tiny models' own compute is small (on 2 shared cores it is not free: the residue is what the two sides'
 real work costs). ``--long-tail-median M`` draws the responses' lengths from the trainer's long-tailed
-lognormal (median M, EOS ignored); 0: every response runs to --max-response-len.
+lognormal (median M, EOS ignored); 0: responses end at EOS or --max-response-len.
 
-Prediction, from the synchronous run's own stage seconds: generation g = time_generation_s, learning
+Prediction (:func:`simulated`), from the synchronous run's own seconds: each batch's generation g_j
+(time_generation_s of its iteration: the same seeds draw the same lengths in every mode), learning
 l = inference + advantage + training (+ the critic's reshard), meeting m = the iteration's remainder
-(the batch gather and the actor's reshard). Synchronous: g + l + m. Asynchronous, lockstep steady
-state: max(g, l) + m (the two sides meet once per iteration). Partial rollouts: max(g r, g / K, l) + m
-with r = the synchronous batches' mean response length over their longest (the engine's batch stays full,
-so a batch takes its mean length in steps, not its longest) and g / K the longest sample's latency spread
-over the K iterations a batch has (rlhf.planner.plan.free_running_generation_s). Steady-state means skip
-the first K + 1 iterations (the start-up batches) and the last K (nothing left to generate).
+(the batch gather and the actor's reshard). Synchronous: g + l + m. Asynchronous, lockstep: max(g, l) + m
+per iteration (the two sides meet once per iteration). Partial rollouts: a batch starts K iterations
+before the meeting that needs it, so with equal batches max(g / K, l) + m; the planner's
+max(g r, g / K, l) + m adds the full-engine bound g r (r = mean over longest response), which at these
+sizes never binds (rlhf.planner.plan.free_running_generation_s). Steady-state means skip the first K + 1
+iterations (the start-up batches) and the last K (nothing left to generate), measured and predicted.
 
 ``prompts_once``: the reward function records every prompt it scores; yes when each prompt of the
 iterations trained was scored exactly its n samples' times, in every run.
 
-Usage: ``python benchmarks/async.py [--iterations 8] [--step-s 0.03] [--training-s 2] [--k 1 2] [--partial 2]
-[--long-tail-median 8] [--max-response-len 64]``
+Usage: ``python benchmarks/async.py [--iterations 10] [--step-s 0.03] [--training-s 2] [--k 1 2] [--partial 2]
+[--long-tail-median 8] [--max-response-len 64] [--kv recompute|keep]``
 Last line (the fastest asynchronous run): ``async: sync_s=<x> async_s=<y> speedup=<x/y> predicted=<p>
 staleness_max=<k> prompts_once=<yes|no>``
 """
@@ -39,7 +40,7 @@ SAMPLES_PER_PROMPT = 4
 
 
 def run_rank(k: int, partial: bool, iterations: int, step_s: float, training_s: float, long_tail_median: int,
-             max_response_len: int) -> dict:
+             max_response_len: int, kv: str) -> dict:
     """One run on this rank (a worker of rlhf.testing.distributed.launch): per-iteration metrics and the
     prompts this rank's reward function scored."""
     import torch.distributed as dist
@@ -64,7 +65,7 @@ def run_rank(k: int, partial: bool, iterations: int, step_s: float, training_s: 
                        generation=GenerationConfig(max_response_len=max_response_len,
                                                    long_tail_median=long_tail_median),
                        ppo=PPOConfig(n_samples_per_prompt=SAMPLES_PER_PROMPT, max_staleness=k,
-                                     partial_rollouts=partial),
+                                     partial_rollouts=partial, partial_rollout_kv=kv),
                        reward=RewardConfig(reward_fn="rlhf.data.synthetic:gold_reward"))
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=3)),
                                   config.ppo.rollout_batch_size, seed=3)
@@ -94,15 +95,36 @@ def steady(metrics: list, k: int, key: str) -> float:
     return statistics.mean(m.get(key, 0.0) for m in metrics[k + 1:len(metrics) - k])
 
 
-def predicted(sync: list, k: int) -> dict:
-    """Seconds per iteration of each mode from the synchronous run's stage seconds and lengths (partial
-    rollouts with staleness bound ``k``)."""
+def stages(sync: list) -> dict:
+    """The synchronous run's steady seconds: generation, learning (inference, advantage, training, the
+    critic's reshard) and the meeting (the rest: the batch gather and the actor's reshard)."""
     g = steady(sync, 0, "time_generation_s")
     learn = sum(steady(sync, 0, f"time_{s}_s") for s in LEARNING)
-    meet = steady(sync, 0, "time_iteration_s") - g - learn
-    full = steady(sync, 0, "response_length_mean") / steady(sync, 0, "response_length_max")
-    return {"generation": g, "learning": learn, "meeting": meet, "full": full, "sync": g + learn + meet,
-            "lockstep": max(g, learn) + meet, "partial": max(g * full, g / k, learn) + meet}
+    return {"generation": g, "learning": learn, "meeting": steady(sync, 0, "time_iteration_s") - g - learn,
+            "full": steady(sync, 0, "response_length_mean") / steady(sync, 0, "response_length_max")}
+
+
+def simulated(sync: list, mode: str, k: int) -> float:
+    """Steady seconds per iteration of ``mode`` (sync, lockstep, partial) with bound ``k``, batch by batch:
+    batch j's generation takes the synchronous run's generation seconds of iteration j (the same seeds
+    draw the same lengths in every mode), learning and the meeting their steady seconds. The iteration
+    ends at the meeting, when the learners are done and the batch needed next is generated: in lockstep
+    the batch K ahead, generated from the last meeting on; with partial rollouts the next batch, started
+    at the meeting that brought the weights K versions before its update (max(g r, g / K, l) + m when
+    every batch takes g: rlhf.planner.plan.free_running_generation_s)."""
+    st, gen, n = stages(sync), [m["time_generation_s"] for m in sync], len(sync)
+    learn, meet = st["learning"], st["meeting"]
+    end = {-1: gen[0] + meet if mode == "partial" else sum(gen[:k]) + k * meet}  # the start-up batches
+    for i in range(n):
+        if mode == "sync":
+            end[i] = end[i - 1] + gen[i] + learn + meet
+            continue
+        ahead = i + 1 if mode == "partial" else i + k
+        start = (end[ahead - k - 1] if ahead - k - 1 >= 0 else 0.0) if mode == "partial" else end[i - 1]
+        done = start + gen[ahead] if ahead < n else 0.0
+        end[i] = max(end[i - 1] + learn, done) + meet
+    window = range(k + 1, n - k)
+    return statistics.mean(end[i] - end[i - 1] for i in window)
 
 
 def main(argv=None) -> None:
@@ -119,6 +141,9 @@ def main(argv=None) -> None:
     ap.add_argument("--long-tail-median", type=int, default=0, help="draw response lengths from the long-tailed "
                                                                     "lognormal of this median (0: all full length)")
     ap.add_argument("--max-response-len", type=int, default=64, help="response length cap (default %(default)s)")
+    ap.add_argument("--kv", choices=("recompute", "keep"), default="recompute",
+                    help="--partial-rollout-kv of the partial runs: prefill samples in flight again after each "
+                         "update (a few engine steps per meeting) or keep their K/V (default %(default)s)")
     args = ap.parse_args(argv)
     bounds = [*args.k, *args.partial]
     if not bounds or args.iterations < 2 * max(bounds) + 3 or min(bounds) < 1 or min(args.partial, default=2) < 2:
@@ -130,12 +155,12 @@ def main(argv=None) -> None:
     for k, partial in [(0, False), *((k, False) for k in args.k), *((k, True) for k in args.partial)]:
         ranks = launch(4, "async:run_rank", timeout_s=900, k=k, partial=partial, iterations=args.iterations,
                        step_s=args.step_s, training_s=args.training_s, long_tail_median=args.long_tail_median,
-                       max_response_len=args.max_response_len)
+                       max_response_len=args.max_response_len, kv=args.kv)
         scored = Counter(p for r in ranks for p in r["scored"])
         runs[(k, partial)] = {"metrics": ranks[0]["metrics"], "once": set(scored.values()) == {SAMPLES_PER_PROMPT}}
-    predictions = {k: predicted(runs[(0, False)]["metrics"], k) for k in [1, *args.partial]}
-    p = predictions[1]
-    lengths = f"long-tailed, median {args.long_tail_median}" if args.long_tail_median else "all full length"
+    sync = runs[(0, False)]["metrics"]
+    p = stages(sync)
+    lengths = f"long-tailed, median {args.long_tail_median}" if args.long_tail_median else "ending at EOS or the cap"
     print(f"4 ranks (generation 0-1, the rest 2-3) on 2 shared cores; responses <= {args.max_response_len} tokens, "
           f"{lengths}; sleeps: {args.step_s} s per engine step, {args.training_s} s per update; synchronous "
           f"stages: generation {p['generation']:.2f} s, learning {p['learning']:.2f} s, meeting {p['meeting']:.2f} "
@@ -148,13 +173,14 @@ def main(argv=None) -> None:
     for (k, partial), run in runs.items():
         m, mode = run["metrics"], "partial" if partial else "lockstep" if k else "sync"
         seconds[(k, partial)] = s = steady(m, k, "time_iteration_s")
-        print(f"| {mode} | {k} | {s:.2f} | {sync_s / s:.2f} | {p['sync'] / predictions.get(k, p)[mode]:.2f} | "
+        pred = simulated(sync, "sync", k) / simulated(sync, mode, k)
+        print(f"| {mode} | {k} | {s:.2f} | {sync_s / s:.2f} | {pred:.2f} | "
               f"{max(x.get('staleness_max', 0) for x in m):.0f} | {steady(m, k, 'partial_samples_fraction'):.2f} | "
               f"{steady(m, k, 'generation_idle_fraction'):.2f} | {steady(m, k, 'training_idle_fraction'):.2f} | "
               f"{'yes' if run['once'] else 'no'} |")
     k, partial = fastest = min((key for key in runs if key[0]), key=seconds.get)
     print(f"async: sync_s={sync_s:.3f} async_s={seconds[fastest]:.3f} speedup={sync_s / seconds[fastest]:.3f} "
-          f"predicted={p['sync'] / predictions.get(k, p)['partial' if partial else 'lockstep']:.3f} "
+          f"predicted={simulated(sync, 'sync', k) / simulated(sync, 'partial' if partial else 'lockstep', k):.3f} "
           f"staleness_max={max(x.get('staleness_max', 0) for x in runs[fastest]['metrics']):.0f} "
           f"prompts_once={'yes' if all(r['once'] for r in runs.values()) else 'no'}")
 

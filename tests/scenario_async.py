@@ -102,7 +102,7 @@ def exactly_once(name: str, k: int, root: str, slow: bool = False, **options) ->
     straight = Recorder()
     t = trainer(k, PROMPTS // PER_ITERATION, straight, **options)
     if slow and t.engine is not None:
-        t.engine.step = slowed(t.engine.step, 0.05)
+        t.engine.step = slowed(t.engine.step, 0.08)
     metrics = iterations(t)
     resumed = Recorder()
     first = trainer(k, PROMPTS // PER_ITERATION // 2, resumed, root=f"{root}/{name}", **options)
