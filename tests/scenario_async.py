@@ -6,15 +6,15 @@ function records every prompt it scores on each rank (it scores each trained sam
 synchronous, on the learners' first rank otherwise).
 Off-policy correction: with the policy frozen (learning rate 1e-12) K = 1 runs with and without
 --tis-cap, whose losses must agree; with a learning rate the weights of the corrected run must move off 1.
-Partial rollouts (--partial-rollouts, K = 2, "p2", generation as one TP2 replica): the same epoch straight,
-with generation slowed (a sleep per engine step) so that samples are in flight when the weights of an update
-arrive, and with a save and load.
+Partial rollouts (--partial-rollouts, K = 2, "p2", generation as one TP2 replica, learning rates 1e-12,
+long-tailed lengths up to 16): the same epoch straight, with generation slowed (a sleep per engine step) so
+that samples are in flight when the weights of an update arrive and the learners infer streamed samples
+while they wait, and with a save and load.
 Learning: the tiny default job as pretrain_rlhf.py builds it from the flags (parse_args, build_placement,
 build_trainer; the gold rule as its reward function) with K = 1 and 2, 20 iterations each.
 """
 
 import time
-
 
 from rlhf.config import CheckpointConfig, RunConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
@@ -62,13 +62,15 @@ def dataset():
 
 
 def trainer(staleness: int, iterations: int, reward_fn, root: str | None = None, placement=PLACEMENT,
-            **ppo) -> Trainer:
+            long_tail_median: int = 0, **ppo) -> Trainer:
     """A fresh trainer of 2 prompts x 2 samples per iteration from fixed weights (no reward model: the
-    function's score is the reward)."""
+    function's score is the reward); responses of at most 6 tokens, or with ``long_tail_median`` of
+    lognormal lengths up to 16."""
     options = dict(rollout_batch_size=PER_ITERATION, n_samples_per_prompt=2, ppo_mini_batch_size=4,
                    micro_batch_size=2, lr=1e-3, max_staleness=staleness)
     config = JobConfig(models=ModelsConfig(actor=MODEL, critic=MODEL), run=RunConfig(iterations=iterations, seed=7),
-                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6),
+                       generation=GenerationConfig(max_prompt_len=8, max_response_len=16 if long_tail_median else 6,
+                                                   long_tail_median=long_tail_median),
                        ppo=PPOConfig(**{**options, **ppo}), reward=RewardConfig(reward_fn="test:recorder"),
                        checkpoint=CheckpointConfig(save=root))
     prompts = PromptBatchIterator(dataset(), PER_ITERATION, seed=7)
@@ -83,16 +85,26 @@ def slowed(step, seconds: float):
     return slow_step
 
 
-def iterations(t: Trainer) -> list[dict]:
+def iterations(t: Trainer, reinfer: bool = False) -> list[dict]:
     """Step ``t`` to its last iteration: each one's metrics, with whether every sample's policy versions
-    never decrease along its tokens (``versions_ordered``)."""
+    never decrease along its tokens (``versions_ordered``) and, with ``reinfer`` (an asynchronous run), on
+    the learners how far the batch's inference fields (some inferred in streaming rounds) are from
+    inferring the whole batch again now (``inference_diff``; at learning rate 1e-12 the weights have not
+    moved since)."""
     out = []
     while t.iteration < t.config.run.iterations:
         result = t.step()
-        versions = result.batch.policy_versions
-        ordered = versions is None or bool(
-            (versions[:, 1:] >= versions[:, :-1]).logical_or(result.batch.response_mask[:, 1:] == 0).all())
-        out.append({**result.metrics, "versions_ordered": ordered})
+        batch, mask = result.batch, result.batch.response_mask
+        versions = batch.policy_versions
+        ordered = versions is None or bool((versions[:, 1:] >= versions[:, :-1]).logical_or(mask[:, 1:] == 0).all())
+        diff = 0.0
+        if reinfer and t.groups["actor_gen"] is None:
+            scorer, t.reward_fn = t.reward_fn, gold_reward  # the recorder counts the epoch's scoring alone
+            again = t.infer(batch)
+            t.reward_fn = scorer
+            diff = max(float(((getattr(again, f) - getattr(batch, f)) * mask).abs().max())
+                       for f in ("ref_logprobs", "values", "old_logprobs"))
+        out.append({**result.metrics, "versions_ordered": ordered, "inference_diff": diff})
     return out
 
 
@@ -102,8 +114,8 @@ def exactly_once(name: str, k: int, root: str, slow: bool = False, **options) ->
     straight = Recorder()
     t = trainer(k, PROMPTS // PER_ITERATION, straight, **options)
     if slow and t.engine is not None:
-        t.engine.step = slowed(t.engine.step, 0.08)
-    metrics = iterations(t)
+        t.engine.step = slowed(t.engine.step, 0.15)
+    metrics = iterations(t, reinfer=slow)
     resumed = Recorder()
     first = trainer(k, PROMPTS // PER_ITERATION // 2, resumed, root=f"{root}/{name}", **options)
     first.train()
@@ -120,7 +132,8 @@ def run(root: str) -> dict:
     out = {"dataset": [tuple(p.token_ids) for p in dataset()]}
     for k in (0, 1, 2):
         out[k] = exactly_once(f"k{k}", k, root)
-    out["p2"] = exactly_once("p2", 2, root, slow=True, partial_rollouts=True, placement=TP2_GENERATION)
+    out["p2"] = exactly_once("p2", 2, root, slow=True, partial_rollouts=True, placement=TP2_GENERATION, lr=1e-12,
+                             critic_lr=1e-12, long_tail_median=4)
     for name, options in (("frozen", dict(lr=1e-12)), ("frozen_corrected", dict(lr=1e-12, tis_cap=2.0)),
                           ("corrected", dict(tis_cap=2.0))):
         t = trainer(1, 3, Recorder(), **options)

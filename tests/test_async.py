@@ -23,6 +23,8 @@ def results(tmp_path_factory):
     out = dict(ranks[0])
     for k in (0, 1, 2, "p2"):  # the prompts the reward function scored on any rank
         out[k] = {**ranks[0][k], **{run: sum((r[k][run] for r in ranks), []) for run in ("straight", "resumed")}}
+    out["p2_inference_diff"] = [max(r["p2"]["metrics"][i]["inference_diff"] for r in ranks)
+                                for i in range(len(ranks[0]["p2"]["metrics"]))]
     return out
 
 
@@ -52,6 +54,15 @@ def test_partial_rollouts_carry_samples_across_updates_within_the_bound(results)
     assert all(m["staleness_max"] <= min(i, 2) for i, m in enumerate(metrics)), metrics
     assert all(m["versions_ordered"] for m in metrics)
     assert max(m["partial_samples_fraction"] for m in metrics) > 0, metrics
+
+
+def test_streamed_inference_equals_inferring_the_whole_batch(results):
+    """While generation is slower, the learners infer the next batch's samples as they finish (streaming
+    rounds). Some iterations' batches were partly inferred so, and every batch's reference log-probs,
+    values and proximal log-probs equal inferring the whole batch again (weights frozen at lr 1e-12)."""
+    streamed = [m["streamed_samples_fraction"] for m in results["p2"]["metrics"]]
+    assert max(streamed) > 0, streamed
+    assert max(results["p2_inference_diff"]) < 1e-5, results["p2_inference_diff"]
 
 
 def test_a_frozen_policy_makes_the_correction_neutral(results):

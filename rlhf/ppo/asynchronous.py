@@ -38,6 +38,7 @@ from rlhf.parallel import Placement
 from rlhf.parallel.exchange import first_rank
 
 if TYPE_CHECKING:
+    from rlhf.fusion.inter_stage import FusionOutcome
     from rlhf.ppo.trainer import IterationResult, Trainer
 
 
@@ -91,7 +92,7 @@ class GenerationAhead:
         if self.generating:
             self._generate_meanwhile()
         else:
-            batch, local = t.update_from(oldest)
+            batch, local = t.update_from(oldest, self._inferred(t.iteration))
             self._updated()
         self._meet()
         local["generation_idle_fraction" if self.generating else "training_idle_fraction"] = (
@@ -100,7 +101,7 @@ class GenerationAhead:
         with t.timer.stage("reshard"):
             t.sync_generation_weights()
         self._hold_version(t.iteration + 1)
-        local.update(staleness_metrics(batch, t.iteration))
+        local.update(self._metrics(batch))
         return t.finish_iteration(batch, local)
 
     # ---- what the lockstep iteration does at each point of step() ------------------------
@@ -118,6 +119,14 @@ class GenerationAhead:
     def _updated(self) -> None:
         """Learners, after their update: draw the prompts the generation ranks drew meanwhile."""
         self._generate(self.trainer.iteration + self.k)
+
+    def _metrics(self, batch: Batch) -> dict:
+        """The iteration's asynchronous metrics (rlhf.ppo.asynchronous.staleness_metrics)."""
+        return staleness_metrics(batch, self.trainer.iteration)
+
+    def _inferred(self, iteration: int) -> "FusionOutcome | None":
+        """What the learners inferred of batch ``iteration`` while it was generated (none in lockstep)."""
+        return None
 
     def _meet(self) -> None:
         """Wait for both sides, then gather the pending batch's samples onto every rank and queue it

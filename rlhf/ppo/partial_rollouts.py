@@ -33,8 +33,11 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
+from rlhf.batch import Batch
+from rlhf.fusion.inter_stage import EarlyInference, FusionOutcome
 from rlhf.parallel import Placement
-from rlhf.parallel.exchange import first_rank
+from rlhf.parallel.dealing import shares
+from rlhf.parallel.exchange import first_rank, gather_to_all
 from rlhf.ppo.asynchronous import GenerationAhead
 
 SIGNAL_BACKEND = "gloo"
@@ -53,6 +56,7 @@ class InFlight:
     prompts: object
     expected: int
     finished: list = field(default_factory=list)
+    streamed: int = 0  # of ``finished``, those sent to the learners in streaming rounds
 
     @property
     def done(self) -> bool:
@@ -66,12 +70,15 @@ class PartialRollouts(GenerationAhead):
         super().__init__(trainer)
         self.signals = signals
         self.in_flight: dict[int, InFlight] = {}  # by (0-based) iteration, generation ranks only
+        self.early: dict[int, EarlyInference] = {}  # by iteration, learners only: streamed and inferred
         self.next_start = self.next_delivery = 0
         self._signal_flag = None
+        self._streamed = 0  # samples of the batch being trained that were inferred in streaming rounds
 
     def forget(self) -> None:
         super().forget()
         self.in_flight.clear()
+        self.early.clear()
         if self.trainer.engine is not None:
             self.trainer.engine.abort_all()
 
@@ -85,15 +92,31 @@ class PartialRollouts(GenerationAhead):
         self._meet()
 
     def _generate_meanwhile(self) -> None:
-        """Generate until the learners signal and this rank's share of the batch they need next is done."""
-        self._signal_flag = torch.zeros(1)  # alive until the signal has arrived
-        signal = dist.all_reduce(self._signal_flag, group=self.signals, async_op=True)
-        self._run_until(self.trainer.iteration + 1, signal)
+        """Generate until the learners signal, streaming them the samples of the batch they need next as
+        they finish, until this rank's share of it is done."""
+        self._run_until(self.trainer.iteration + 1, self._awaited_signal())
 
     def _updated(self) -> None:
-        """Learners, after their update: the first signals the generation ranks."""
-        if dist.get_rank() == self.learner_root:
-            dist.all_reduce(torch.ones(1), group=self.signals, async_op=True).wait()
+        """Learners, after their update: signal the generation ranks (the first learner does), then infer
+        the next batch's samples as they arrive, round after round, until every share of it is done."""
+        need = self.trainer.iteration + 1
+        self._signal()
+        while not self._stream_round(need):
+            self._signal()
+
+    def _inferred(self, iteration: int) -> FusionOutcome | None:
+        """What the learners inferred of batch ``iteration`` in the streaming rounds, for update_from."""
+        early = self.early.pop(iteration, None)
+        self._streamed = len(next(iter(early.done.values()))) if early is not None and early.done else 0
+        return None if early is None else FusionOutcome(None, early)
+
+    def _metrics(self, batch: Batch) -> dict:
+        """The staleness metrics, and on the learners ``streamed_samples_fraction``: of the batch, the
+        samples inferred in streaming rounds while the rest were generated."""
+        out = super()._metrics(batch)
+        if not self.generating:
+            out["streamed_samples_fraction"] = self._streamed / len(batch)
+        return out
 
     def _meet(self) -> None:
         """Gather every batch finished on all generation ranks onto every rank, in order, and queue them
@@ -117,22 +140,36 @@ class PartialRollouts(GenerationAhead):
 
     def _run_until(self, need: int, signal) -> None:
         """Step the engine, starting each batch the bound allows, until this rank's share of batch ``need``
-        is finished (or ``need`` is past the run) and ``signal`` (if any) has arrived on every TP rank."""
+        is finished (or ``need`` is past the run). With a ``signal``: each time it has arrived (on every TP
+        rank) and samples of ``need`` finished here since the last round, a streaming round, until the round
+        where every share is done."""
         t = self.trainer
         while True:
             self._start_allowed()
-            ready = need >= t.config.run.iterations or need < self.next_delivery or self.in_flight[need].done
+            ready = self._share_done(need) if signal is None else self._news(need)
             if ready and self._agreed(signal is None or signal.is_completed()):
-                break
-            if not ready or t.engine.has_unfinished():
+                if signal is None:
+                    break
+                signal.wait()
+                if self._stream_round(need):
+                    break
+                signal = self._awaited_signal()
+            elif not ready or t.engine.has_unfinished():
                 with t.timer.stage("generation"):
                     self._engine_step()
             else:  # everything allowed is finished: nothing to do until the learners' update
                 with t.timer.stage("wait"):
                     signal.wait()
-        if signal is not None:
-            signal.wait()
         t.memory.note("generation")
+
+    def _share_done(self, need: int) -> bool:
+        t = self.trainer
+        return need >= t.config.run.iterations or need < self.next_delivery or self.in_flight[need].done
+
+    def _news(self, need: int) -> bool:
+        """Whether this rank has something for a streaming round of batch ``need``: samples finished since
+        the last one, or its whole share."""
+        return self._share_done(need) or len(self.in_flight[need].finished) > self.in_flight[need].streamed
 
     def _start_allowed(self) -> None:
         """Start every batch whose weights are at most K versions older than the update that trains it."""
@@ -157,6 +194,57 @@ class PartialRollouts(GenerationAhead):
         while self.next_delivery + count in self.in_flight and self.in_flight[self.next_delivery + count].done:
             count += 1
         return count
+
+    # ---- streaming: the learners infer the next batch's samples as they finish -----------------
+
+    def _awaited_signal(self):
+        """Generation ranks: the learners' next signal (an asynchronous all-reduce to poll)."""
+        self._signal_flag = torch.zeros(1)  # alive until the signal has arrived
+        return dist.all_reduce(self._signal_flag, group=self.signals, async_op=True)
+
+    def _signal(self) -> None:
+        """Learners: the first one signals the generation ranks (the others just go on to the round)."""
+        if dist.get_rank() == self.learner_root:
+            dist.all_reduce(torch.ones(1), group=self.signals, async_op=True).wait()
+
+    def _stream_round(self, need: int) -> bool:
+        """One streaming round of batch ``need`` (collective): each generation replica sends its samples
+        finished since the last round and whether its share is done; the learners infer what came, unless
+        every share is done (True: the meeting follows and delivers the batch, whose inference then skips
+        the samples inferred here)."""
+        t = self.trainer
+        new, done = [], True
+        if self.generating and need in self.in_flight:
+            started = self.in_flight[need]
+            new = started.finished[started.streamed:] if t.groups["actor_gen"].tp_rank == 0 else []
+            started.streamed, done = len(started.finished), started.done
+        with t.timer.stage("wait"):
+            parts = gather_to_all([(new, done)])
+        if all(done for _, done in parts):
+            return True
+        samples = [s for new, _ in parts for s in new]
+        if samples and not self.generating:
+            with t.timer.stage("inference"):
+                self._infer_early(need, samples)
+        return False
+
+    def _infer_early(self, need: int, samples: list) -> None:
+        """Learners: reference, reward, critic (and proximal log-prob) inference of streamed samples of
+        batch ``need``, each task's replicas sharing them, kept for its update (``early``)."""
+        t = self.trainer
+        n = t.config.ppo.n_samples_per_prompt
+        samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
+        batch = Batch.from_samples(samples, t.tokenizer.pad_id, {s.request_id: int(s.request_id) for s in samples})
+        batch = batch.to(platform.device())
+        early = self.early.setdefault(need, EarlyInference())
+        for task in t.inference_tasks():
+            early.done.setdefault(task, set()).update(int(s.request_id) * n + s.sample_index for s in samples)
+            g = t.groups[task]
+            if task in t.models:
+                mine = shares(len(batch), g.mesh.strategy.dp)[g.coord.dp]
+                out = t.inference.infer(task, batch.select(mine)) if mine else None
+                if out is not None:
+                    early.outputs.append(out)
 
     def _agreed(self, arrived: bool) -> bool:
         """Whether the signal arrived on any TP rank of this replica (then every one waits for it)."""

@@ -116,7 +116,7 @@ class Trainer:
         engine_config = self._engine_config()
         self.engine = (Engine(self.models["actor_gen"], self.groups["actor_gen"], config.models.actor, engine_config)
                        if "actor_gen" in self.models else None)
-        self.inter_stage = (InterStageFusion(config, placement, self._inference_tasks(), engine_config.max_num_seqs)
+        self.inter_stage = (InterStageFusion(config, placement, self.inference_tasks(), engine_config.max_num_seqs)
                             if config.fusion.inter_stage_fusion else None)
         self.kl = make_kl_controller(config.ppo.kl_config)
         self.iteration = 0
@@ -298,7 +298,7 @@ class Trainer:
         """
         early = None if fusion is None else fusion.early
         outputs = [] if early is None else list(early.outputs)
-        for task in self._inference_tasks():
+        for task in self.inference_tasks():
             if task in self.models:
                 done = set() if early is None else early.done.get(task, set())
                 remaining = [i for i in range(len(batch)) if i not in done]
@@ -309,13 +309,13 @@ class Trainer:
                     if out is not None:
                         outputs.append(out)
         self.memory.note("inference")
-        names = [INFERENCE_FIELDS[task] for task in self._inference_tasks()]
+        names = [INFERENCE_FIELDS[task] for task in self.inference_tasks()]
         batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
         if not self.config.has_reward_model:
             batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners))
         return batch
 
-    def _inference_tasks(self) -> list[str]:
+    def inference_tasks(self) -> list[str]:
         """This run's inference tasks, in order (rlhf.tasks.INFERENCE_FIELDS: what each adds)."""
         return [task for task in INFERENCE_FIELDS if task in self.tasks
                 and (task != "actor_train" or self.config.ppo.recomputes_logprobs)]
