@@ -21,6 +21,11 @@ starts no earlier than K versions before the update that trains it::
 The signal is an asynchronous all-reduce on a gloo group of the first learner
 and the generation ranks, which the generation ranks poll between engine
 steps (the TP ranks of a replica agree on it, so they stop at the same step).
+While the batch the learners need is not whole, each signal opens a
+streaming round instead: the samples of it finished since the last round
+reach the learners, who infer them (reference, reward, critic, proximal
+log-probs: the weights the next update starts from) and signal again; the
+update then infers only the rest of the batch.
 Samples in flight at a checkpoint are not saved: the data position is that of
 the oldest batch not trained, and a resumed run generates again from there.
 """
