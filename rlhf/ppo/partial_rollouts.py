@@ -41,7 +41,6 @@ from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.fusion.inter_stage import EarlyInference, FusionOutcome
 from rlhf.parallel import Placement
-from rlhf.parallel.dealing import shares
 from rlhf.parallel.exchange import first_rank, gather_to_all
 from rlhf.ppo.asynchronous import GenerationAhead
 
@@ -240,16 +239,10 @@ class PartialRollouts(GenerationAhead):
         n = t.config.ppo.n_samples_per_prompt
         samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
         batch = Batch.from_samples(samples, t.tokenizer.pad_id, {s.request_id: int(s.request_id) for s in samples})
-        batch = batch.to(platform.device())
         early = self.early.setdefault(need, EarlyInference())
+        early.outputs += t.infer_here(batch.to(platform.device()), {})
         for task in t.inference_tasks():
             early.done.setdefault(task, set()).update(int(s.request_id) * n + s.sample_index for s in samples)
-            g = t.groups[task]
-            if task in t.models:
-                mine = shares(len(batch), g.mesh.strategy.dp)[g.coord.dp]
-                out = t.inference.infer(task, batch.select(mine)) if mine else None
-                if out is not None:
-                    early.outputs.append(out)
 
     def _agreed(self, arrived: bool) -> bool:
         """Whether the signal arrived on any TP rank of this replica (then every one waits for it)."""

@@ -298,22 +298,29 @@ class Trainer:
         """
         early = None if fusion is None else fusion.early
         outputs = [] if early is None else list(early.outputs)
-        for task in self.inference_tasks():
-            if task in self.models:
-                done = set() if early is None else early.done.get(task, set())
-                remaining = [i for i in range(len(batch)) if i not in done]
-                g = self.groups[task]
-                index = [remaining[k] for k in shares(len(remaining), g.mesh.strategy.dp)[g.coord.dp]]
-                if index:  # fewer samples left than replicas: the idle ones (all their ranks) skip
-                    out = self.inference.infer(task, batch.select(index))
-                    if out is not None:
-                        outputs.append(out)
+        outputs += self.infer_here(batch, {} if early is None else early.done)
         self.memory.note("inference")
         names = [INFERENCE_FIELDS[task] for task in self.inference_tasks()]
         batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
         if not self.config.has_reward_model:
             batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners))
         return batch
+
+    def infer_here(self, batch: Batch, done: dict) -> list[Batch]:
+        """This rank's inference outputs for ``batch``: each inference task's replicas share the samples not
+        in ``done[task]`` (indices), and this rank infers its replica's share (collective over each task's
+        ranks; the outputs are on a task's last stage, TP rank 0)."""
+        outputs = []
+        for task in self.inference_tasks():
+            if task in self.models:
+                remaining = [i for i in range(len(batch)) if i not in done.get(task, set())]
+                g = self.groups[task]
+                index = [remaining[k] for k in shares(len(remaining), g.mesh.strategy.dp)[g.coord.dp]]
+                if index:  # fewer samples left than replicas: the idle ones (all their ranks) skip
+                    out = self.inference.infer(task, batch.select(index))
+                    if out is not None:
+                        outputs.append(out)
+        return outputs
 
     def inference_tasks(self) -> list[str]:
         """This run's inference tasks, in order (rlhf.tasks.INFERENCE_FIELDS: what each adds)."""
