@@ -145,23 +145,26 @@ class PartialRollouts(GenerationAhead):
     def _run_until(self, need: int, signal) -> None:
         """Step the engine, starting each batch the bound allows, until this rank's share of batch ``need``
         is finished (or ``need`` is past the run). With a ``signal``: each time it has arrived (on every TP
-        rank) and samples of ``need`` finished here since the last round, a streaming round, until the round
-        where every share is done."""
+        rank), a streaming round, until the round where every share is done. A round follows each arrival
+        whether or not this rank has news, so no replica waits in a round for another one's next sample
+        while its own engine could step."""
         t = self.trainer
         while True:
             self._start_allowed()
-            ready = self._share_done(need) if signal is None else self._news(need)
-            if ready and self._agreed(signal is None or signal.is_completed()):
-                if signal is None:
+            if signal is None:
+                if self._share_done(need):
                     break
+                with t.timer.stage("generation"):
+                    self._engine_step()
+            elif self._agreed(signal.is_completed()):
                 signal.wait()
                 if self._stream_round(need):
                     break
                 signal = self._awaited_signal()
-            elif not ready or t.engine.has_unfinished():
+            elif not self._share_done(need) or t.engine.has_unfinished():
                 with t.timer.stage("generation"):
                     self._engine_step()
-            else:  # everything allowed is finished: nothing to do until the learners' update
+            else:  # everything allowed is finished: nothing to do until the learners' signal
                 with t.timer.stage("wait"):
                     signal.wait()
         t.memory.note("generation")
@@ -169,11 +172,6 @@ class PartialRollouts(GenerationAhead):
     def _share_done(self, need: int) -> bool:
         t = self.trainer
         return need >= t.config.run.iterations or need < self.next_delivery or self.in_flight[need].done
-
-    def _news(self, need: int) -> bool:
-        """Whether this rank has something for a streaming round of batch ``need``: samples finished since
-        the last one, or its whole share."""
-        return self._share_done(need) or len(self.in_flight[need].finished) > self.in_flight[need].streamed
 
     def _start_allowed(self) -> None:
         """Start every batch whose weights are at most K versions older than the update that trains it."""
