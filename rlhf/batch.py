@@ -289,6 +289,27 @@ class Batch:
             start += size
         return parts
 
+    def micro_batches(self, size: int, max_tokens: int | None = None) -> list[Batch]:
+        """The micro-batches a DP replica runs this batch in: near-equal parts of at most ``size`` samples
+        (padded to their longest), or with ``max_tokens`` consecutive samples while their tokens (prompt +
+        response) fit that budget, to run packed (rlhf/models/packing.py). ValueError when one sample
+        alone is longer than the budget."""
+        if max_tokens is None:
+            return self.split(max(1, -(-len(self) // size)))
+        lengths = self.sequence_lengths.tolist()
+        if lengths and max(lengths) > max_tokens:
+            longest = max(range(len(lengths)), key=lengths.__getitem__)
+            raise ValueError(f"a micro-batch budget of {max_tokens} tokens is smaller than sample {longest} "
+                             f"({lengths[longest]} tokens, the longest); raise the budget to at least that")
+        sizes, used = [], max_tokens
+        for n in lengths:
+            if used + n > max_tokens:
+                sizes.append(0)
+                used = 0
+            sizes[-1] += 1
+            used += n
+        return self.split(sizes or [0])
+
     def _rows(self, host_rows, device_rows, finish_reasons: tuple[str, ...]) -> Batch:
         picked = {}
         for name in TENSOR_FIELDS:

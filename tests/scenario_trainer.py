@@ -11,7 +11,8 @@ it clips) and torch AdamW. Both start from the same full
 weights; the scenario returns the largest parameter differences. The same
 iteration runs again on the placement the planner's search picks for this job
 on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
-train, not only to validate.
+train, not only to validate, and with packed token-budget micro-batches
+(--max-tokens-per-microbatch), against textbook PPO and the padded run.
 """
 
 from dataclasses import replace
@@ -150,10 +151,11 @@ def run(root: str) -> dict:
     """The textbook comparison, then the resume comparison (checkpoints under ``root``)."""
     placement = Placement.from_plan(PLAN, dist.get_world_size())
     build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
-    out = _against_textbook(placement)
-    sequence_mean = _against_textbook(placement, "seq-mean-token-mean")  # the critic's DP2 counts sequences
+    out, padded = _against_textbook(placement)
+    sequence_mean, _ = _against_textbook(placement, "seq-mean-token-mean")  # the critic's DP2 counts sequences
     out.update({f"seq_mean_{k}": v for k, v in sequence_mean.items()
                 if k.endswith(("_max_diff", "_moved", "_vs_token_mean"))})
+    out.update(_packed(placement, padded))
     out.update(_planned())
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
@@ -178,10 +180,15 @@ def _critic_warmup(placement) -> dict:
     return out
 
 
-def learn_fixed_samples(placement, agg: str = "token-mean", precision: PrecisionConfig = PrecisionConfig()) -> tuple:
-    """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights)."""
+def learn_fixed_samples(placement, agg: str = "token-mean", precision: PrecisionConfig = PrecisionConfig(),
+                        max_tokens: int | None = None) -> tuple:
+    """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights).
+    ``max_tokens``: packed micro-batches of that many tokens (--max-tokens-per-microbatch)."""
+    generation = GenerationConfig(temperature=TEMPERATURE)
+    if max_tokens is not None:  # the budget must hold the longest sample the lengths allow
+        generation = replace(generation, max_prompt_len=max(PROMPTS), max_response_len=max(RESPONSES))
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
-                       generation=GenerationConfig(temperature=TEMPERATURE), ppo=replace(PPO, loss_agg=agg),
+                       generation=generation, ppo=replace(PPO, loss_agg=agg, max_tokens_per_microbatch=max_tokens),
                        precision=precision)
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
             "reward": full_weights("value", CRITIC, 303)}
@@ -192,8 +199,9 @@ def learn_fixed_samples(placement, agg: str = "token-mean", precision: Precision
     return full, samples, result, trained_weights(trainer)
 
 
-def _against_textbook(placement, agg: str = "token-mean") -> dict:
-    full, samples, result, after = learn_fixed_samples(placement, agg)
+def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None = None) -> tuple[dict, dict]:
+    """The differences of one iteration on the fixed samples from the textbook's, and its trained weights."""
+    full, samples, result, after = learn_fixed_samples(placement, agg, max_tokens=max_tokens)
     out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
     if dist.get_rank() == 0:
         ref = _textbook_iteration(full, samples, agg)
@@ -210,7 +218,22 @@ def _against_textbook(placement, agg: str = "token-mean") -> dict:
             for name in ("actor", "critic"):
                 out[f"{name}_vs_token_mean"] = max((ref[name][k] - token_mean[name][k]).abs().max().item()
                                                    for k in ref[name])
-    return out
+    return out, after
+
+
+PACKED_BUDGET = 16
+"""Tokens per packed micro-batch: the samples' 5 to 13 tokens make micro-batches of one or two samples, so
+the critic's two DP replicas run different numbers of them."""
+
+
+def _packed(placement, padded: dict) -> dict:
+    """The iteration with packed micro-batches (--max-tokens-per-microbatch): against textbook PPO, and its
+    trained weights against the padded run's ``padded``."""
+    out, after = _against_textbook(placement, max_tokens=PACKED_BUDGET)
+    if dist.get_rank() == 0:
+        out.update({f"{name}_vs_padded": max((after[name][k] - padded[name][k]).abs().max().item()
+                                             for k in padded[name]) for name in padded})
+    return {f"packed_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved", "_vs_padded"))}
 
 
 def _planned() -> dict:
@@ -229,7 +252,7 @@ def _planned() -> dict:
     plan = search_placements(models, workload, hw, Cluster(1, dist.get_world_size()),
                              PlacementSearchConfig(fuse_training=True)).best
     placement = Placement.from_plan(plan.plan.placement(), dist.get_world_size())
-    out = _against_textbook(placement)
+    out, _ = _against_textbook(placement)
     return {f"planned_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved"))} | {
         "planned_plan": plan.plan.describe(),
         "planned_like_plan": placement.meshes == Placement.from_plan(PLAN, dist.get_world_size()).meshes}

@@ -146,6 +146,25 @@ def test_split_near_equal_and_bad_sizes():
         batch.split(0)
 
 
+def test_micro_batches_by_samples_or_by_a_token_budget():
+    """Without a budget: near-equal parts of at most ``size`` samples. With one: consecutive samples while
+    their tokens fit (next-fit), whatever ``size``; a sample longer than the budget is refused naming it."""
+    batch = _random_batch(seed=5, n=9)
+    assert [len(p) for p in batch.micro_batches(4)] == [3, 3, 3]
+    lengths = batch.sequence_lengths.tolist()
+    for budget in (max(lengths), 12, 20, sum(lengths)):
+        parts = batch.micro_batches(4, budget)
+        _assert_same(Batch.concat(parts), batch)  # every sample once, in order
+        used = [int(p.sequence_lengths.sum()) for p in parts]
+        assert max(used) <= budget
+        # next-fit: each part ends because the next sample would not fit
+        assert all(u + int(nxt.sequence_lengths[0]) > budget for u, nxt in zip(used, parts[1:]))
+    longest = max(range(9), key=lengths.__getitem__)
+    with pytest.raises(ValueError, match=rf"budget of {max(lengths) - 1} tokens is smaller than sample {longest} "
+                                         rf"\({max(lengths)} tokens"):
+        batch.micro_batches(4, max(lengths) - 1)
+
+
 @pytest.mark.parametrize("indices", [[4, 0, 3, 1, 2], [2, 2, 0, 4, 2, 0], []])
 def test_select_matches_per_sample_rows(indices):
     batch = _random_batch(seed=5, n=5)

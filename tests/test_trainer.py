@@ -36,6 +36,18 @@ def test_parameters_match_textbook_ppo(results, model):
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])
+def test_packed_micro_batches_train_like_padded_ones(results, model):
+    """--max-tokens-per-microbatch 16: micro-batches of one or two samples packed into one row each (a varying
+    number per DP replica and pipeline), the same update as padded micro-batches of 2 and as textbook PPO;
+    the reference's, the reward model's and the critic's inference packed too."""
+    assert results[0][f"packed_{model}_moved"] > 1e-4
+    assert results[0][f"packed_{model}_vs_padded"] < TOL
+    assert results[0][f"packed_{model}_max_diff"] < TOL
+    for field in ("ref_logprobs", "scores", "values", "advantages", "returns"):
+        assert results[0][f"packed_{field}_max_diff"] < TOL, field
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
 def test_sequence_mean_aggregation_matches_its_formula_over_dp(results, model):
     """--loss-agg seq-mean-token-mean: every sequence weighs the same, over the critic's 2 DP replicas and the
     micro-batches of unequal lengths, as the textbook's mean of per-sequence token means."""

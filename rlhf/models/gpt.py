@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from rlhf import platform
 from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, padded_vocab_size
+from rlhf.models.packing import PackedLayout, packed_core_attention
 from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding
 from rlhf.tasks import KINDS
 
@@ -112,14 +113,18 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 def _layer_spec(transformer_impl: str):
     """megatron's local layer spec, or the TransformerEngine one (GPU, TE installed).
 
-    The TE spec fuses the pre-attention and pre-MLP norms into the following
-    linear layers; `rlhf.models.naming.global_name` maps those parameter
-    names back to the local spec's, so conversion and resharding see one naming.
+    The local spec's core attention also takes packed samples
+    (rlhf.models.packing.packed_core_attention), as TE's does. The TE spec
+    fuses the pre-attention and pre-MLP norms into the following linear
+    layers; `rlhf.models.naming.global_name` maps those parameter names back
+    to the local spec's, so conversion and resharding see one naming.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if transformer_impl == "local":
-        return specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = packed_core_attention()  # THD input too
+        return spec
     if transformer_impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec()
     raise ValueError(f"unknown transformer_impl {transformer_impl!r}; valid: {TRANSFORMER_IMPLS}")
@@ -210,7 +215,8 @@ def _zero_vocab_padding(model: torch.nn.Module, vocab_size: int, tp_rank: int) -
             param[max(0, vocab_size - tp_rank * rows):].zero_()
 
 
-def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor: torch.Tensor | None = None):
+def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor: torch.Tensor | None = None,
+                  packed: PackedLayout | None = None):
     """Run one pipeline stage.
 
     input_ids: [b, s] token ids (every stage needs them for the shape; only the
@@ -219,11 +225,17 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor:
     or on the last stage [b, s, V/tp] logits (LM, in the model's dtype; V the padded
     vocabulary, padded ids -inf: rlhf.models.vocab) / [b, s] float32 values (value
     model; a bf16 or fp16 head's output cast up, as the log-probs are computed in fp32).
+    ``packed``: the layout of input_ids' samples, which then run as one packed row of
+    t tokens (rlhf/models/packing.py): hidden states [t, 1, h], the output [1, t, ...].
     """
     model.set_input_tensor(input_tensor)
-    b, s = input_ids.shape
-    position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, -1)
-    out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    if packed is None:
+        b, s = input_ids.shape
+        position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, -1)
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+    else:
+        out = model(input_ids=packed.pack(input_ids), position_ids=packed.positions, attention_mask=None,
+                    packed_seq_params=packed.seq_params)
     if not model.post_process:
         return out
     if isinstance(model.output_layer, ValueHead):

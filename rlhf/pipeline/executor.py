@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.batch import Batch
+from rlhf.models.packing import PackedLayout, sequence_shape
 from rlhf.schedule.schedule import Schedule
 
 from . import compiler as C
@@ -56,7 +57,8 @@ class ModelRuntime:
     ``step()`` (update, then zero the gradients) over ``module``'s parameters: a
     ``rlhf.optim.ModelOptimizer`` built on ``module`` and ``groups``.
     ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
-    :class:`SleepCompute`.
+    :class:`SleepCompute`. ``packed``: each micro-batch runs as one packed row of
+    its samples (rlhf/models/packing.py); ``loss_fn`` then gets the packed output.
     """
 
     name: str
@@ -67,6 +69,11 @@ class ModelRuntime:
     optimizer: object = None
     loss_fn: Callable | None = None
     hidden_size: int = 0
+    packed: bool = False
+
+    def layout(self, mb: int) -> PackedLayout | None:
+        """Where micro-batch ``mb``'s samples sit in its packed row (None: it runs padded)."""
+        return PackedLayout.of(self.microbatches[mb]) if self.packed else None
 
     def is_last(self, stage: int) -> bool:
         return stage == self.mesh.strategy.pp - 1
@@ -77,7 +84,7 @@ class StageCompute:
 
     def buffer(self, rt: ModelRuntime, mb: int) -> torch.Tensor:
         """An empty [s, b, h] activation (or gradient) of micro-batch ``mb``."""
-        b, s = rt.microbatches[mb].tokens.shape
+        s, b = sequence_shape(rt.microbatches[mb].tokens, rt.layout(mb))
         p = next(rt.module.parameters())
         return torch.empty((s, b, rt.hidden_size), dtype=p.dtype, device=p.device)
 
@@ -85,8 +92,8 @@ class StageCompute:
         """Stage output [s, b, h], or on the last stage this micro-batch's loss share."""
         from rlhf.models.gpt import stage_forward
 
-        data = rt.microbatches[ins.mb]
-        out = stage_forward(rt.module, data.tokens, x)
+        data, packed = rt.microbatches[ins.mb], rt.layout(ins.mb)
+        out = stage_forward(rt.module, data.tokens, x, packed)
         if rt.is_last(ins.stage):
             return rt.loss_fn(out, data, rt.groups) / len(rt.microbatches)
         return out

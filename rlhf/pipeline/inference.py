@@ -18,49 +18,51 @@ import torch
 from rlhf.batch import OPTIONAL_FIELDS, Batch
 from rlhf.memory import StageMemory
 from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.tasks import INFERENCE_FIELDS, task_kind
 
 
-def tempered_positions(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[b, T-1, V/tp] fp32 vocab-parallel logits of the positions that predict a next token, divided by
-    ``temperature``: the distribution the engine sampled from, before top-k / top-p (as the peers). A bf16
-    model's logits are cast before the division, as the engine's are. Made once per micro-batch: the
+def tempered_positions(logits: torch.Tensor, temperature: float = 1.0, packed: PackedLayout | None = None
+                       ) -> torch.Tensor:
+    """fp32 vocab-parallel logits of the positions that predict a next token, divided by ``temperature``:
+    [b, T-1, V/tp] padded, or [1, t, V/tp] packed (every position: a sample's last one predicts nothing a
+    response field reads). The distribution the engine sampled from, before top-k / top-p (as the peers). A
+    bf16 model's logits are cast before the division, as the engine's are. Made once per micro-batch: the
     log-probs and the entropy both read it."""
-    positions = logits[:, :-1].float()
+    positions = (logits if packed is not None else logits[:, :-1]).float()
     return positions if temperature == 1.0 else positions / temperature
 
 
-def response_logprobs(positions: torch.Tensor, mb: Batch, g) -> torch.Tensor:
-    """[b, R] log-probs of the response tokens from ``tempered_positions`` [b, T-1, V/tp]."""
-    return mb.response_from_positions(vocab_parallel_log_probs(positions, mb.tokens[:, 1:], g.tp))
+def response_logprobs(positions: torch.Tensor, mb: Batch, g, packed: PackedLayout | None = None) -> torch.Tensor:
+    """[b, R] log-probs of the response tokens from ``tempered_positions``."""
+    targets = mb.tokens[:, 1:] if packed is None else packed.next_tokens(mb.tokens)
+    return mb.response_from_positions(unpacked(vocab_parallel_log_probs(positions, targets, g.tp), packed))
 
 
-def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float = 1.0) -> torch.Tensor:
-    """What ``task``'s last stage makes of a micro-batch's model output: [b, R] response log-probs at
-    ``temperature`` (a language model), [b] scores (the reward model's value at each sample's last
-    token, prompt + response) or [b, R] values (the critic's, per response token)."""
+def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float = 1.0,
+                packed: PackedLayout | None = None) -> torch.Tensor:
+    """What ``task``'s last stage makes of a micro-batch's model output (``packed``: it ran packed): [b, R]
+    response log-probs at ``temperature`` (a language model), [b] scores (the reward model's value at each
+    sample's last token, prompt + response) or [b, R] values (the critic's, per response token)."""
     if task_kind(task) == "lm":
-        return response_logprobs(tempered_positions(out, temperature), mb, g)
+        return response_logprobs(tempered_positions(out, temperature, packed), mb, g, packed)
+    values = unpacked(out, packed)
     if INFERENCE_FIELDS[task] == "scores":
-        return mb.last_token_values(out).float()
-    return mb.response_from_positions(out.float())
-
-
-def micro_batch_count(n: int, size: int) -> int:
-    """Micro-batches of at most ``size`` samples for ``n`` samples (at least one)."""
-    return max(1, -(-n // size))
+        return mb.last_token_values(values).float()
+    return mb.response_from_positions(values.float())
 
 
 class InferenceRunner:
     """This rank's inference tasks: ``models``/``groups`` by task, ``memory`` (offloaded models are
-    loaded for their pass, and what a pass holds is noted), ``micro_batch_size`` samples per pass, and
-    the sampling ``temperature`` the log-probs are taken at (the engine's, 1 when greedy)."""
+    loaded for their pass, and what a pass holds is noted), ``micro_batch_size`` samples per pass (or
+    with ``max_tokens`` passes of packed samples: Batch.micro_batches), and the sampling ``temperature``
+    the log-probs are taken at (the engine's, 1 when greedy)."""
 
     def __init__(self, models: dict, groups: dict, memory: StageMemory, micro_batch_size: int,
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, max_tokens: int | None = None):
         self.models, self.groups, self.memory, self.micro_batch_size = models, groups, memory, micro_batch_size
-        self.temperature = temperature
+        self.temperature, self.max_tokens = temperature, max_tokens
 
     def infer(self, task: str, part: Batch) -> Batch | None:
         """``task``'s outputs for the samples of ``part``, which this rank's replica runs (collective over
@@ -69,10 +71,11 @@ class InferenceRunner:
         g, model = self.groups[task], self.models[task]
         outputs = []
         with self.memory.on_device(task):
-            for mb in part.split(micro_batch_count(len(part), self.micro_batch_size)):
-                out = pipeline_forward(model, g, mb.tokens)
+            for mb in part.micro_batches(self.micro_batch_size, self.max_tokens):
+                packed = None if self.max_tokens is None else PackedLayout.of(mb)
+                out = pipeline_forward(model, g, mb.tokens, packed)
                 if out is not None:
-                    outputs.append(task_output(task, out, mb, g, self.temperature).cpu())
+                    outputs.append(task_output(task, out, mb, g, self.temperature, packed).cpu())
             self.memory.note("inference")
         if not outputs or g.tp_rank != 0:
             return None

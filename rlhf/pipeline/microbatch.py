@@ -13,22 +13,25 @@ from typing import Callable
 import torch
 
 from rlhf.models.gpt import stage_forward
+from rlhf.models.packing import PackedLayout, sequence_shape
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
 
 
-def _receive_input(model, groups: TaskGroups, input_ids: torch.Tensor):
+def _receive_input(model, groups: TaskGroups, input_ids: torch.Tensor, packed: PackedLayout | None):
     if groups.is_first_stage:
         return None
-    b, s = input_ids.shape
-    hidden = model.config.hidden_size
-    return recv_forward((s, b, hidden), model.config.params_dtype, input_ids.device, groups.peer(-1))
+    s, b = sequence_shape(input_ids, packed)
+    return recv_forward((s, b, model.config.hidden_size), model.config.params_dtype, input_ids.device,
+                        groups.peer(-1))
 
 
-def pipeline_forward(model, groups: TaskGroups, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """Inference through the pipeline; the last stage returns its output, others None."""
+def pipeline_forward(model, groups: TaskGroups, input_ids: torch.Tensor,
+                     packed: PackedLayout | None = None) -> torch.Tensor | None:
+    """Inference through the pipeline (``packed``: the samples as one packed row, stage_forward); the last
+    stage returns its output, others None."""
     with torch.no_grad():
-        out = stage_forward(model, input_ids, _receive_input(model, groups, input_ids))
+        out = stage_forward(model, input_ids, _receive_input(model, groups, input_ids, packed), packed)
         if groups.is_last_stage:
             return out
         send_forward(out, groups.peer(+1))
@@ -42,7 +45,7 @@ def pipeline_forward_backward(model, groups: TaskGroups, input_ids: torch.Tensor
     ``loss_fn`` maps the last stage's output (logits [b, s, V/tp] or values
     [b, s]) to a scalar. Returns the loss on the last stage, None elsewhere.
     """
-    x = _receive_input(model, groups, input_ids)
+    x = _receive_input(model, groups, input_ids, None)
     out = stage_forward(model, input_ids, x)
     loss = None
     if groups.is_last_stage:

@@ -72,6 +72,11 @@ SECTIONS = {
                                      "n_samples_per_prompt, and be a multiple of DP x micro-batch size"),
         ("ppo_epochs", int, "passes over the iteration's samples"),
         ("micro_batch_size", int, "samples per micro-batch (training and inference)"),
+        ("max_tokens_per_microbatch", int, "sequence packing: micro-batches of consecutive samples while their "
+                                           "tokens (prompt + response) fit this budget, each packed into one row "
+                                           "without padding, attention kept within each sample (training and "
+                                           "inference; unset: --micro-batch-size samples padded to the longest); "
+                                           "at least --max-prompt-len + --max-response-len"),
         ("lr", float, "actor learning rate"),
         ("critic_lr", float, "critic learning rate"),
         ("clip_grad", float, "clip each model's global gradient norm to this (0: off)"),

@@ -89,7 +89,9 @@ class PPOConfig:
     ``n_samples_per_prompt`` times; the samples are cut into mini-batches of
     ``ppo_mini_batch_size`` samples (one optimizer step each), every epoch;
     a training DP replica runs its share of a mini-batch in micro-batches of
-    ``micro_batch_size`` samples (inference tasks use the same micro-batch size).
+    ``micro_batch_size`` samples (inference tasks use the same micro-batch size), or with
+    ``max_tokens_per_microbatch`` consecutive samples while their tokens fit that budget, packed
+    into one row each (rlhf/models/packing.py: no padding; training and inference alike).
     The old log-probs are the engine's unless ``recompute_logprobs`` (then
     actor_train recomputes them before the update).
 
@@ -119,6 +121,7 @@ class PPOConfig:
     ppo_mini_batch_size: int = 32
     ppo_epochs: int = 1
     micro_batch_size: int = 4
+    max_tokens_per_microbatch: int | None = None
     lr: float = 3e-3
     critic_lr: float = 1e-3
     clip_grad: float = 1.0
@@ -158,6 +161,9 @@ class PPOConfig:
         check_field_types("ppo", self)
         check_positive_ints("ppo", self, ("rollout_batch_size", "n_samples_per_prompt", "ppo_mini_batch_size",
                                            "ppo_epochs", "micro_batch_size"))
+        if self.max_tokens_per_microbatch is not None:
+            check_range("ppo", "max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1, float("inf"),
+                        ">= 1 tokens (prompt + response), or None for micro-batches of micro_batch_size samples")
         for name in ("lr", "critic_lr"):
             check_range("ppo", name, getattr(self, name), 1e-12, float("inf"), "> 0")
         check_range("ppo", "clip_eps", self.clip_eps, 1e-9, 1.0, "in (0, 1]")
@@ -523,6 +529,16 @@ class JobConfig:
                               "migrates, but with max_staleness > 0 generation has ranks of its own and never "
                               "waits for inference; drop one of the two", "ppo.max_staleness")
         total = self.generation.max_prompt_len + self.generation.max_response_len
+        budget = self.ppo.max_tokens_per_microbatch
+        if budget is not None and budget < total:
+            raise ConfigError(f"max_tokens_per_microbatch {budget} is smaller than the longest sample: "
+                              f"max_prompt_len {self.generation.max_prompt_len} + max_response_len "
+                              f"{self.generation.max_response_len} = {total} tokens; give at least {total}",
+                              "ppo.max_tokens_per_microbatch")
+        if budget is not None and self.fusion.intra_stage_fusion:
+            raise ConfigError("a fused actor/critic schedule runs a fixed number of micro-batches, but token-budget "
+                              "micro-batches vary in number; drop --max-tokens-per-microbatch or "
+                              "--intra-stage-fusion", "ppo.max_tokens_per_microbatch")
         for model in used:
             context = self.models[model].max_seq_len
             if total > context:

@@ -67,7 +67,7 @@ def dry_run(config: JobConfig, world_size: int) -> str:
         mesh, model = placement[task], TASK_MODEL[task]
         stages = stage_parameters(config.models[model], MODEL_KIND[model], mesh.strategy.pp)
         line += f"; {short_count(max(stages) / mesh.strategy.tp)}/rank"
-        if task in trained:
+        if task in trained and config.ppo.max_tokens_per_microbatch is None:
             line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
     lines += [_describe_batches(config), _describe_generation(config, placement), _describe_training(config, placement)]
@@ -163,7 +163,9 @@ def _describe_batches(config: JobConfig) -> str:
     return (f"PPO: {ppo.rollout_batch_size} prompts x {ppo.n_samples_per_prompt} samples = {ppo.rollout_samples} "
             f"samples per iteration ({gen.max_prompt_len} + {gen.max_response_len} tokens at most), "
             f"{ppo.minibatches} mini-batches of {ppo.ppo_mini_batch_size} x {ppo.ppo_epochs} epoch(s), "
-            f"micro-batches of {ppo.micro_batch_size}; {config.run.iterations} iterations")
+            + (f"micro-batches of {ppo.micro_batch_size}" if ppo.max_tokens_per_microbatch is None else
+               f"packed micro-batches of up to {ppo.max_tokens_per_microbatch} tokens")
+            + f"; {config.run.iterations} iterations")
 
 
 def _describe_training(config: JobConfig, placement) -> str:

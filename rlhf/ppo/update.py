@@ -31,7 +31,8 @@ from rlhf.parallel.exchange import first_rank
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
-from rlhf.pipeline.inference import micro_batch_count, response_logprobs, tempered_positions
+from rlhf.models.packing import PackedLayout, unpacked
+from rlhf.pipeline.inference import response_logprobs, tempered_positions
 from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
@@ -57,8 +58,7 @@ class PPOUpdate:
         self.optimizers, self.timer = optimizers, timer
         self.group = group  # the ranks that run update(): all, or the learners of an asynchronous run
         self.trained = config.trained_tasks()
-        self.schedules = {name: serial_schedule(name, placement[task], layout.microbatches(config, placement, task))
-                          for name, task in self.trained.items()}
+        self.schedules: dict = {}  # serial 1F1B by (model, micro-batches): serial()
         fusion = config.fusion.intra_stage_fusion
         self.fused: Schedule | None = layout.fused_schedule(config, placement) if fusion else None
         self.stage_times = StageTimes()  # what the search needs, while ``measuring``
@@ -118,8 +118,16 @@ class PPOUpdate:
                               timelines, measured)
             return
         for name, rt in runtimes.items():
-            self._record_step(run_step(self.schedules[name], {name: rt}, group=rt.groups.mesh_group), timelines,
-                              measured)
+            self._record_step(run_step(self.serial(name, len(rt.microbatches)), {name: rt}, group=rt.groups.mesh_group),
+                              timelines, measured)
+
+    def serial(self, name: str, microbatches: int) -> Schedule:
+        """Serial 1F1B of model ``name`` over ``microbatches`` per replica (made once per count: token-budget
+        micro-batches vary in number between mini-batches and DP replicas)."""
+        key = (name, microbatches)
+        if key not in self.schedules:
+            self.schedules[key] = serial_schedule(name, self.placement[self.trained[name]], microbatches)
+        return self.schedules[key]
 
     def _record_step(self, step, timelines: list, measured: bool) -> None:
         """Keep an executor step's timeline: for the trace, the bubble metric and (while measuring)
@@ -167,11 +175,12 @@ class PPOUpdate:
         """The executor's view of one model for one mini-batch on this rank: each micro-batch's loss
         numerator scaled so that, after the executor's 1/micro-batches and the DP average, the gradient
         is that of the mini-batch's aggregated loss (its ``denominator`` counts all DP replicas)."""
-        g = self.groups[task]
-        micro = share.split(micro_batch_count(len(share), self.config.ppo.micro_batch_size))
+        g, ppo = self.groups[task], self.config.ppo
+        micro = share.micro_batches(ppo.micro_batch_size, ppo.max_tokens_per_microbatch)
         scale = len(micro) * g.mesh.strategy.dp / denominator
         return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
-                            functools.partial(loss, scale=scale), self.config.models[name].hidden_size)
+                            functools.partial(loss, scale=scale), self.config.models[name].hidden_size,
+                            packed=loss.packed)
 
 
 class ModelLoss:
@@ -182,7 +191,12 @@ class ModelLoss:
 
     def __init__(self, ppo, max_response_len: int):
         self.ppo, self.max_response_len = ppo, max_response_len
+        self.packed = ppo.max_tokens_per_microbatch is not None  # the model output comes packed
         self.recorded: list = []  # (valid tokens, {metric: value}) per micro-batch
+
+    def layout(self, mb: Batch) -> PackedLayout | None:
+        """Where ``mb``'s samples sit in the packed output (None: the output is padded)."""
+        return PackedLayout.of(mb) if self.packed else None
 
     def mask(self, mb: Batch) -> torch.Tensor:
         """[b, R] 0/1: the response tokens this loss trains on."""
@@ -216,9 +230,9 @@ class ActorLoss(ModelLoss):
         return mask
 
     def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
-        ppo, mask = self.ppo, self.mask(mb)
-        positions = tempered_positions(logits, self.temperature)
-        logprobs = response_logprobs(positions, mb, g)
+        ppo, mask, packed = self.ppo, self.mask(mb), self.layout(mb)
+        positions = tempered_positions(logits, self.temperature, packed)
+        logprobs = response_logprobs(positions, mb, g, packed)
         per_token, stats = policy_loss_per_token(logprobs, mb.old_logprobs, mb.advantages, mask, ppo.clip_eps,
                                                  ppo.clip_eps_high, ppo.dual_clip)
         record = {"clip_fraction": stats["clipfrac"], "approx_kl": stats["approx_kl"],
@@ -232,7 +246,7 @@ class ActorLoss(ModelLoss):
             kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name)
             per_token = per_token + self.kl_coef * kl
             record["kl_loss"] = aggregate_loss(kl.detach(), mask, ppo.loss_agg)
-        entropy = mb.response_from_positions(vocab_parallel_entropy(positions, g.tp))
+        entropy = mb.response_from_positions(unpacked(vocab_parallel_entropy(positions, g.tp), packed))
         record["entropy_mean"] = masked_mean(entropy.detach(), mask)
         if ppo.entropy_coef:
             per_token = per_token - ppo.entropy_coef * entropy
@@ -245,7 +259,8 @@ class CriticLoss(ModelLoss):
 
     def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
         mask = self.mask(mb)
-        per_token, stats = value_loss_per_token(mb.response_from_positions(values), mb.values, mb.returns, mask,
+        values = mb.response_from_positions(unpacked(values, self.layout(mb)))
+        per_token, stats = value_loss_per_token(values, mb.values, mb.returns, mask,
                                                 clip_eps=self.ppo.value_clip)
         self.recorded.append((mask.sum(), {"value_loss": aggregate_loss(per_token.detach(), mask, self.ppo.loss_agg),
                                            "value_clip_fraction": stats["vf_clipfrac"]}))
