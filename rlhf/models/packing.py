@@ -72,15 +72,15 @@ class PackedLayout:
         if lengths.dim() != 1 or not len(lengths) or int(lengths.min()) < 1 or int(lengths.max()) > width:
             raise ValueError(f"PackedLayout: lengths {lengths.tolist()} must be 1..{width} (the padded width), "
                              "one per sample")
+        from megatron.core.packed_seq_params import PackedSeqParams
+
         self.lengths, self.width = lengths, width
         self.total = int(lengths.sum())
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        self.positions = torch.arange(self.total) - offsets[:-1][rows]  # each token's position in its sample
-        self.index = (rows * width + self.positions).to(device)  # its place in the padded [b * T]
-        self.positions = self.positions.unsqueeze(0).to(device)
-        from megatron.core.packed_seq_params import PackedSeqParams
-
+        positions = torch.arange(self.total) - offsets[:-1][rows]  # each packed token's position in its sample
+        self.positions = positions.unsqueeze(0).to(device)  # [1, t] position ids
+        self.index = (rows * width + positions).to(device)  # [t]: each packed token's place in the padded [b * T]
         cu_seqlens = offsets.to(dtype=torch.int32, device=device)
         longest = int(lengths.max())
         self.seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,

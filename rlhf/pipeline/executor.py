@@ -71,9 +71,12 @@ class ModelRuntime:
     hidden_size: int = 0
     packed: bool = False
 
+    def __post_init__(self):
+        self._layouts = [PackedLayout.of(mb) for mb in self.microbatches] if self.packed else None
+
     def layout(self, mb: int) -> PackedLayout | None:
         """Where micro-batch ``mb``'s samples sit in its packed row (None: it runs padded)."""
-        return PackedLayout.of(self.microbatches[mb]) if self.packed else None
+        return None if self._layouts is None else self._layouts[mb]
 
     def is_last(self, stage: int) -> bool:
         return stage == self.mesh.strategy.pp - 1
