@@ -94,10 +94,14 @@ def job_precision(config: JobConfig) -> Precision:
 
 
 def workload(config: JobConfig) -> Workload:
-    """The planner's workload of the job: its samples, token budgets, mini-batches and micro-batches."""
+    """The planner's workload of the job: its samples, token budgets, mini-batches and micro-batches (packed
+    ones as the fewest full-length samples that hold their token budget: their activations at most)."""
     ppo, gen = config.ppo, config.generation
-    return Workload(ppo.rollout_samples, gen.max_prompt_len, gen.max_response_len, ppo.minibatches,
-                    ppo.micro_batch_size, ppo.ppo_epochs)
+    size = ppo.micro_batch_size
+    if ppo.max_tokens_per_microbatch is not None:
+        size = -(-ppo.max_tokens_per_microbatch // (gen.max_prompt_len + gen.max_response_len))
+    return Workload(ppo.rollout_samples, gen.max_prompt_len, gen.max_response_len, ppo.minibatches, size,
+                    ppo.ppo_epochs)
 
 
 def predicted_memory(config: JobConfig, placement, precision: Precision | None = None) -> dict:
