@@ -233,7 +233,7 @@ def _packed(placement, padded: dict) -> dict:
     if dist.get_rank() == 0:
         out.update({f"{name}_vs_padded": max((after[name][k] - padded[name][k]).abs().max().item()
                                              for k in padded[name]) for name in padded})
-    return {f"packed_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved", "_vs_padded"))}
+    return {f"packed_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved", "_vs_padded", "metrics"))}
 
 
 def _planned() -> dict:

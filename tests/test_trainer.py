@@ -45,6 +45,10 @@ def test_packed_micro_batches_train_like_padded_ones(results, model):
     assert results[0][f"packed_{model}_max_diff"] < TOL
     for field in ("ref_logprobs", "scores", "values", "advantages", "returns"):
         assert results[0][f"packed_{field}_max_diff"] < TOL, field
+    # the losses and gradient norms the two runs logged (the steps' means)
+    loss = {"actor": ("policy_loss", "actor_grad_norm"), "critic": ("value_loss", "critic_grad_norm")}[model]
+    for key in loss:
+        assert results[0]["packed_metrics"][key] == pytest.approx(results[0]["metrics"][key], rel=TOL), key
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])
