@@ -84,11 +84,11 @@ def test_bad_precision_flags_are_refused_naming_the_flag(flags, message):
 
 
 def test_tiny_default_learns_in_bf16(tmp_path):
-    """The main job as a user runs it with --bf16: 20 iterations; the gold reward of the last 10 is above
-    the first 10's by more than 3 standard errors of the difference."""
+    """The main job as a user runs it with --bf16: 14 iterations; the gold reward of the last 7 is above
+    the first 7's by more than 3 standard errors of the difference (4.4 measured; 4.9 over 20 iterations)."""
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(ROOT / "pretrain_rlhf.py"), "--bf16", "--iterations", "20", "--no-progress",
+           str(ROOT / "pretrain_rlhf.py"), "--bf16", "--iterations", "14", "--no-progress",
            "--metrics-file", str(metrics)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -96,4 +96,4 @@ def test_tiny_default_learns_in_bf16(tmp_path):
     # the start-up warning where bf16 products are slow (this AVX2-only CI host: yes)
     assert ("warning: --bf16 on this CPU" in out.stdout) == platform.slow_half_precision(torch.bfloat16)
     gold = [json.loads(line)["gold_reward_mean"] for line in metrics.read_text().splitlines()]
-    assert rise_in_standard_errors(gold, window=10) > 3, gold
+    assert rise_in_standard_errors(gold, window=7) > 3, gold
