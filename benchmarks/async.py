@@ -23,7 +23,7 @@ iterations (the start-up batches) and the last K (nothing left to generate), mea
 ``prompts_once``: the reward function records every prompt it scores; yes when each prompt of the
 iterations trained was scored exactly its n samples' times, in every run.
 
-Usage: ``python benchmarks/async.py [--iterations 10] [--step-s 0.03] [--training-s 2] [--k 1 2] [--partial 2]
+Usage: ``python benchmarks/async.py [--iterations 10] [--step-s 0.06] [--training-s 4] [--k 1 2] [--partial 2]
 [--long-tail-median 8] [--max-response-len 64] [--kv recompute|keep]``
 Last line (the fastest asynchronous run): ``async: sync_s=<x> async_s=<y> speedup=<x/y> predicted=<p>
 staleness_max=<k> prompts_once=<yes|no>``
@@ -130,9 +130,9 @@ def simulated(sync: list, mode: str, k: int) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--iterations", type=int, default=10, help="iterations per run (default %(default)s)")
-    ap.add_argument("--step-s", type=float, default=0.03, help="sleep added to each engine step on the "
+    ap.add_argument("--step-s", type=float, default=0.06, help="sleep added to each engine step on the "
                                                                "generation ranks (default %(default)s)")
-    ap.add_argument("--training-s", type=float, default=2.0, help="sleep added to each PPO update on the "
+    ap.add_argument("--training-s", type=float, default=4.0, help="sleep added to each PPO update on the "
                                                                   "learners (default %(default)s)")
     ap.add_argument("--k", type=int, nargs="*", default=[1, 2], help="staleness bounds to run in lockstep "
                                                                      "besides 0 (default %(default)s)")
