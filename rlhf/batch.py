@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Mapping, NoReturn, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from rlhf.algorithms.balancing import karmarkar_karp
 from rlhf.parallel.dealing import part_sizes
 
 if TYPE_CHECKING:
@@ -289,11 +290,12 @@ class Batch:
             start += size
         return parts
 
-    def micro_batches(self, size: int, max_tokens: int | None = None) -> list[Batch]:
+    def micro_batches(self, size: int, max_tokens: int | None = None, count: int | None = None) -> list[Batch]:
         """The micro-batches a DP replica runs this batch in: near-equal parts of at most ``size`` samples
         (padded to their longest), or with ``max_tokens`` consecutive samples while their tokens (prompt +
-        response) fit that budget, to run packed (rlhf/models/packing.py). ValueError when one sample
-        alone is longer than the budget."""
+        response) fit that budget, to run packed (rlhf/models/packing.py); with ``count`` too, exactly that
+        many parts balanced by tokens (Karmarkar-Karp), as a fixed schedule runs them. ValueError when a
+        part is longer than the budget."""
         if max_tokens is None:
             return self.split(max(1, -(-len(self) // size)))
         lengths = self.sequence_lengths.tolist()
@@ -301,6 +303,14 @@ class Batch:
             longest = max(range(len(lengths)), key=lengths.__getitem__)
             raise ValueError(f"a micro-batch budget of {max_tokens} tokens is smaller than sample {longest} "
                              f"({lengths[longest]} tokens, the longest); raise the budget to at least that")
+        if count is not None:
+            parts = karmarkar_karp(lengths, count)
+            heaviest = max(sum(lengths[i] for i in part) for part in parts)
+            if heaviest > max_tokens:
+                raise ValueError(f"{len(self)} samples of {sum(lengths)} tokens in {count} micro-batches balanced "
+                                 f"by tokens need {heaviest} tokens in one, over the budget of {max_tokens}; raise "
+                                 "the budget")
+            return [self.select(part) for part in parts]
         sizes, used = [], max_tokens
         for n in lengths:
             if used + n > max_tokens:

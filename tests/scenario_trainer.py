@@ -361,7 +361,8 @@ FUSED_PLAN = {"actor_train": {"ranks": "0-3", "dp": 2, "pp": 2},
 
 
 def _fusion(root: str) -> dict:
-    """2 iterations with a searched (annealed) fused actor/critic schedule vs 2 with serial 1F1B: parameters."""
+    """2 iterations with a searched (annealed) fused actor/critic schedule vs 2 with serial 1F1B: parameters;
+    and the fused schedule with packed micro-batches."""
     placement = Placement.from_plan(FUSED_PLAN, dist.get_world_size())
     full = synthetic_weights(21)
     path = f"{root}/fused.json"
@@ -377,14 +378,19 @@ def _fusion(root: str) -> dict:
     searched = synthetic_trainer(placement, full, mini_batch=8,
                                   fusion=FusionConfig(intra_stage_fusion=True, search_budget=0.05),
                                   checkpoint=CheckpointConfig(save=f"{root}/searched"))
+    # packed: the schedule's 2 micro-batches per replica, balanced by tokens, each within 2 x 14 tokens
+    packed = synthetic_trainer(placement, full, mini_batch=8, fusion=FusionConfig(intra_stage_fusion=True, schedule=path),
+                               max_tokens_per_microbatch=28)
     for _ in range(2):
         serial_metrics, fused_metrics = serial.step().metrics, fused.step().metrics
         searched_metrics = searched.step().metrics
+        packed.step()
     searched.save(f"{root}/searched")
     resumed = synthetic_trainer(placement, full, mini_batch=8, fusion=searched.config.fusion)
     resumed.load(f"{root}/searched")  # takes the cached schedule: no second measurement
-    a, b, c = trained_weights(serial), trained_weights(fused), trained_weights(searched)
+    a, b, c, d = (trained_weights(t) for t in (serial, fused, searched, packed))
     return {"fused_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
+            "packed_fused_param_diff": max((a[m][k] - d[m][k]).abs().max().item() for m in a for k in a[m]),
             "searched_param_diff": max((a[m][k] - c[m][k]).abs().max().item() for m in a for k in a[m]),
             "searched_schedule": searched.ppo_update.fused is not None and searched.ppo_update.fused.model_names,
             "cached_schedule_reused": (not resumed.ppo_update.measuring

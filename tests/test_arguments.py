@@ -100,8 +100,6 @@ def test_flags_fill_the_configs(tmp_path):
                                             "than the longest sample: max_prompt_len 16 + max_response_len 16 = 32 "
                                             "tokens; give at least 32"),
     (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch: max_tokens_per_microbatch=0 must be >= 1"),
-    (["--max-tokens-per-microbatch", "512", "--intra-stage-fusion"], "--max-tokens-per-microbatch: a fused "
-                                                                     "actor/critic schedule runs a fixed number"),
 ])
 def test_bad_values_name_their_flag(argv, message):
     with pytest.raises(UsageError) as exc:

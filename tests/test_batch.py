@@ -165,6 +165,23 @@ def test_micro_batches_by_samples_or_by_a_token_budget():
         batch.micro_batches(4, max(lengths) - 1)
 
 
+def test_micro_batches_of_a_fixed_count_are_balanced_by_tokens():
+    """With a count (a fused schedule's): exactly that many parts, every sample once, tokens balanced as
+    Karmarkar-Karp balances them; a part over the budget is refused."""
+    from rlhf.algorithms import karmarkar_karp
+
+    batch = _random_batch(seed=6, n=9)
+    lengths = batch.sequence_lengths.tolist()
+    parts = batch.micro_batches(4, sum(lengths), count=3)
+    assert len(parts) == 3
+    rows = sorted(int(i) * 2 + int(j) for p in parts for i, j in zip(p.prompt_ids, p.sample_indices))
+    assert rows == [int(i) * 2 + int(j) for i, j in zip(batch.prompt_ids, batch.sample_indices)]
+    loads = sorted(int(p.sequence_lengths.sum()) for p in parts)
+    assert loads == sorted(sum(lengths[i] for i in part) for part in karmarkar_karp(lengths, 3))
+    with pytest.raises(ValueError, match=rf"need {loads[-1]} tokens in one, over the budget of {loads[-1] - 1}"):
+        batch.micro_batches(4, loads[-1] - 1, count=3)
+
+
 @pytest.mark.parametrize("indices", [[4, 0, 3, 1, 2], [2, 2, 0, 4, 2, 0], []])
 def test_select_matches_per_sample_rows(indices):
     batch = _random_batch(seed=5, n=5)

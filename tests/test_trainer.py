@@ -107,6 +107,12 @@ def test_fused_schedule_trains_like_serial_1f1b(results):
     assert r["fused_value_loss"][1] == pytest.approx(r["fused_value_loss"][0], rel=1e-5)
 
 
+def test_packed_micro_batches_keep_the_fused_schedules_count_and_train_like_serial(results):
+    """--max-tokens-per-microbatch with --intra-stage-fusion: each replica's share in the schedule's 2
+    micro-batches, balanced by tokens and packed; 2 iterations equal padded serial 1F1B's."""
+    assert results[0]["packed_fused_param_diff"] < 1e-5
+
+
 def test_searched_schedule_after_the_first_iteration_trains_like_serial(results):
     r = results[0]
     assert r["searched_schedule"] == ("actor", "critic")  # measured, searched and used from iteration 2

@@ -91,7 +91,8 @@ class PPOConfig:
     a training DP replica runs its share of a mini-batch in micro-batches of
     ``micro_batch_size`` samples (inference tasks use the same micro-batch size), or with
     ``max_tokens_per_microbatch`` consecutive samples while their tokens fit that budget, packed
-    into one row each (rlhf/models/packing.py: no padding; training and inference alike).
+    into one row each (rlhf/models/packing.py: no padding; training and inference alike; with a fused
+    schedule, training keeps its micro-batch count and balances them by tokens).
     The old log-probs are the engine's unless ``recompute_logprobs`` (then
     actor_train recomputes them before the update).
 
@@ -535,10 +536,6 @@ class JobConfig:
                               f"max_prompt_len {self.generation.max_prompt_len} + max_response_len "
                               f"{self.generation.max_response_len} = {total} tokens; give at least {total}",
                               "ppo.max_tokens_per_microbatch")
-        if budget is not None and self.fusion.intra_stage_fusion:
-            raise ConfigError("a fused actor/critic schedule runs a fixed number of micro-batches, but token-budget "
-                              "micro-batches vary in number; drop --max-tokens-per-microbatch or "
-                              "--intra-stage-fusion", "ppo.max_tokens_per_microbatch")
         for model in used:
             context = self.models[model].max_seq_len
             if total > context:

@@ -176,7 +176,9 @@ class PPOUpdate:
         numerator scaled so that, after the executor's 1/micro-batches and the DP average, the gradient
         is that of the mini-batch's aggregated loss (its ``denominator`` counts all DP replicas)."""
         g, ppo = self.groups[task], self.config.ppo
-        micro = share.micro_batches(ppo.micro_batch_size, ppo.max_tokens_per_microbatch)
+        fused = self.config.fusion.intra_stage_fusion  # a fused schedule's micro-batch count is fixed
+        fixed = layout.microbatches(self.config, self.placement, task) if fused else None
+        micro = share.micro_batches(ppo.micro_batch_size, ppo.max_tokens_per_microbatch, count=fixed)
         scale = len(micro) * g.mesh.strategy.dp / denominator
         return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
                             functools.partial(loss, scale=scale), self.config.models[name].hidden_size,
