@@ -17,10 +17,12 @@ FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logp
 
 
 def run() -> dict:
-    """The fixed-sample PPO iteration, then two greedy-generation iterations (engine, reshard, inference, update)."""
+    """The fixed-sample PPO iteration (padded and packed), then two greedy-generation iterations (engine, reshard,
+    inference, update)."""
     placement = Placement.from_plan({task: {"ranks": [0]} for task in TASKS}, 1)
     build_task_groups(placement)
     _, _, result, learned = learn_fixed_samples(placement)
+    _, _, packed, packed_learned = learn_fixed_samples(placement, max_tokens=16)  # TE's THD attention on a GPU
     trainer = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0)
     steps = [trainer.step() for _ in range(2)]
     lean = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0,
@@ -30,6 +32,8 @@ def run() -> dict:
     return {"device": platform.device().type,
             "fields": {f: getattr(result.batch, f).cpu().numpy() for f in FIELDS},
             "learned": _arrays(learned),
+            "packed_fields": {f: getattr(packed.batch, f).cpu().numpy() for f in FIELDS},
+            "packed_learned": _arrays(packed_learned),
             "tokens": [s.batch.tokens.tolist() for s in steps],
             "metrics": [s.metrics for s in steps],
             "stepped": _arrays(trained_weights(trainer)),
