@@ -19,7 +19,7 @@ import time
 from collections import Counter
 
 import torch
-from real_model_generate import example_prompts
+from real_model_generate import smollm2_chat_prompts
 
 
 def timed(seconds: Counter, name: str, fn):
@@ -42,16 +42,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
-
-    from rlhf.checkpoint.gguf import smollm2_hf_dir
     from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 
-    path = smollm2_hf_dir()
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for p in example_prompts(args.prompts)]
+    path, tok, prompts = smollm2_chat_prompts(args.prompts)
     loaded = load_unsharded_lm(path)
     engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=4096))
     seconds: Counter = Counter()

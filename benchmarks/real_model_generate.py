@@ -40,6 +40,18 @@ def example_prompts(count: int) -> list[str]:
     return [r["prompt"] for r in module.make_prompts(count, seed=0)]
 
 
+def smollm2_chat_prompts(count: int):
+    """(SmolLM2's HF directory, its tokenizer, the example's first ``count`` prompts chat-templated as ids)."""
+    from transformers import AutoTokenizer
+
+    from rlhf.checkpoint.gguf import smollm2_hf_dir
+
+    path = smollm2_hf_dir()
+    tok = AutoTokenizer.from_pretrained(path)
+    return path, tok, [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False) for p in example_prompts(count)]
+
+
 def timed(fn):
     """(fn(), its wall seconds)."""
     start = time.perf_counter()
@@ -90,16 +102,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per system, fastest kept (default %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from rlhf.checkpoint.gguf import smollm2_hf_dir
     from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.engine import Engine, EngineConfig
 
-    path = smollm2_hf_dir()
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-                                       return_dict=False) for p in example_prompts(args.prompts)]
+    path, tok, prompts = smollm2_chat_prompts(args.prompts)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     loaded = load_unsharded_lm(path)
     engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=512))
