@@ -41,14 +41,13 @@ def _samples(count: int, prompt_len: int, response_lens: list, vocab: int) -> li
     return out
 
 
-def _trainer(full: dict, max_tokens, args):
+def _trainer(cfg, full: dict, max_tokens, args):
+    """A one-rank trainer of model shape ``cfg`` for both models, from weights ``full``."""
     from rlhf.config import RunConfig
-    from rlhf.models import ModelConfig
     from rlhf.parallel import Placement
     from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
     from rlhf.ppo.trainer import Trainer
 
-    cfg = ModelConfig(**MODEL, max_seq_len=args.prompt_len + args.response_len)
     config = JobConfig(models=ModelsConfig(actor=cfg, critic=cfg), run=RunConfig(iterations=1, seed=3),
                        generation=GenerationConfig(max_prompt_len=args.prompt_len, max_response_len=args.response_len),
                        ppo=PPOConfig(rollout_batch_size=args.samples, n_samples_per_prompt=1,
@@ -84,7 +83,7 @@ def run_rank(args: dict) -> dict:
         budget = args.micro_batch_size * (args.prompt_len + args.response_len)
         trained = {}
         for mode, max_tokens in (("padded", None), ("packed", budget)):
-            trainer = _trainer(full, max_tokens, args)
+            trainer = _trainer(cfg, full, max_tokens, args)
             seconds = {"inference": [], "training": []}
             for rep in range(args.repeats + 1):
                 start = time.perf_counter()

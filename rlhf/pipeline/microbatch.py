@@ -18,7 +18,7 @@ from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
 
 
-def _receive_input(model, groups: TaskGroups, input_ids: torch.Tensor, packed: PackedLayout | None):
+def _receive_input(model, groups: TaskGroups, input_ids: torch.Tensor, packed: PackedLayout | None = None):
     if groups.is_first_stage:
         return None
     s, b = sequence_shape(input_ids, packed)
@@ -45,7 +45,7 @@ def pipeline_forward_backward(model, groups: TaskGroups, input_ids: torch.Tensor
     ``loss_fn`` maps the last stage's output (logits [b, s, V/tp] or values
     [b, s]) to a scalar. Returns the loss on the last stage, None elsewhere.
     """
-    x = _receive_input(model, groups, input_ids, None)
+    x = _receive_input(model, groups, input_ids)
     out = stage_forward(model, input_ids, x)
     loss = None
     if groups.is_last_stage:

@@ -26,12 +26,12 @@ from rlhf.algorithms.losses import (aggregate_loss, loss_denominator, loss_numer
 from rlhf.batch import Batch
 from rlhf.metrics import StageTimer
 from rlhf.models.logprobs import vocab_parallel_entropy
+from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.parallel import Placement
 from rlhf.parallel.exchange import first_rank
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
-from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.pipeline.inference import response_logprobs, tempered_positions
 from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.ppo import layout
