@@ -18,7 +18,7 @@ Padding convention (the only one)
 
     Response-aligned fields [N, R] (``rollout_logprobs``, ``old_logprobs``,
     ``ref_logprobs``, ``values``, ``advantages``, ``returns``,
-    ``policy_versions``): column k is
+    ``policy_versions``, ``loss_mask``): column k is
     response token k of the sample, right-padded with zeros past
     ``response_lengths``.
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 FINISH_REASONS = ("stop", "length", "context")
 HOST_FIELDS = ("prompt_lengths", "response_lengths", "prompt_ids", "sample_indices")
 RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
-                   "policy_versions")
+                   "policy_versions", "loss_mask")
 OPTIONAL_FIELDS = RESPONSE_FIELDS + ("scores",)
 TENSOR_FIELDS = ("tokens",) + HOST_FIELDS + OPTIONAL_FIELDS
 
@@ -90,7 +90,10 @@ class Batch:
     trainer), ref_logprobs (reference), scores (reward), values (critic),
     advantages and returns (advantage estimation); policy_versions (an
     asynchronous run's generation, rlhf/ppo/asynchronous.py: the number of
-    updates applied to the weights that sampled each token, as floats).
+    updates applied to the weights that sampled each token, as floats);
+    loss_mask (a multi-turn episode's generation, rlhf/envs/episodes.py: 1
+    at the model's tokens, 0 at the environment's observations, which are
+    in the sequence but out of the losses, the KL and the value targets).
 
     prompt_ids: the prompt's index in this iteration's prompts (the n samples
     of one prompt share it; GRPO groups by it); sample_indices: which of those
@@ -112,6 +115,7 @@ class Batch:
     returns: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
     policy_versions: Optional[torch.Tensor] = None
+    loss_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:
@@ -187,10 +191,12 @@ class Batch:
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """[N, R] float32 0/1 on the device of tokens: 1 at column k < response_lengths[i]
-        (the 0/1 mask the losses and estimators take)."""
+        """[N, R] float32 0/1 on the device of tokens: 1 at column k < response_lengths[i], times
+        ``loss_mask`` where set (the 0/1 mask the losses and estimators take: an observation inside a
+        response is a hole, as verl's multi-turn masks make it)."""
         columns = torch.arange(self.response_width, device=self.tokens.device)
-        return (columns < self._on_device(self.response_lengths).unsqueeze(1)).float()
+        mask = (columns < self._on_device(self.response_lengths).unsqueeze(1)).float()
+        return mask if self.loss_mask is None else mask * self.loss_mask.float()
 
     def response_from_positions(self, per_position: torch.Tensor) -> torch.Tensor:
         """Per-position model output [N, T'] (T' >= T-1) -> response-aligned [N, R].
@@ -354,8 +360,9 @@ class Batch:
     @classmethod
     def from_samples(cls, samples: Sequence[SampleResult], pad_id: int, prompt_ids: Mapping[str, int]) -> Batch:
         """The engine's results as a batch, one row per sample in ``samples`` order,
-        with ``rollout_logprobs`` and ``old_logprobs`` both the engine's log-probs (float32), and
-        ``policy_versions`` when every sample carries one per token (an asynchronous run's engine).
+        with ``rollout_logprobs`` and ``old_logprobs`` both the engine's log-probs (float32),
+        ``policy_versions`` when every sample carries one per token (an asynchronous run's engine), and
+        ``loss_mask`` when some sample has inserted tokens (``SampleResult.loss_mask``).
 
         ``prompt_ids`` maps each ``request_id`` to its prompt id (e.g. the
         prompt's index in the iteration's prompt batch), given by whoever built
@@ -376,12 +383,16 @@ class Batch:
         response_width = max(response_lengths, default=0)
         tokens = [[*s.prompt, *s.tokens] + [pad_id] * (width - p - r)
                   for s, p, r in zip(samples, prompt_lengths, response_lengths)]
-        uneven = [(s.request_id, s.sample_index) for s in samples if len(s.policy_versions) not in (0, len(s.tokens))]
-        if uneven:
-            raise ValueError(f"Batch.from_samples: samples {uneven} have policy_versions but not one per token")
+        for name in ("policy_versions", "loss_mask"):
+            uneven = [(s.request_id, s.sample_index) for s in samples
+                      if len(getattr(s, name)) not in (0, len(s.tokens))]
+            if uneven:
+                raise ValueError(f"Batch.from_samples: samples {uneven} have {name} but not one per token")
 
-        def per_response_token(field: str) -> torch.Tensor:
-            rows = [[*getattr(s, field)] + [0] * (response_width - r) for s, r in zip(samples, response_lengths)]
+        def per_response_token(field: str, unset: float = 0.0) -> torch.Tensor:
+            # right-padded with zeros; a sample without the field has ``unset`` at each of its tokens
+            rows = [[*(getattr(s, field) or [unset] * r)] + [0] * (response_width - r)
+                    for s, r in zip(samples, response_lengths)]
             return torch.tensor(rows, dtype=torch.float32).reshape(len(samples), response_width)
 
         logprobs = per_response_token("logprobs")
@@ -397,6 +408,7 @@ class Batch:
             rollout_logprobs=logprobs,
             old_logprobs=logprobs,
             policy_versions=per_response_token("policy_versions") if versioned else None,
+            loss_mask=per_response_token("loss_mask", 1.0) if any(s.loss_mask for s in samples) else None,
         )
 
 

@@ -7,15 +7,19 @@ the source side of migration. Rank 1: prefix-sharing block accounting for
 n=8, seeded sampling independent of batching, two stop ids, capacity errors,
 the destination side of migration, and a bf16 engine's log-probs vs the bf16 model. Both: TP2 engine (weights resharded
 from a DP2 training layout) vs a TP1 engine, and its tempered log-probs vs the
-plain TP1 model. Every check returns small values; the test module asserts.
+plain TP1 model; multi-turn episodes (scripted environments) on TP2 and TP1 engines.
+Every check returns small values; the test module asserts.
 """
 
+import threading
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
 from rlhf.engine import Engine, EngineConfig, NeverFitsError, OutOfBlocksError, Request, SamplingParams
+from rlhf.envs.environment import Environment, EnvironmentStep
+from rlhf.envs.episodes import EpisodeRunner
 from rlhf.fusion.transport import recv_sequence, send_sequence
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model, stage_forward
@@ -304,6 +308,113 @@ def check_weight_refresh(local) -> dict:
     return out
 
 
+# ---- multi-turn episodes ------------------------------------------------------------------
+
+
+class ScriptedEnvironment(Environment):
+    """Fixed observations that depend only on the turn (so every rank could compute them): turn k gets
+    [200 + k, 3 + sum(turn ids) % 50, 7], reward k + 1; done after the third turn."""
+
+    def step(self, turn):
+        if turn.index == 2:
+            return EnvironmentStep(reward=10.0, done=True)
+        return EnvironmentStep(observation=[200 + turn.index, 3 + sum(turn.token_ids) % 50, 7],
+                               reward=turn.index + 1.0)
+
+
+class WaitingEnvironment(ScriptedEnvironment):
+    """Sample 0 of request "e0" answers its first turn only once request "e1" has ended its episode: a
+    runner that waited on it before stepping the engine again would never get there (20 s timeout)."""
+
+    other_done = threading.Event()
+    blocked = []
+
+    def step(self, turn):
+        if self.first and turn.index == 0:
+            self.blocked.append(not self.other_done.wait(timeout=20))
+        step = super().step(turn)
+        if self.second and step.done:
+            self.other_done.set()
+        return step
+
+    def reset(self, prompt):
+        self.first, self.second = prompt == "e0", prompt == "e1"
+
+
+class FailingEnvironment(ScriptedEnvironment):
+    def step(self, turn):
+        if turn.index == 1:
+            raise RuntimeError("the scripted tool broke")
+        return super().step(turn)
+
+
+EPISODE_PARAMS = SamplingParams(max_new_tokens=40, n=2)
+
+
+def _episodes(engine, env, tp_group=None, **limits) -> list:
+    runner = EpisodeRunner(engine, env, None, limits.pop("max_turns", 3), 40, max_turn_tokens=6, tp_group=tp_group,
+                           prompt_records=lambda rid: rid, **limits)
+    return runner.run(_requests(_prompts(3, seed=11), EPISODE_PARAMS, tag="e"))
+
+
+def _turn_spans(episode) -> list:
+    """(start, end) of each model turn in the episode's response (runs of loss_mask 1)."""
+    spans, start = [], None
+    for k, m in enumerate([*episode.loss_mask, 0]):
+        if m and start is None:
+            start = k
+        elif not m and start is not None:
+            spans.append((start, k))
+            start = None
+    return spans
+
+
+def check_episodes(groups, placement, local) -> dict:
+    """Multi-turn episodes on a TP2 engine (environments on TP rank 0, answers broadcast) against a TP1 engine,
+    each turn against a fresh engine's generation from the same prefix, K/V kept across turns, a tiny pool."""
+    g, train_g = groups["actor_gen"], groups["actor_train"]
+    train = build_model(CFG, "lm", train_g.pg_collection, train_g.stage, seed=SEED)
+    gen = build_model(CFG, "lm", g.pg_collection, g.stage, seed=999)
+    reshard(placement["actor_train"], (train_g, train), placement["actor_gen"], (g, gen), CFG.num_layers)
+    plain = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED)
+    cfg = EngineConfig(num_blocks=96, block_size=4, max_tokens_per_step=24)
+    tp2 = _episodes(Engine(gen, g, CFG, cfg), ScriptedEnvironment, g.tp)
+    engine = Engine(plain, local, CFG, cfg)
+    tp1 = _episodes(engine, ScriptedEnvironment)
+    prompts = _prompts(3, seed=11)
+    out = {"episodes_tp2_equal": [(e.tokens, e.loss_mask, e.rewards) for e in tp2]
+           == [(e.tokens, e.loss_mask, e.rewards) for e in tp1],
+           "episodes_tp2_logprob_err": max(abs(a - b) for x, y in zip(tp1, tp2)
+                                           for a, b in zip(x.logprobs, y.logprobs)),
+           "episodes_computed_tokens": engine.stats.computed_tokens,
+           "episodes_computed_once": sum(map(len, prompts)) + sum(len(e.tokens) - 1 for e in tp1),
+           "episodes_free_after": engine.kv.pool.num_free, "episodes": [
+               dict(tokens=list(e.tokens), mask=list(e.loss_mask), rewards=list(e.rewards), turns=e.turns,
+                    reason=e.finish_reason, prompt=list(e.prompt)) for e in tp1]}
+    fresh, turn_err, turns_equal = Engine(plain, local, CFG, cfg), 0.0, True
+    for k, e in enumerate(tp1):
+        for start, end in _turn_spans(e):
+            params = SamplingParams(max_new_tokens=end - start)
+            want = fresh.generate([Request(f"t{k}-{start}", list(e.prompt) + list(e.tokens[:start]), params)])[0]
+            turns_equal &= list(want.tokens) == list(e.tokens[start:end])
+            turn_err = max(turn_err, max(abs(a - b) for a, b in zip(want.logprobs, e.logprobs[start:end])))
+    out.update(episodes_turns_equal=turns_equal, episodes_turn_logprob_err=turn_err)
+    tiny = Engine(plain, local, CFG, EngineConfig(num_blocks=14, block_size=4, max_tokens_per_step=24))
+    out["episodes_tiny_pool_equal"] = [e.tokens for e in _episodes(tiny, ScriptedEnvironment)] == [
+        e.tokens for e in tp1]
+    out.update(episodes_tiny_pool_free_after=tiny.kv.pool.num_free, episodes_held_evictions=tiny.stats.held_evictions)
+    if dist.get_rank() == 0:
+        waited = _episodes(Engine(plain, local, CFG, cfg), WaitingEnvironment)
+        out["episodes_waiting_blocked"] = WaitingEnvironment.blocked
+        out["episodes_waiting_equal"] = [e.tokens for e in waited] == [e.tokens for e in tp1]
+    try:
+        _episodes(Engine(gen, g, CFG, cfg), FailingEnvironment, g.tp)
+        out["episodes_failure"] = None
+    except RuntimeError as exc:
+        out["episodes_failure"] = str(exc)
+    return out
+
+
 def run():
     rank = dist.get_rank()
     placement = Placement.from_plan(PLAN, dist.get_world_size())
@@ -313,6 +424,7 @@ def run():
     out = {"rank": rank}
     out.update(check_tp2(groups, placement, local))
     out.update(check_migration(model, local))
+    out.update(check_episodes(groups, placement, local))
     if rank == 0:
         out.update(check_vs_training_model(model, local))
         out.update(check_vs_hf(local))

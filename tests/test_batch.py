@@ -37,7 +37,7 @@ def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batc
                  finish_reasons=tuple(("stop", "length", "context")[i % 3] for i in range(n)),
                  rollout_logprobs=response_field(), old_logprobs=response_field(), ref_logprobs=response_field(),
                  values=response_field(), advantages=response_field(), returns=response_field(),
-                 policy_versions=response_field(),
+                 policy_versions=response_field(), loss_mask=mask * (torch.rand(n, response_width, generator=g) > 0.3),
                  scores=torch.randn(n, generator=g))
 
 
@@ -224,7 +224,7 @@ def test_with_fields_from_puts_outputs_back_by_sample():
     ref = torch.randn(6, batch.response_width) * mask
     scores = torch.randn(6)
     bare = batch.with_fields(rollout_logprobs=None, old_logprobs=None, values=None, advantages=None, returns=None,
-                             policy_versions=None)
+                             policy_versions=None, loss_mask=None)
     parts = []
     for index in ([4, 1], [0, 5, 2], [3]):  # three replicas' shares
         part = bare.select(index)
@@ -291,6 +291,7 @@ def test_advantage_inputs_from_batch_grpo_groups_by_prompt_id():
     mask = torch.zeros(len(batch), batch.response_width)
     for i, length in enumerate(batch.response_lengths.tolist()):
         mask[i, :length] = 1
+    mask = mask * batch.loss_mask  # the observations' holes
     by_hand = AdvantageInputs(rewards, mask, scores=batch.scores, group_index=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]))
     want = compute_advantages(by_hand, config)
     torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -2,7 +2,8 @@
 
 Exactness: greedy tokens vs HF generate and vs a full-recompute loop on the
 training model; log-probs vs the training model; preemption, prefix sharing,
-migration and TP2 change nothing in the output.
+migration and TP2 change nothing in the output; multi-turn episodes keep each
+turn's K/V and equal a fresh generation of every turn.
 """
 
 import pytest
@@ -115,3 +116,44 @@ def test_new_weights_reach_samples_in_flight(results):
     assert r["refresh_recompute_errors"][1] < 1e-4
     assert r["refresh_keep_errors"][1] > 1e-3
     assert r["refresh_free_after_abort"] == 64
+
+
+def test_episode_turns_equal_fresh_generations_from_the_same_prefix(results):
+    """3 prompts x 2 samples, 3 turns of at most 6 tokens, scripted observations: each turn, continued on the
+    K/V kept from the turns before, equals a fresh engine's greedy generation from the episode's tokens so far;
+    every token is computed once (each prompt once for its 2 samples, every response token but the last)."""
+    r = results[0]
+    assert r["episodes_turns_equal"] and r["episodes_turn_logprob_err"] < 1e-5
+    assert r["episodes_computed_tokens"] == r["episodes_computed_once"]
+    assert r["episodes_free_after"] == 96  # every held sample released
+
+
+def test_episode_loss_mask_covers_exactly_the_models_tokens(results):
+    for e in results[0]["episodes"]:
+        turns = [e["tokens"][0:6], e["tokens"][9:15], e["tokens"][18:24]]  # 6 tokens each: max_turn_tokens
+        observations = [e["tokens"][6:9], e["tokens"][15:18]]
+        assert e["mask"] == [1] * 6 + [0] * 3 + [1] * 6 + [0] * 3 + [1] * 6
+        assert observations == [[200 + k, 3 + sum(turn) % 50, 7] for k, turn in enumerate(turns[:2])]
+        assert e["rewards"] == [1.0, 2.0, 10.0] and e["turns"] == 3 and e["reason"] == "length"
+
+
+def test_episodes_on_tp2_equal_tp1_with_environments_on_tp_rank_0(results):
+    for r in results:
+        assert r["episodes_tp2_equal"] and r["episodes_tp2_logprob_err"] < 1e-5
+
+
+def test_held_turns_give_way_under_memory_pressure(results):
+    r = results[0]
+    assert r["episodes_held_evictions"] > 0
+    assert r["episodes_tiny_pool_equal"] and r["episodes_tiny_pool_free_after"] == 14
+
+
+def test_a_sample_waiting_on_its_environment_does_not_block_the_others(results):
+    assert results[0]["episodes_waiting_blocked"] == [False, False]  # both samples of e0 waited for e1's end
+    assert results[0]["episodes_waiting_equal"]
+
+
+def test_an_environment_error_names_it_on_every_rank(results):
+    for r in results:
+        assert r["episodes_failure"] == ("FailingEnvironment.step raised RuntimeError: the scripted tool broke "
+                                         "(turn 1 of sample 0 of prompt e0)")

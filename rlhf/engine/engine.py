@@ -27,7 +27,8 @@ from rlhf.engine.migration import MigratedSequence
 from rlhf.engine.sampler import mixed_seed, sample
 from rlhf.engine.scheduler import Scheduler, SchedulerOutput
 from rlhf.engine.sequence import Sequence, Status, make_generator
-from rlhf.engine.types import (EngineConfig, NeverFitsError, OutOfBlocksError, Request, SampleResult)
+from rlhf.engine.types import (EngineConfig, NeverFitsError, OutOfBlocksError, Request, SampleResult,
+                               SamplingParams)
 from rlhf.models.config import ModelConfig
 
 
@@ -40,6 +41,7 @@ class EngineStats:
     computed_tokens: int = 0
     elapsed_s: float = 0.0
     preemptions: int = 0
+    held_evictions: int = 0  # held samples (between turns) whose K/V gave way to work that could not start
     peak_blocks_used: int = 0
     batch_sizes: list[int] = field(default_factory=list)  # running sequences per step
     blocks_used: list[int] = field(default_factory=list)  # after each step
@@ -71,6 +73,7 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}
+        self._held: dict[tuple[str, int], Sequence] = {}  # finished turns keeping their K/V, oldest first
         self._t0: float | None = None
         self.policy_version: int | None = None
 
@@ -99,12 +102,14 @@ class Engine:
         for i in range(1 if share else n):
             seq = self._new_sequence(request.request_id, i, request.prompt, request.params)
             seq.pending_forks = list(range(1, n)) if share else []
+            seq.hold = request.hold
             self.scheduler.add(seq)
 
     def _new_sequence(self, request_id, index, prompt, params) -> Sequence:
         key = (request_id, index)
-        if key in self._seqs:
-            raise ValueError(f"sample {index} of request {request_id!r} is already running in this engine")
+        if key in self._seqs or key in self._held:
+            state = "running" if key in self._seqs else "held for a next turn"
+            raise ValueError(f"sample {index} of request {request_id!r} is already {state} in this engine")
         seq = Sequence(next(self._ids), request_id, index, len(prompt), list(prompt), params,
                        make_generator(mixed_seed(params.seed, index)))
         self._seqs[key] = seq
@@ -128,6 +133,8 @@ class Engine:
         self.policy_version = version
         self.kv.pool.forget_prefixes()
         if not keep_kv:
+            while self._evict_held():
+                pass
             for seq in reversed(list(self.scheduler.running)):  # newest first: the oldest ends up in front
                 self.scheduler.preempt(seq)
 
@@ -136,6 +143,8 @@ class Engine:
         for seq in self._seqs.values():
             self.scheduler.finish(seq)
         self._seqs.clear()
+        for key in list(self._held):
+            self.release(*key)
 
     def generate(self, requests) -> list[SampleResult]:
         """Run ``requests`` to completion; results in request order, then sample index."""
@@ -156,6 +165,8 @@ class Engine:
         if self._t0 is None:
             self._t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        while not out.scheduled and self.scheduler.waiting and self._evict_held():
+            out = self.scheduler.schedule()  # held turns' K/V gave way to work that could not start
         self.stats.preemptions += len(out.preempted)
         if not out.scheduled:
             return []
@@ -203,7 +214,7 @@ class Engine:
         for row, parent in enumerate(list(samplers)):
             for index in parent.pending_forks:
                 child = self._new_sequence(parent.request_id, index, parent.tokens, parent.params)
-                child.prompt_len, child.num_computed = parent.prompt_len, parent.num_computed
+                child.prompt_len, child.num_computed, child.hold = parent.prompt_len, parent.num_computed, parent.hold
                 self.kv.fork(parent.seq_id, child.seq_id)
                 self.scheduler.add_running(child)
                 samplers.append(child)
@@ -241,8 +252,12 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> SampleResult:
-        self.scheduler.finish(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, reason
+        if seq.hold:
+            self.scheduler.set_aside(seq)
+            self._held[seq.key] = seq
+        else:
+            self.scheduler.finish(seq)
+        seq.status, seq.finish_reason = (Status.HELD if seq.hold else Status.FINISHED), reason
         del self._seqs[seq.key]
         now = time.perf_counter() - self._t0
         self.stats.finish_times[seq.key] = now
@@ -257,6 +272,57 @@ class Engine:
         s.batch_sizes.append(len(out.scheduled))
         s.blocks_used.append(pool.num_used)
         s.peak_blocks_used = max(s.peak_blocks_used, pool.num_used)
+
+    # ---- turns of a multi-turn sample -----------------------------------------------
+
+    def continue_sample(self, request_id: str, sample_index: int, observation, params: SamplingParams,
+                        hold: bool = True) -> None:
+        """Start the next turn of a held sample (a `Request.hold` sample that finished): ``observation``
+        (token ids) is appended to its tokens, which become the new turn's prompt, and it generates under
+        ``params`` (``params.seed`` mixed with the sample index seeds the turn). Its K/V stay where they
+        are: only the last sampled token and the observation are computed (all of it again if the K/V gave
+        way under memory pressure). ``hold``: keep it again when this turn finishes."""
+        key = (request_id, sample_index)
+        seq = self._held.get(key)
+        if seq is None:
+            raise KeyError(f"sample {sample_index} of request {request_id!r} is not held in this engine")
+        tokens = seq.tokens + [int(t) for t in observation]
+        if len(tokens) + 1 > self.max_len:
+            raise NeverFitsError(f"sample {sample_index} of request {request_id!r}: {len(tokens)} tokens after "
+                                 f"the observation leave no room to generate within max_model_len={self.max_len}")
+        self._check_blocks(request_id, len(tokens), params.max_new_tokens)
+        del self._held[key]
+        seq.tokens, seq.prompt_len, seq.params, seq.hold = tokens, len(tokens), params, hold
+        seq.logprobs, seq.policy_versions, seq.finish_reason = [], [], None
+        seq.generator = make_generator(mixed_seed(params.seed, sample_index))
+        self._seqs[key] = seq
+        if self.kv.tables.get(seq.seq_id):
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def release(self, request_id: str, sample_index: int) -> None:
+        """End a held sample: its K/V blocks return to the pool."""
+        seq = self._held.pop((request_id, sample_index), None)
+        if seq is None:
+            raise KeyError(f"sample {sample_index} of request {request_id!r} is not held in this engine")
+        self.kv.free(seq.seq_id)
+        seq.status = Status.FINISHED
+
+    def held(self) -> list[tuple[str, int]]:
+        """(request_id, sample_index) of the held samples, oldest first."""
+        return list(self._held)
+
+    def _evict_held(self) -> bool:
+        """Free the K/V of the oldest held sample that still has some (it is computed again when it
+        continues); False when none has."""
+        for seq in self._held.values():
+            if self.kv.tables.get(seq.seq_id):
+                self.kv.free(seq.seq_id)
+                seq.num_computed = 0
+                self.stats.held_evictions += 1
+                return True
+        return False
 
     # ---- instrumentation ------------------------------------------------------------
 

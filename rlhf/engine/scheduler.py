@@ -116,6 +116,10 @@ class Scheduler:
         self.num_preemptions += 1
         return seq
 
+    def set_aside(self, seq: Sequence) -> None:
+        """Take a sequence out of the batch and keep its blocks (a finished turn held for the next one)."""
+        self.running.remove(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Remove a finished (or exported) sequence and return its blocks to the pool."""
         if seq in self.running:

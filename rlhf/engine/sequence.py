@@ -22,6 +22,7 @@ from rlhf.engine.types import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    HELD = "held"  # a finished turn keeping its K/V for the next one
     FINISHED = "finished"
 
 
@@ -44,6 +45,7 @@ class Sequence:
     # Sample indices of the same request still to be forked off this
     # sequence once its prompt is computed (prefix sharing).
     pending_forks: list[int] = field(default_factory=list)
+    hold: bool = False  # on finishing, keep the K/V for a next turn (Request.hold)
 
     @property
     def num_uncomputed(self) -> int:

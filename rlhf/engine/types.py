@@ -142,11 +142,13 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to continue ``params.n`` times."""
+    """One prompt to continue ``params.n`` times. ``hold``: a sample that finishes keeps its K/V in the
+    engine for a next turn (`Engine.continue_sample`) until `Engine.release` (multi-turn episodes)."""
 
     request_id: str
     prompt: tuple[int, ...]
     params: SamplingParams = field(default_factory=SamplingParams)
+    hold: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -162,6 +164,9 @@ class SampleResult:
     ``finish_time`` is seconds since the engine started generating.
     ``policy_versions``: the engine's ``policy_version`` when each token was
     sampled (empty when the engine keeps none: only asynchronous runs do).
+    ``loss_mask``: per token, 1 where the model sampled it and 0 where it was
+    inserted (a multi-turn episode's observations, rlhf/envs/episodes.py);
+    empty when the model sampled every token.
     """
 
     request_id: str
@@ -172,3 +177,4 @@ class SampleResult:
     finish_reason: str
     finish_time: float
     policy_versions: tuple[int, ...] = ()
+    loss_mask: tuple[int, ...] = ()

@@ -64,6 +64,14 @@ SECTIONS = {
         ("stop_token_ids", _token_ids, "more ids that end a response, 'ID,ID', besides the tokenizer's EOS and every "
                                        "eos_token_id of the model's generation_config.json (the response keeps its "
                                        "stop token)"),
+        ("environment", str, "MODULE:CLASS of an rlhf.envs.environment.Environment: every sample becomes a "
+                             "multi-turn episode, the environment answering each model turn (tool results, a "
+                             "user) until it says done; its rewards, summed per episode, are the reward, and "
+                             "its observations are trained on as context only (docs/agents.md)"),
+        ("max_turns", int, "with --environment: model turns per episode at most (--max-response-len bounds the "
+                           "episode's turns and observations together)"),
+        ("max_turn_tokens", int, "with --environment: tokens per model turn at most (0: no limit but "
+                                 "--max-response-len)"),
     ]),
     "ppo": (PPOConfig, "PPO", [
         ("rollout_batch_size", int, "prompts per iteration"),

@@ -40,7 +40,14 @@ class GenerationConfig:
     ``eos_token_id`` of the model directory's ``generation_config.json``) or
     of ``stop_token_ids``; the response keeps its stop token. Every log-prob
     the update uses is of logits / ``temperature`` (1 when greedy), as the
-    engine's rollout log-probs are."""
+    engine's rollout log-probs are.
+
+    ``environment`` ("module:Class", an rlhf.envs.environment.Environment)
+    makes every sample a multi-turn episode of at most ``max_turns`` model
+    turns of at most ``max_turn_tokens`` tokens (0: no limit), the
+    environment answering between them; its rewards are the
+    reward, and ``max_response_len`` bounds the whole response (turns and
+    observations). docs/agents.md."""
 
     max_prompt_len: int = 16
     max_response_len: int = 16
@@ -49,10 +56,18 @@ class GenerationConfig:
     top_k: int = 0
     long_tail_median: int = 0
     stop_token_ids: tuple = ()
+    environment: str | None = None
+    max_turns: int = 4
+    max_turn_tokens: int = 0
 
     def __post_init__(self):
         check_field_types("generation", self)
-        check_positive_ints("generation", self, ("max_prompt_len", "max_response_len"))
+        check_positive_ints("generation", self, ("max_prompt_len", "max_response_len", "max_turns"))
+        check_range("generation", "max_turn_tokens", self.max_turn_tokens, 0, self.max_response_len,
+                    "in [0, max_response_len] (0: no limit but the response's)")
+        if self.environment is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.environment):
+            raise ConfigError(f"environment={self.environment!r} is not MODULE:CLASS; give e.g. "
+                              "'rlhf.envs.tools:ToolEnvironment'", "generation.environment")
         check_range("generation", "long_tail_median", self.long_tail_median, 0, self.max_response_len,
                      "in [0, max_response_len] (0: off)")
         check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
@@ -529,6 +544,7 @@ class JobConfig:
             raise ConfigError("inter-stage fusion lends generation's ranks to inference once the long tail "
                               "migrates, but with max_staleness > 0 generation has ranks of its own and never "
                               "waits for inference; drop one of the two", "ppo.max_staleness")
+        self._check_environment()
         total = self.generation.max_prompt_len + self.generation.max_response_len
         budget = self.ppo.max_tokens_per_microbatch
         if budget is not None and budget < total:
@@ -544,19 +560,37 @@ class JobConfig:
                                   "generation.max_response_len")
         self._check_inputs()
 
+    def _check_environment(self) -> None:
+        """An environment's rewards are the reward, and its episodes run in the synchronous loop."""
+        if self.generation.environment is None:
+            return
+        clashes = {"reward.reward_fn": self.reward.reward_fn is not None,
+                   "models.reward": "reward" in self.models.weights,
+                   "ppo.max_staleness": self.ppo.max_staleness > 0,
+                   "ppo.partial_rollouts": self.ppo.partial_rollouts,
+                   "fusion.inter_stage_fusion": self.fusion.inter_stage_fusion,
+                   "generation.long_tail_median": self.generation.long_tail_median > 0}
+        for name, clash in clashes.items():
+            if clash:
+                raise ConfigError(f"{name} cannot go with an environment ({self.generation.environment}): its "
+                                  "rewards are the reward, and its episodes run in the synchronous loop without "
+                                  "a declared workload; drop one of the two", name)
+
     # ---- tokenizer, prompts and rewards (docs/training.md, "Models, tokenizer, prompts and rewards")
 
     @property
     def has_reward_model(self) -> bool:
         """Whether a reward model scores the samples (reward_inf runs).
 
-        Yes with reward model weights (``models.weights["reward"]``), or with no
-        reward function (a reward model trained on the synthetic task's preference pairs).
+        Yes with reward model weights (``models.weights["reward"]``), or with neither a
+        reward function nor an environment (a reward model trained on the synthetic task's
+        preference pairs).
         Without one, ``reward.reward_fn``'s score is the reward; with both, the
         model's score is and the function's is logged as ``gold_reward_mean``
         (for the synthetic task the function defaults to its gold rule).
         """
-        return "reward" in self.models.weights or self.reward.reward_fn is None
+        unscored = self.reward.reward_fn is None and self.generation.environment is None
+        return "reward" in self.models.weights or unscored
 
     def prompt_dataset_config(self):
         """The rlhf.data.PromptDatasetConfig of ``data.prompt_data`` (a ConfigError names the field)."""

@@ -35,8 +35,10 @@ SYNTHETIC_RULE = "rlhf.data.synthetic:gold_reward"
 
 
 def reward_fn_spec(config: JobConfig) -> str | None:
-    """``--reward-fn``; else the synthetic task's gold rule, or None with prompt data."""
-    return config.reward.reward_fn or (SYNTHETIC_RULE if config.data.prompt_data is None else None)
+    """``--reward-fn``; else the synthetic task's gold rule, or None with prompt data or an environment
+    (whose rewards are the reward)."""
+    synthetic = config.data.prompt_data is None and config.generation.environment is None
+    return config.reward.reward_fn or (SYNTHETIC_RULE if synthetic else None)
 
 
 def job_reward_fn(config: JobConfig) -> RewardFn | None:
@@ -65,6 +67,8 @@ def load_reward_fn(spec: str) -> RewardFn:
 def describe_rewards(config: JobConfig) -> str:
     """One line for the log: what the reward is and what is logged beside it."""
     spec = reward_fn_spec(config)
+    if config.generation.environment is not None:
+        return f"reward: the environment's rewards ({config.generation.environment}), summed over each episode"
     if not config.has_reward_model:
         return f"reward: {spec} (no reward model: reward_inf does not run)"
     where = config.models.weights.get("reward", "trained on the synthetic task's preference pairs")

@@ -42,6 +42,8 @@ from rlhf.batch import Batch
 from rlhf.checkpoint.megatron import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed
+from rlhf.envs.environment import load_environment
+from rlhf.envs.episodes import EpisodeRunner
 from rlhf.fusion.inter_stage import FusionOutcome, InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
 from rlhf.fusion.runtime import FusedGeneration
@@ -100,9 +102,11 @@ class Trainer:
     def __init__(self, config: JobConfig, placement, prompts, tokenizer,
                  initial_weights: Optional[dict] = None, reward_fn: Optional[RewardFn] = None):
         self.config, self.placement, self.prompts, self.tokenizer = config, placement, prompts, tokenizer
-        if reward_fn is None and not config.has_reward_model:
+        if reward_fn is None and not config.has_reward_model and config.generation.environment is None:
             raise ValueError("a run without a reward model needs a reward_fn: its scores are the reward")
         self.reward_fn = reward_fn
+        spec = config.generation.environment
+        self.make_env = None if spec is None else load_environment(spec)
         self.groups = build_task_groups(placement)
         self.learners = learner_group(placement) if config.ppo.max_staleness else None
         self.tasks = list(config.needed_tasks())
@@ -242,6 +246,12 @@ class Trainer:
             if self.inter_stage is not None:
                 fused = self.inter_stage.generate(self.engine, requests, g)
                 results = fused.samples
+            elif self.make_env is not None:
+                gen = self.config.generation
+                runner = EpisodeRunner(self.engine, self.make_env, self.tokenizer, gen.max_turns, gen.max_response_len,
+                                       gen.max_turn_tokens, tp_group=g.tp,
+                                       prompt_records=lambda rid: prompt_batch.prompts[int(rid)])
+                results = runner.run(requests)
             else:
                 results = self.engine.generate(requests)
             mine = results if g.tp_rank == 0 else []
@@ -269,7 +279,10 @@ class Trainer:
             samples, early = self.inter_stage.gather(mine, early, fused)
             fusion = FusionOutcome(fused, early)
         samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
-        return Rollout(Batch.from_samples(samples, self.tokenizer.pad_id, ids), fusion)
+        batch = Batch.from_samples(samples, self.tokenizer.pad_id, ids)
+        if self.make_env is not None:  # the episodes' rewards are the scores
+            batch = batch.with_fields(scores=torch.tensor([s.score for s in samples], dtype=torch.float32))
+        return Rollout(batch, fusion)
 
     def _sampling_params(self, prompt_index: int, iteration: int) -> SamplingParams:
         """Prompt ``prompt_index``'s sampling: the configured one, stopping at the tokenizer's stop ids and
@@ -302,7 +315,7 @@ class Trainer:
         self.memory.note("inference")
         names = [INFERENCE_FIELDS[task] for task in self.inference_tasks()]
         batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
-        if not self.config.has_reward_model:
+        if self.reward_fn is not None and not self.config.has_reward_model:
             batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners))
         return batch
 
@@ -466,7 +479,7 @@ class Trainer:
                "prompt_length_mean": batch.prompt_lengths.float().mean(),
                "response_length_mean": lengths.mean(), "response_length_min": lengths.min(),
                "response_length_max": lengths.max(), "truncated_fraction": float(truncated),
-               **sample_statistics(batch)}
+               **sample_statistics(batch), **episode_statistics(batch)}
         if self.config.ppo.recomputes_logprobs:
             out.update(rollout_mismatch(batch))
         if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
@@ -504,6 +517,17 @@ def sample_statistics(batch: Batch) -> dict:
                    value_explained_variance=1 - unexplained / masked_var(batch.returns, mask, unbiased=False).clamp(
                        min=1e-8))
     return out
+
+
+def episode_statistics(batch: Batch) -> dict:
+    """A multi-turn run's (``batch.loss_mask`` set) means per episode: ``turns_mean`` (the model's turns: its
+    runs of tokens between observations) and ``observation_tokens_mean`` (the environment's tokens)."""
+    if batch.loss_mask is None:
+        return {}
+    model = batch.response_mask
+    starts = model[:, :1].sum() + (model[:, 1:] * (1 - model[:, :-1])).sum()
+    inserted = batch.response_lengths.float().sum() - model.sum().cpu()
+    return {"turns_mean": starts / len(batch), "observation_tokens_mean": inserted / len(batch)}
 
 
 def rollout_mismatch(batch: Batch) -> dict:

@@ -1,0 +1,1 @@
+"""Multi-turn rollouts: environments that answer the model between its turns (docs/agents.md)."""
