@@ -11,8 +11,9 @@ it clips) and torch AdamW. Both start from the same full
 weights; the scenario returns the largest parameter differences. The same
 iteration runs again on the placement the planner's search picks for this job
 on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
-train, not only to validate, and with packed token-budget micro-batches
-(--max-tokens-per-microbatch), against textbook PPO and the padded run.
+train, not only to validate, with packed token-budget micro-batches
+(--max-tokens-per-microbatch), against textbook PPO and the padded run, and on
+multi-turn samples whose observations are holes in the loss mask.
 """
 
 from dataclasses import replace
@@ -68,8 +69,10 @@ PROMPTS = [3, 5, 2, 6]
 RESPONSES = [4, 7, 1, 5, 6, 3, 7, 2]
 
 
-def _samples(actor) -> list:
-    """Fixed prompts and responses; old log-probs from the initial actor (as the engine reports them)."""
+def _samples(actor, holes: bool = False) -> list:
+    """Fixed prompts and responses; old log-probs from the initial actor (as the engine reports them).
+    ``holes``: each response of 4 tokens or more is two turns with a 2-token observation between them
+    (its columns 1 and 2: loss_mask 0, log-prob 0 as the episode runner records them)."""
     g = torch.Generator().manual_seed(5)
     out = []
     for s, r in enumerate(RESPONSES):
@@ -78,8 +81,10 @@ def _samples(actor) -> list:
         with torch.no_grad():
             tokens = torch.tensor([prompt + response], device=platform.device())
             lp = plain_logprobs(actor, tokens, len(prompt), r, TEMPERATURE)[0]
-        out.append(SampleResult(str(s // 2), s % 2, tuple(prompt), tuple(response), tuple(lp.tolist()),
-                                "length", 0.0))
+        mask = [0 if holes and r >= 4 and k in (1, 2) else 1 for k in range(r)]
+        out.append(SampleResult(str(s // 2), s % 2, tuple(prompt), tuple(response),
+                                tuple(x * m for x, m in zip(lp.tolist(), mask)), "length", 0.0,
+                                loss_mask=tuple(mask) if holes else ()))
     return out
 
 
@@ -106,7 +111,7 @@ def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean") -> d
         ref = padded([plain_logprobs(reference, t, p, r, TEMPERATURE)[0] for t, p, r in seqs])
         score = torch.stack([stage_forward(reward, t)[0, p + r - 1] for t, p, r in seqs])
         old_values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
-    mask = padded([torch.ones(r) for _, _, r in seqs])
+    mask = padded([torch.tensor(s.loss_mask or [1] * len(s.tokens), dtype=torch.float32) for s in samples])
     rewards = -PPO.kl_coef * (old - ref) * mask
     for i, (_, _, r) in enumerate(seqs):
         rewards[i, r - 1] += score[i]
@@ -156,6 +161,9 @@ def run(root: str) -> dict:
     out.update({f"seq_mean_{k}": v for k, v in sequence_mean.items()
                 if k.endswith(("_max_diff", "_moved", "_vs_token_mean"))})
     out.update(_packed(placement, padded))
+    multi_turn, _ = _against_textbook(placement, holes=True)
+    out.update({f"multi_turn_{k}": v for k, v in multi_turn.items()
+                if k.endswith(("_max_diff", "_moved", "metrics"))})
     out.update(_planned())
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
@@ -181,9 +189,10 @@ def _critic_warmup(placement) -> dict:
 
 
 def learn_fixed_samples(placement, agg: str = "token-mean", precision: PrecisionConfig = PrecisionConfig(),
-                        max_tokens: int | None = None) -> tuple:
+                        max_tokens: int | None = None, holes: bool = False) -> tuple:
     """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights).
-    ``max_tokens``: packed micro-batches of that many tokens (--max-tokens-per-microbatch)."""
+    ``max_tokens``: packed micro-batches of that many tokens (--max-tokens-per-microbatch); ``holes``:
+    multi-turn samples (`_samples`)."""
     generation = GenerationConfig(temperature=TEMPERATURE)
     if max_tokens is not None:  # the budget must hold the longest sample the lengths allow
         generation = replace(generation, max_prompt_len=max(PROMPTS), max_response_len=max(RESPONSES))
@@ -192,16 +201,17 @@ def learn_fixed_samples(placement, agg: str = "token-mean", precision: Precision
                        precision=precision)
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
             "reward": full_weights("value", CRITIC, 303)}
-    samples = _samples(unsharded("lm", ACTOR, full["actor"]))
+    samples = _samples(unsharded("lm", ACTOR, full["actor"]), holes)
     trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full)
     batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
     result = trainer.learn(batch)
     return full, samples, result, trained_weights(trainer)
 
 
-def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None = None) -> tuple[dict, dict]:
+def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None = None,
+                      holes: bool = False) -> tuple[dict, dict]:
     """The differences of one iteration on the fixed samples from the textbook's, and its trained weights."""
-    full, samples, result, after = learn_fixed_samples(placement, agg, max_tokens=max_tokens)
+    full, samples, result, after = learn_fixed_samples(placement, agg, max_tokens=max_tokens, holes=holes)
     out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
     if dist.get_rank() == 0:
         ref = _textbook_iteration(full, samples, agg)

@@ -2,7 +2,8 @@
 T=0.7) and exact resume, 4 gloo ranks.
 
 actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref and reward TP1 on rank
-subsets; two PPO epochs of one mini-batch each; the same against the placement the planner picks for
+subsets; two PPO epochs of one mini-batch each (and again with multi-turn samples whose observations
+are holes in the loss mask); the same against the placement the planner picks for
 this job (rlhf/planner on 4 CPU ranks). Resume: 2 iterations, save, load
 into a fresh trainer, 2 more, against 4 straight. Optimizer paths: 2 iterations with the
 distributed optimizer (and with overlapped gradient reduction) against the plain one. Fusion: 2 iterations with a searched fused
@@ -49,6 +50,22 @@ def test_packed_micro_batches_train_like_padded_ones(results, model):
     loss = {"actor": ("policy_loss", "actor_grad_norm"), "critic": ("value_loss", "critic_grad_norm")}[model]
     for key in loss:
         assert results[0]["packed_metrics"][key] == pytest.approx(results[0]["metrics"][key], rel=TOL), key
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_multi_turn_samples_train_only_on_the_models_tokens(results, model):
+    """Samples of two turns with a 2-token observation between them (Batch.loss_mask 0 there, as the episode
+    runner makes them): the same update as textbook PPO whose masks leave the observations out of the KL,
+    GAE (verl's multi-turn loop: they are skipped), the whitening, the policy and the value loss."""
+    r = results[0]
+    assert r[f"multi_turn_{model}_moved"] > 1e-4
+    assert r[f"multi_turn_{model}_max_diff"] < TOL
+    for field in ("ref_logprobs", "scores", "values", "advantages", "returns"):
+        assert r[f"multi_turn_{field}_max_diff"] < TOL, field
+    # 5 of the 8 responses (lengths 4, 7, 5, 6, 7) have two turns and a 2-token observation
+    assert r["multi_turn_metrics"]["turns_mean"] == pytest.approx(13 / 8)
+    assert r["multi_turn_metrics"]["observation_tokens_mean"] == pytest.approx(10 / 8)
+    assert r["multi_turn_metrics"]["policy_loss"] != pytest.approx(r["metrics"]["policy_loss"], rel=1e-3)
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])
