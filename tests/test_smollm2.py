@@ -125,7 +125,10 @@ def test_bf16_greedy_equals_transformers_bf16_up_to_near_ties(smollm2, tmp_path)
     assert equal >= 2, equal
 
 
-def test_logits_equal_transformers_at_tp3_and_pp2(smollm2):
+@pytest.fixture(scope="module")
+def sharded(smollm2):
+    """tests/scenario_smollm2.py on 3 ranks: logit errors at TP3 and PP2, and rank 0's two-turn episodes of the
+    4 chat prompts on the engine."""
     path, model, tok = smollm2
     text = tok.apply_chat_template([{"role": "user", "content": CHAT[0]}], tokenize=False,
                                    add_generation_prompt=True) + "2 + 3 = 5"
@@ -134,11 +137,47 @@ def test_logits_equal_transformers_at_tp3_and_pp2(smollm2):
     assert ids.shape == (2, 24)
     with torch.no_grad():
         expected = model(ids).logits
-    errors = launch(3, "scenario_smollm2:run", hf_dir=path, ids=ids, expected=expected)
-    tp3 = [e["tp3"] for e in errors if "tp3" in e]
-    pp2 = [e["pp2"] for e in errors if "pp2" in e]
+    chat = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for c in CHAT]
+    return launch(3, "scenario_smollm2:run", hf_dir=path, ids=ids, expected=expected, chat_prompts=chat)
+
+
+def test_logits_equal_transformers_at_tp3_and_pp2(sharded):
+    tp3 = [e["tp3"] for e in sharded if "tp3" in e]
+    pp2 = [e["pp2"] for e in sharded if "pp2" in e]
     assert len(tp3) == 3 and len(pp2) == 1  # every TP rank of the last stage reports its vocabulary slice
     assert max(tp3 + pp2) < TOL
+
+
+def test_two_turn_episodes_equal_transformers_greedy_turn_by_turn(smollm2, sharded):
+    """4 chat prompts, a user follow-up after the first turn (the chat template rendered as a continuation of
+    the token sequence, nothing re-tokenized), greedy on the engine with its K/V kept across turns: every
+    token of each turn is transformers' greedy choice given the episode's tokens before it (one causal forward
+    pass over the whole episode gives the logits of every prefix), a turn ends at <|im_end|> or after its 16
+    tokens, and where the first turn ended its message the conversation's ids are the tokenizer's rendering
+    of the whole conversation."""
+    _, model, tok = smollm2
+    im_end, rendered = tok.convert_tokens_to_ids("<|im_end|>"), 0
+    for k, e in enumerate(sharded[0]["episodes"]):
+        assert e["turns"] == 2
+        first = e["mask"].index(0)
+        second = len(e["mask"]) - e["mask"][::-1].index(0)
+        assert e["mask"] == [1] * first + [0] * (second - first) + [1] * (len(e["mask"]) - second)
+        sequence = e["prompt"] + e["tokens"]
+        with torch.no_grad():
+            greedy = model(torch.tensor([sequence])).logits[0].argmax(dim=-1).tolist()
+        p = len(e["prompt"])
+        for start, end in ((0, first), (second, len(e["tokens"]))):
+            assert e["tokens"][start:end] == greedy[p + start - 1:p + end - 1], (k, start)
+            assert e["tokens"][end - 1] == im_end or end - start == 16, (k, start)
+        if e["tokens"][first - 1] == im_end:  # the first turn ended its message: the template's own rendering
+            reply = tok.decode(e["tokens"][:first - 1])
+            conversation = [{"role": "user", "content": CHAT[k]}, {"role": "assistant", "content": reply},
+                            {"role": "user", "content": "Say that again in five words."}]
+            assert e["prompt"] + e["tokens"][:second] == tok.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False), k
+            rendered += 1
+    assert rendered >= 1  # measured: 1 of the 4 first turns ends within the 16 tokens (the others are cut)
 
 
 def test_tp2_is_refused_by_name(smollm2):
