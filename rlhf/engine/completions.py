@@ -88,22 +88,30 @@ def engine_config(args) -> EngineConfig:
         raise UsageError(f"{flag + ': ' if flag else ''}{e}") from None
 
 
+def load_model_and_tokenizer(path: str, flag: str, model_name: str = "actor", iteration: int | None = None,
+                             dtype: str = "fp32", tokenizer: str | None = None):
+    """(the LoadedModel at ``path``, its tokenizer: ``tokenizer``, else the one saved with the model); a
+    UsageError names ``flag`` (the command line's flag for ``path``) or --tokenizer when either cannot be read."""
+    try:
+        loaded = load_unsharded_lm(path, model_name, iteration, DTYPES[dtype])
+    except (CheckpointError, HFConversionError, MegatronCheckpointError, ModelSourceError) as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
+    if tokenizer is None and loaded.tokenizer_dir is None:
+        raise UsageError(f"{flag} {path}: no tokenizer files saved with the model; pass --tokenizer byte "
+                         "or a tokenizer directory")
+    try:
+        return loaded, build_tokenizer(tokenizer or loaded.tokenizer_dir)
+    except TokenizerError as e:
+        raise UsageError(f"{'--tokenizer: ' if tokenizer else ''}{e}") from None
+
+
 def generate_completions(args) -> int:
     """Generate completions for ``args.prompts`` into ``args.out`` (exit status 0); bad input raises UsageError."""
     engine_cfg = engine_config(args)
     check_out_path("--out", args.out)
-    try:
-        loaded = load_unsharded_lm(args.load, args.model_name, args.iteration, DTYPES[args.dtype])
-    except (CheckpointError, HFConversionError, MegatronCheckpointError, ModelSourceError) as e:
-        raise UsageError(f"--load {args.load}: {e}") from None
-    model, cfg, tok_dir = loaded.model, loaded.config, loaded.tokenizer_dir
-    if args.tokenizer is None and tok_dir is None:
-        raise UsageError(f"--load {args.load}: no tokenizer files saved with the model; pass --tokenizer byte "
-                         "or a tokenizer directory")
-    try:
-        tokenizer = build_tokenizer(args.tokenizer or tok_dir)
-    except TokenizerError as e:
-        raise UsageError(f"{'--tokenizer: ' if args.tokenizer else ''}{e}") from None
+    loaded, tokenizer = load_model_and_tokenizer(args.load, "--load", args.model_name, args.iteration, args.dtype,
+                                                 args.tokenizer)
+    model, cfg = loaded.model, loaded.config
     prompts = read_prompts(args.prompts, tokenizer, args.add_bos, cfg.vocab_size)
     engine = Engine(model, None, cfg, engine_cfg)
     requests = [Request(str(i), tuple(p.ids), sampling_params(args, i, tokenizer.stop_token_ids))
