@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rlhf.engine import Engine, EngineConfig, NeverFitsError, OutOfBlocksError, Request, SamplingParams
 from rlhf.envs.environment import Environment, EnvironmentStep
-from rlhf.envs.episodes import EpisodeRunner
+from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner
 from rlhf.fusion.transport import recv_sequence, send_sequence
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model, stage_forward
@@ -351,9 +351,9 @@ class FailingEnvironment(ScriptedEnvironment):
 EPISODE_PARAMS = SamplingParams(max_new_tokens=40, n=2)
 
 
-def _episodes(engine, env, tp_group=None, **limits) -> list:
-    runner = EpisodeRunner(engine, env, None, limits.pop("max_turns", 3), 40, max_turn_tokens=6, tp_group=tp_group,
-                           prompt_records=lambda rid: rid, **limits)
+def _episodes(engine, env, tp_group=None) -> list:
+    driver = EnvironmentDriver(env, None, prompt_records=lambda rid: rid)
+    runner = EpisodeRunner(engine, driver, None, 3, 40, max_turn_tokens=6, tp_group=tp_group)
     return runner.run(_requests(_prompts(3, seed=11), EPISODE_PARAMS, tag="e"))
 
 

@@ -22,7 +22,7 @@ from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
 from rlhf.data.tokenizer import HFTokenizer
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 from rlhf.envs.environment import Environment, EnvironmentStep
-from rlhf.envs.episodes import EpisodeRunner
+from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner
 from rlhf.models.gpt import build_model
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
@@ -52,8 +52,8 @@ def _episodes(hf_dir: str, cfg, prompts: list) -> list:
     load_hf_weights(model, groups, hf_dir)
     engine = Engine(model, None, cfg, EngineConfig(num_blocks=64, block_size=16))
     params = SamplingParams(max_new_tokens=2 * TURN_TOKENS + 32, stop_token_ids=tokenizer.stop_token_ids)
-    runner = EpisodeRunner(engine, FollowUp, tokenizer, max_turns=2, max_response_len=params.max_new_tokens,
-                           max_turn_tokens=TURN_TOKENS)
+    runner = EpisodeRunner(engine, EnvironmentDriver(FollowUp, tokenizer), tokenizer, max_turns=2,
+                           max_response_len=params.max_new_tokens, max_turn_tokens=TURN_TOKENS)
     torch.set_num_threads(2)  # the other ranks are done
     episodes = runner.run([Request(str(i), p, params) for i, p in enumerate(prompts)])
     return [dict(prompt=list(e.prompt), tokens=list(e.tokens), mask=list(e.loss_mask), turns=e.turns)

@@ -17,6 +17,9 @@ the tiny presets, the byte tokenizer and the synthetic prompts, 4 prompts x
   entropy of the tempered policy must be lower at 0.3); and the on-policy gates on one mini-batch with
   recomputed log-probs (the first update starts at ratio 1 and approximate KL 0, and the engine's
   log-probs equal the trainer's, so truncated importance sampling weighs every token 1).
+- An agent in the loop (``--agent``, `two_turn_agent`): GRPO, one ``step()``, 16 episodes of two chat
+  requests each through the per-episode endpoints of actor_gen's two TP2 replicas, the reward the
+  second reply's length.
 
 Start weights are made here: the actor's with EOS made likely (so responses
 end at different lengths), a reference of another seed (so the KL penalty is
@@ -73,12 +76,14 @@ def _start_weights(eos_id: int) -> dict:
 
 
 def _trainer(placement, weights: dict, generation: GenerationConfig = GENERATION, **ppo) -> Trainer:
-    """A Trainer of the synthetic task from ``weights`` with PPO settings ``PPO`` + ``ppo`` (collective)."""
+    """A Trainer of the synthetic task from ``weights`` with PPO settings ``PPO`` + ``ppo`` (collective); the
+    gold reward scores its samples unless an agent's episodes bring their own."""
     config = JobConfig(models=MODELS, run=RunConfig(iterations=3, seed=SEED), generation=generation,
                        ppo=PPOConfig(**{**PPO, **ppo}))
     dataset = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=64, max_length=GENERATION.max_prompt_len))
     prompts = PromptBatchIterator(dataset, config.ppo.rollout_batch_size, seed=SEED)
-    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=weights, reward_fn=gold_reward)
+    return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=weights,
+                   reward_fn=None if generation.agent else gold_reward)
 
 
 def _first_iteration(trainer: Trainer):
@@ -129,6 +134,34 @@ def _semantics(placement, weights: dict) -> dict:
     return out
 
 
+def two_turn_agent(client, prompt) -> float:
+    """Asks about the prompt's first characters, then for more; the reward is the second reply's token count."""
+    messages = [{"role": "user", "content": prompt.text[1:6]}]
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "more"}]
+    second = client.chat.completions.create(model="policy", messages=messages)
+    return float(len(second.choices[0].model_extra["token_ids"]))
+
+
+def _agents(placement, weights: dict) -> dict:
+    """One GRPO step whose samples are `two_turn_agent`'s episodes: the batch's masks, scores and metrics, and
+    how far the actor moved."""
+    generation = GenerationConfig(max_prompt_len=40, max_response_len=64, max_turn_tokens=12, max_turns=2,
+                                  agent="scenario_trainer_behaviour:two_turn_agent")
+    trainer = _trainer(placement, weights, generation=generation, advantage_estimator="grpo")
+    before = _actor_weights(trainer)
+    result = trainer.step()
+    after = _actor_weights(trainer)
+    batch = result.batch
+    moved = [None] * dist.get_world_size()
+    dist.all_gather_object(moved, max((after[k] - before[k]).abs().max().item() for k in after))
+    return {"agent_metrics": dict(result.metrics), "agent_actor_moved": max(moved),
+            "agent_mask": _plain(batch.response_mask), "agent_scores": _plain(batch.scores),
+            "agent_tokens": _plain(batch.tokens), "agent_prompt_lengths": _plain(batch.prompt_lengths),
+            "agent_response_lengths": _plain(batch.response_lengths), "agent_prompt_ids": _plain(batch.prompt_ids)}
+
+
 def _actor_weights(trainer: Trainer) -> dict:
     """This rank's actor_train parameters (every rank holds the same stage layout in both trainers)."""
     return {name: p.detach().clone() for name, p in trainer.models["actor_train"].named_parameters()}
@@ -150,6 +183,7 @@ def run() -> dict:
     reinforce_result = reinforce.step()
     out = {"grpo_placed": _placed(grpo), "reinforce_placed": _placed(reinforce)}
     semantics = _semantics(placement, weights)
+    semantics.update(_agents(placement, weights))
     diffs = [None] * dist.get_world_size()
     dist.all_gather_object(diffs, semantics.pop("grpo_kl_actor_diff"))  # every rank holds an actor stage
     semantics["grpo_kl_actor_diff"] = max(diffs)

@@ -6,6 +6,7 @@ import pytest
 
 from rlhf.data import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
 from rlhf.data import tokenizer as tokenizer_mod
+from rlhf.data.tokenizer import readable_text
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
@@ -191,3 +192,14 @@ def test_hf_bad_generation_config_names_the_file_and_value(tmp_path, content, ma
     with pytest.raises(TokenizerError, match=match) as refused:
         build_tokenizer(path, backend="tokenizers")
     assert str(tmp_path / "tok" / "generation_config.json") in str(refused.value)
+
+
+def test_readable_text_shows_ids_past_the_vocabulary():
+    """The tiny default's actor has 512 ids and the byte tokenizer 259: logged samples and the episodes' turn
+    text must still decode."""
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode("AB cd")
+    text = tokenizer.decode(ids)
+    assert readable_text(tokenizer, [*ids, 300, 259, *ids]) == f"{text}<id 300><id 259>{text}"
+    assert readable_text(tokenizer, [*ids, 258], skip_special_tokens=False) == "AB cd</s>"
+    assert readable_text(tokenizer, []) == ""

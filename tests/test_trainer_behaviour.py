@@ -194,12 +194,28 @@ def test_the_first_update_starts_on_policy(results):
     assert abs(gates["tis_weight_mean"] - 1) < 1e-5 and gates["tis_capped_fraction"] == 0.0  # --tis-cap 2 ran
 
 
-def test_a_logged_sample_shows_ids_past_the_tokenizer():
-    """The tiny default's actor has 512 ids and the byte tokenizer 259: --log-samples must still print."""
-    from rlhf.data import ByteTokenizer
-    from rlhf.ppo.trainer import readable
-
-    tokenizer = ByteTokenizer()
-    ids = tokenizer.encode("AB cd")
-    assert readable(tokenizer, [*ids, 300, 259, *ids]) == f"{tokenizer.decode(ids)}<id 300><id 259>{tokenizer.decode(ids)}"
-    assert readable(tokenizer, []) == ""
+def test_agent_episodes_through_the_endpoint_are_all_trained(results):
+    """16 agent programs (4 prompts x 4 samples) on the openai client, two requests each, served by actor_gen's
+    two TP2 replicas: every sample of the batch is a two-turn episode whose observation (the template's
+    continuation for the second user message) is a hole in the mask, its score is the agent's reward (the
+    second reply's token count), and the GRPO step trained on all 16."""
+    r = results[0]
+    assert len(r["agent_scores"]) == 16 and sorted(r["agent_prompt_ids"]) == sorted(list(range(4)) * 4)
+    for k, mask in enumerate(r["agent_mask"]):
+        length = r["agent_response_lengths"][k]
+        runs, previous = [], 0
+        for column, m in enumerate(mask[:length]):
+            if m and not previous:
+                runs.append([column, column])
+            if m:
+                runs[-1][1] = column + 1
+            previous = m
+        assert len(runs) == 2, (k, mask)  # two turns, an observation between them
+        assert runs[1][1] == length and r["agent_scores"][k] == runs[1][1] - runs[1][0]
+        p = r["agent_prompt_lengths"][k]
+        observation = r["agent_tokens"][k][p + runs[0][1]:p + runs[1][0]]
+        assert bytes(t for t in observation if t < 256).decode().endswith("more<|end|>\n<|assistant|>\n"), k
+    m = r["agent_metrics"]
+    assert m["turns_mean"] == 2 and m["samples_count"] == 16
+    assert m["reward_mean"] == pytest.approx(sum(r["agent_scores"]) / 16)
+    assert r["agent_actor_moved"] > 0

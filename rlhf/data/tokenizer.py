@@ -334,6 +334,21 @@ class HFTokenizer(Tokenizer):
                 f"eos={self.eos_id}, pad={self.pad_id}, bos={self.bos_id})")
 
 
+def readable_text(tokenizer: Tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """``ids`` decoded by ``tokenizer``; an id past its vocabulary (a model may have more ids than its
+    tokenizer, as the tiny default's actor has) shows as ``<id N>`` instead of failing."""
+    text, run = [], []
+    for i in [*ids, None]:
+        if i is not None and i < tokenizer.vocab_size:
+            run.append(i)
+            continue
+        text.append(tokenizer.decode(run, skip_special_tokens=skip_special_tokens))
+        run = []
+        if i is not None:
+            text.append(f"<id {i}>")
+    return "".join(text)
+
+
 def is_tokenizer_dir(path: Union[str, os.PathLike]) -> bool:
     """True for a directory holding one of the files that define a tokenizer."""
     return any(os.path.isfile(os.path.join(path, f)) for f in _DEFINING_FILES)

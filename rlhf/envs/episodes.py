@@ -1,27 +1,31 @@
-"""Multi-turn episodes on the engine: turns generated with continuous batching, environments in between.
+"""Multi-turn episodes on the engine: turns generated with continuous batching, something else in between.
 
-Every sample of a request is one episode with its own environment (rlhf/envs/environment.py)::
+Every sample of a request is one episode::
 
     prompt [+ reset] | turn 1 | observation 1 | turn 2 | observation 2 | turn 3      (one sequence)
     loss_mask          1 1 1    0 0 0 0         1 1      0 0 0           1 1 1 1
 
 A turn is one engine sample of a held request (``Request.hold``): when it finishes, its K/V stay in the
-engine, the environment answers on a host thread while the engine goes on with the other samples, and
+engine, what answers it works on a host thread while the engine goes on with the other samples, and
 the sample continues with the observation appended (`Engine.continue_sample`): only the new tokens are
 computed. A turn ends at a stop token or after ``max_turn_tokens`` tokens (0: no limit but the
-response's). An episode ends when the environment says done, after ``max_turns`` turns, when the response
-(turns and observations) has no token left of ``max_response_len`` (an observation that does not fit is
-dropped, so a response always ends with the model's tokens), or at the context limit. The result of an
-episode is an `Episode`: the engine's `SampleResult` with all turns and observations as its tokens (the
+response's). What answers a turn is a *driver*: `EnvironmentDriver` (an rlhf.envs.environment.Environment
+per sample) or rlhf.envs.agents.AgentDriver (an agent program calling an OpenAI-compatible endpoint).
+A driver hands the runner `Action` s (start an episode's first turn, continue it with an observation,
+end it with a reward); an episode also ends after ``max_turns`` turns, when the response (turns and
+observations) has no token left of ``max_response_len`` (an observation that does not fit is dropped,
+so a response always ends with the model's tokens), or at the context limit. The result of an episode
+is an `Episode`: the engine's `SampleResult` with all turns and observations as its tokens (the
 observations' log-probs 0, ``loss_mask`` 0), its rewards and its turn count.
 
-With TP, every rank of a replica runs the same engine; the environments run on its TP rank 0, which
-broadcasts, at each engine step, the answers that arrived, so the ranks continue the same samples at
+With TP, every rank of a replica runs the same engine; the driver runs on its TP rank 0, which
+broadcasts, at each engine step, the actions that arrived, so the ranks continue the same samples at
 the same step.
 """
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import dataclasses
 import time
@@ -30,33 +34,50 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from rlhf.data.tokenizer import readable_text
 from rlhf.engine.sampler import mixed_seed
-from rlhf.engine.types import Request, SampleResult
+from rlhf.engine.types import Request, SampleResult, SamplingParams
 from rlhf.envs.environment import EnvironmentFactory, ModelTurn, checked_step, observation_kind
 
 
 @dataclass(frozen=True)
 class Episode(SampleResult):
     """One finished episode as a sample (``tokens``: every turn and observation; ``loss_mask``: which are
-    the model's), with the environment's reward for each turn and the number of turns."""
+    the model's), with the reward of each answered turn and the number of turns."""
 
     rewards: tuple[float, ...] = ()
     turns: int = 0
 
     @property
     def score(self) -> float:
-        """The episode's reward: the sum of its turns' rewards."""
+        """The episode's reward: the sum of its rewards."""
         return float(sum(self.rewards))
 
 
+@dataclass(frozen=True)
+class Action:
+    """What happens next to episode ``key`` (request id, sample index), decided by the driver.
+
+    ``"start"``: its first turn from prompt ``ids`` (``samples`` > 1: samples 0..samples-1 of the request at
+    once, sharing the prompt's K/V); ``"continue"``: its next turn after observation ``ids``; ``"end"``: it is
+    over. ``reward`` is added to the episode's rewards (continue and end); ``max_new_tokens`` caps the turn
+    (0: the runner's limits alone); ``cut``: a limit, not the driver, ended it."""
+
+    kind: str
+    key: tuple[str, int]
+    ids: tuple[int, ...] = ()
+    reward: float = 0.0
+    samples: int = 1
+    max_new_tokens: int = 0
+    cut: bool = False
+
+
 @dataclass
-class _Open:
-    """An episode in progress: what it has so far and its environment (on the rank that runs them)."""
+class EpisodeState:
+    """An episode in progress, as the runner records it (drivers read it)."""
 
     request: Request
-    sample_index: int
     prompt: tuple[int, ...]
-    env: object = None
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -64,179 +85,227 @@ class _Open:
     rewards: list[float] = field(default_factory=list)
     turns: int = 0
     last_reason: str = "stop"
+    engine_key: Optional[tuple[str, int]] = None  # where the engine holds it, once started
 
 
-@dataclass(frozen=True)
-class _Answer:
-    """The environment's answer to one turn, as the engine needs it: observation ids (None: episode over;
-    ``cut``: by a limit, not by the environment)."""
+class EpisodeDriver(abc.ABC):
+    """What answers the model between turns (on TP rank 0 only). The runner calls `begin` once, `turn_done`
+    after each turn and `poll` after each engine step."""
 
-    key: tuple[str, int]
-    reward: float
-    observation: Optional[tuple[int, ...]]
-    cut: bool = False
+    @abc.abstractmethod
+    def begin(self, runner: EpisodeRunner, requests: list[Request]) -> None:
+        """Start the episodes of ``requests`` (their first "start" actions come from `poll`)."""
+
+    @abc.abstractmethod
+    def turn_done(self, key: tuple[str, int], turn: ModelTurn) -> None:
+        """Episode ``key``'s turn ``turn`` finished (its tokens are in the runner's state)."""
+
+    @abc.abstractmethod
+    def poll(self, block: bool) -> list[Action]:
+        """The actions ready now (waiting briefly for one when ``block``: the engine has nothing to do);
+        raises what user code raised."""
+
+    def end(self) -> None:
+        """Every episode of this run ended."""
 
 
 class EpisodeRunner:
-    """Runs requests as multi-turn episodes on one engine (module docstring).
+    """Runs requests as multi-turn episodes on one engine with ``driver`` (module docstring).
 
-    ``make_env``: the environment class (one instance per sample); ``tokenizer``: renders message and
-    text observations (rlhf/envs/chat.py); ``tp_group``: the replica's TP group (None: one rank);
-    ``workers``: threads for the environments' ``step`` calls.
+    ``tokenizer`` decodes each turn for the driver; ``tp_group``: the replica's TP group (None: one rank).
     """
 
-    def __init__(self, engine, make_env: EnvironmentFactory, tokenizer, max_turns: int, max_response_len: int,
-                 max_turn_tokens: int = 0, tp_group=None, workers: int = 8,
-                 prompt_records: Optional[Callable[[str], object]] = None):
-        self.engine, self.make_env, self.tokenizer = engine, make_env, tokenizer
+    def __init__(self, engine, driver: Optional[EpisodeDriver], tokenizer, max_turns: int, max_response_len: int,
+                 max_turn_tokens: int = 0, tp_group=None):
+        self.engine, self.driver, self.tokenizer = engine, driver, tokenizer
         self.max_turns, self.max_response_len, self.max_turn_tokens = max_turns, max_response_len, max_turn_tokens
         self.tp_group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
-        self.runs_envs = self.tp_group is None or dist.get_rank(self.tp_group) == 0
-        self.workers = workers
-        self.prompt_records = prompt_records
+        self.runs_driver = self.tp_group is None or dist.get_rank(self.tp_group) == 0
+        self.episodes: dict[tuple[str, int], EpisodeState] = {}
 
     def run(self, requests: list[Request]) -> list[Episode]:
         """Every sample of ``requests`` as an episode; results in request order, then sample index."""
-        open_ = {}
-        for request in requests:
-            for i in range(request.params.n):
-                open_[(request.request_id, i)] = _Open(request, i, request.prompt)
-        self._t0 = time.perf_counter()
-        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
-            for request in self._agreed([self._reset(request, open_) for request in requests]):
-                for i in range(request.params.n):
-                    open_[(request.request_id, i)].prompt = request.prompt
-                self.engine.add_request(request)
-            done = self._loop(open_, pool)
+        self.episodes = {(r.request_id, i): EpisodeState(r, r.prompt) for r in requests for i in range(r.params.n)}
+        self._keys: dict[tuple[str, int], tuple[str, int]] = {}  # engine (request id, sample) -> episode key
+        self._t0, done = time.perf_counter(), {}
+        if self.runs_driver:
+            self.driver.begin(self, requests)
+        try:
+            while self.episodes.keys() - done.keys():
+                if self.engine.has_unfinished():
+                    for result in self.engine.step():
+                        self._turn_done(result)
+                for action in self._agreed(self._poll()):
+                    ended = self._apply(action)
+                    if ended is not None:
+                        done[action.key] = ended
+        finally:
+            if self.runs_driver:
+                self.driver.end()
         return [done[(r.request_id, i)] for r in requests for i in range(r.params.n)]
 
-    def _reset(self, request: Request, open_: dict) -> Request:
-        """Make and reset the environments of ``request``'s samples; the held request to generate, its prompt
-        extended by their first observation (one for all of its samples: they share the prompt's K/V)."""
-        if not self.runs_envs:
-            return request
-        extras = set()
-        for i in range(request.params.n):
-            episode = open_[(request.request_id, i)]
-            episode.env = self.make_env()
-            record = self.prompt_records(request.request_id) if self.prompt_records else None
-            where = f"{type(episode.env).__name__}.reset"
-            extras.add(tuple(self._observation_ids(episode.env.reset(record), where, after_stop=False)))
-        if len(extras) > 1:
-            raise ValueError(f"{where} returned different observations for the samples of prompt "
-                             f"{request.request_id}; it must return the same one for all of them (or None)")
-        params = dataclasses.replace(request.params, max_new_tokens=self._turn_budget(0))
-        return Request(request.request_id, request.prompt + extras.pop(), params, hold=True)
+    def turn_budget(self, episode: EpisodeState) -> int:
+        """New tokens the episode's next turn may take (0: none; it has to end)."""
+        room = self.max_response_len - len(episode.tokens)
+        return max(0, min(room, self.max_turn_tokens) if self.max_turn_tokens else room)
 
-    def _turn_budget(self, used: int) -> int:
-        """New tokens the next turn may take when the response has ``used`` tokens."""
-        room = self.max_response_len - used
-        return min(room, self.max_turn_tokens) if self.max_turn_tokens else room
+    def _poll(self):
+        """The driver's actions, or the exception it raised (to be raised on every TP rank); None off rank 0."""
+        if not self.runs_driver:
+            return None
+        try:
+            return self.driver.poll(not self.engine.has_unfinished())
+        except Exception as exc:  # noqa: BLE001 -- what user code raised, raised again on every rank
+            return exc
 
-    def _agreed(self, requests: list[Request]) -> list[Request]:
-        """The requests as TP rank 0 made them (its environments' first observations), on every TP rank."""
-        if self.tp_group is None:
-            return requests
-        box = [requests]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-        return box[0]
-
-    def _loop(self, open_: dict, pool) -> dict:
-        done, waiting = {}, {}
-        while open_.keys() - done.keys():
-            if self.engine.has_unfinished():
-                for result in self.engine.step():
-                    key = (result.request_id, result.sample_index)
-                    waiting[key] = self._turn_done(open_[key], result, pool)
-            elif self.runs_envs and waiting:
-                concurrent.futures.wait(waiting.values(), return_when=concurrent.futures.FIRST_COMPLETED)
-            answers = self._arrived(waiting)
-            for answer in answers:
-                waiting.pop(answer.key, None)
-                episode = open_[answer.key]
-                episode.rewards.append(answer.reward)
-                if answer.observation is None:
-                    self.engine.release(*answer.key)
-                    done[answer.key] = self._finished(answer.key, episode, answer.cut)
-                else:
-                    self._continue(answer.key, episode, answer.observation)
-        return done
-
-    def _turn_done(self, episode: _Open, result: SampleResult, pool):
-        """Record a finished turn; the environment's answer as a future (None on ranks without environments)."""
+    def _turn_done(self, result: SampleResult) -> None:
+        key = self._keys[(result.request_id, result.sample_index)]
+        episode = self.episodes[key]
         episode.tokens += result.tokens
         episode.logprobs += result.logprobs
         episode.mask += [1] * len(result.tokens)
         episode.versions += result.policy_versions
         episode.turns += 1
         episode.last_reason = result.finish_reason
-        if not self.runs_envs:
-            return None
-        text = self.tokenizer.decode(result.tokens) if self.tokenizer is not None else ""
-        turn = ModelTurn(tuple(result.tokens), text, result.finish_reason, episode.turns - 1)
-        return pool.submit(self._answer, (result.request_id, result.sample_index), episode, turn)
+        if self.runs_driver:
+            text = readable_text(self.tokenizer, result.tokens) if self.tokenizer is not None else ""
+            self.driver.turn_done(key, ModelTurn(tuple(result.tokens), text, result.finish_reason, episode.turns - 1))
 
-    def _answer(self, key, episode: _Open, turn: ModelTurn) -> _Answer:
-        """The environment's step on ``turn`` (a host thread), with the observation as ids or None when the
-        episode ends here."""
-        where = f"{type(episode.env).__name__}.step"
-        try:
-            step = checked_step(episode.env.step(turn), where)
-        except Exception as exc:  # noqa: BLE001 -- user code: reported with the environment and the sample
-            raise RuntimeError(f"{where} raised {type(exc).__name__}: {exc} (turn {turn.index} of sample "
-                               f"{key[1]} of prompt {key[0]})") from exc
-        if step.done:
-            return _Answer(key, float(step.reward), None)
-        if turn.finish_reason == "context" or episode.turns >= self.max_turns:
-            return _Answer(key, float(step.reward), None, cut=True)
-        ids = self._observation_ids(step.observation, where, turn.finish_reason == "stop")
-        room = self.max_response_len - len(episode.tokens) - len(ids)
-        return _Answer(key, float(step.reward), tuple(ids) if room >= 1 else None, cut=room < 1)
-
-    def _observation_ids(self, observation, where: str, after_stop: bool) -> list[int]:
-        kind = observation_kind(observation, where)
-        if kind is None:
-            return []
-        if kind == "ids":
-            return [int(t) for t in observation]
-        if kind == "text":
-            return self.tokenizer.encode(observation)
-        from rlhf.envs.chat import continuation_ids
-
-        return continuation_ids(self.tokenizer, list(observation), after_stop)
-
-    def _arrived(self, waiting: dict) -> list[_Answer]:
-        """The answers that arrived (in sample order), the same on every TP rank (collective over the TP group
-        when there is one; raises on every rank what an environment raised)."""
-        answers = None
-        if self.runs_envs:
-            try:
-                answers = sorted((f.result() for f in waiting.values() if f.done()), key=lambda a: a.key)
-            except Exception as exc:  # noqa: BLE001 -- an environment's error, reported on every rank
-                answers = exc
+    def _agreed(self, actions):
+        """The driver's actions (or its exception) as TP rank 0 has them, on every TP rank; raised if an
+        exception."""
         if self.tp_group is not None:
-            box = [answers]
+            box = [actions]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.tp_group, 0), group=self.tp_group)
-            answers = box[0]
-        if isinstance(answers, Exception):
-            raise answers
-        return answers
+            actions = box[0]
+        if isinstance(actions, Exception):
+            raise actions
+        return actions
 
-    def _continue(self, key, episode: _Open, observation: tuple[int, ...]) -> None:
-        episode.tokens += observation
-        episode.logprobs += [0.0] * len(observation)
-        episode.mask += [0] * len(observation)
+    def _apply(self, action: Action) -> Optional[Episode]:
+        """Carry out ``action`` on the engine; the finished episode when it ends one."""
+        key, episode = action.key, self.episodes[action.key]
+        if action.kind == "start":
+            self._start(action)
+            return None
+        episode.rewards.append(action.reward)
+        if action.kind == "end":
+            if episode.engine_key is not None:
+                self.engine.release(*episode.engine_key)
+            return self._finished(key, episode, action.cut)
+        episode.tokens += action.ids
+        episode.logprobs += [0.0] * len(action.ids)
+        episode.mask += [0] * len(action.ids)
         if episode.versions:
-            episode.versions += [episode.versions[-1]] * len(observation)
-        params = episode.request.params
-        turn_params = dataclasses.replace(params, n=1, sample_max_new_tokens=(), seed=mixed_seed(params.seed, key[1],
-                                          episode.turns), max_new_tokens=self._turn_budget(len(episode.tokens)))
-        self.engine.continue_sample(*key, observation, turn_params)
+            episode.versions += [episode.versions[-1]] * len(action.ids)
+        self.engine.continue_sample(*episode.engine_key, action.ids, self._turn_params(episode, action, key[1]))
+        return None
 
-    def _finished(self, key, episode: _Open, cut: bool) -> Episode:
+    def _start(self, action: Action) -> None:
+        """Several samples start as the request's own (sharing the prompt's K/V, the request's seed); one
+        starts alone as request "<id>#<sample>" (seeded by the request's seed, the sample and turn 0)."""
+        rid, index = action.key
+        shared = action.samples > 1
+        for i in range(index, index + action.samples):
+            episode = self.episodes[(rid, i)]
+            episode.prompt = action.ids
+            episode.engine_key = (rid, i) if shared else (f"{rid}#{i}", 0)
+            self._keys[episode.engine_key] = (rid, i)
+        params = self._turn_params(episode, action, index)
+        if shared:
+            params = dataclasses.replace(params, n=action.samples, seed=episode.request.params.seed)
+        self.engine.add_request(Request(episode.engine_key[0], action.ids, params, hold=True))
+
+    def _turn_params(self, episode: EpisodeState, action: Action, index: int) -> SamplingParams:
+        """The next turn's sampling: the request's, one sample, seeded by (seed, sample, turn), capped."""
+        cap = self.turn_budget(episode)
+        if action.max_new_tokens:
+            cap = min(cap, action.max_new_tokens)
+        params = episode.request.params
+        return dataclasses.replace(params, n=1, sample_max_new_tokens=(), max_new_tokens=cap,
+                                   seed=mixed_seed(params.seed, index, episode.turns))
+
+    def _finished(self, key, episode: EpisodeState, cut: bool) -> Episode:
         """The episode as a sample; its finish reason is its last turn's, "length" when a limit cut it."""
         reason = "length" if cut and episode.last_reason == "stop" else episode.last_reason
         now = time.perf_counter() - self._t0
         return Episode(key[0], key[1], episode.prompt, tuple(episode.tokens), tuple(episode.logprobs), reason, now,
                        tuple(episode.versions), loss_mask=tuple(episode.mask), rewards=tuple(episode.rewards),
                        turns=episode.turns)
+
+
+def observation_ids(tokenizer, observation, where: str, after_stop: bool) -> list[int]:
+    """An observation (environment.Observation) as token ids: ids as they are, text encoded, chat messages
+    rendered as a continuation of the conversation (rlhf/envs/chat.py)."""
+    kind = observation_kind(observation, where)
+    if kind is None:
+        return []
+    if kind == "ids":
+        return [int(t) for t in observation]
+    if kind == "text":
+        return tokenizer.encode(observation)
+    from rlhf.envs.chat import continuation_ids
+
+    return continuation_ids(tokenizer, list(observation), after_stop)
+
+
+class EnvironmentDriver(EpisodeDriver):
+    """Episodes answered by environments (rlhf/envs/environment.py): one ``make_env()`` per sample, its
+    ``step`` on a thread pool of ``workers`` threads; ``prompt_records(request_id)`` gives `reset` its record."""
+
+    def __init__(self, make_env: EnvironmentFactory, tokenizer, workers: int = 8,
+                 prompt_records: Optional[Callable[[str], object]] = None):
+        self.make_env, self.tokenizer, self.workers = make_env, tokenizer, workers
+        self.prompt_records = prompt_records
+
+    def begin(self, runner: EpisodeRunner, requests: list[Request]) -> None:
+        self.runner, self.envs, self.waiting = runner, {}, {}
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.workers)
+        self.ready = [self._reset(request) for request in requests]
+
+    def _reset(self, request: Request) -> Action:
+        """Make and reset the environments of ``request``'s samples; its start action, the prompt extended by
+        their first observation (one for all of its samples: they share the prompt's K/V)."""
+        extras = set()
+        for i in range(request.params.n):
+            env = self.envs[(request.request_id, i)] = self.make_env()
+            record = self.prompt_records(request.request_id) if self.prompt_records else None
+            where = f"{type(env).__name__}.reset"
+            extras.add(tuple(observation_ids(self.tokenizer, env.reset(record), where, after_stop=False)))
+        if len(extras) > 1:
+            raise ValueError(f"{where} returned different observations for the samples of prompt "
+                             f"{request.request_id}; it must return the same one for all of them (or None)")
+        return Action("start", (request.request_id, 0), request.prompt + extras.pop(), samples=request.params.n)
+
+    def turn_done(self, key, turn: ModelTurn) -> None:
+        self.waiting[key] = self.pool.submit(self._answer, key, turn)
+
+    def _answer(self, key, turn: ModelTurn) -> Action:
+        """The environment's step on ``turn`` (a host thread) as the next action."""
+        env, episode = self.envs[key], self.runner.episodes[key]
+        where = f"{type(env).__name__}.step"
+        try:
+            step = checked_step(env.step(turn), where)
+        except Exception as exc:  # noqa: BLE001 -- user code: reported with the environment and the sample
+            raise RuntimeError(f"{where} raised {type(exc).__name__}: {exc} (turn {turn.index} of sample "
+                               f"{key[1]} of prompt {key[0]})") from exc
+        reward = float(step.reward)
+        if step.done:
+            return Action("end", key, reward=reward)
+        if turn.finish_reason == "context" or episode.turns >= self.runner.max_turns:
+            return Action("end", key, reward=reward, cut=True)
+        ids = observation_ids(self.tokenizer, step.observation, where, turn.finish_reason == "stop")
+        if self.runner.max_response_len - len(episode.tokens) - len(ids) < 1:
+            return Action("end", key, reward=reward, cut=True)
+        return Action("continue", key, tuple(ids), reward)
+
+    def poll(self, block: bool) -> list[Action]:
+        if block and self.waiting and not self.ready:
+            concurrent.futures.wait(self.waiting.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+        ready, self.ready = self.ready, []
+        for key in sorted(k for k, f in self.waiting.items() if f.done()):
+            ready.append(self.waiting.pop(key).result())
+        return ready
+
+    def end(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)

@@ -68,9 +68,13 @@ SECTIONS = {
                              "multi-turn episode, the environment answering each model turn (tool results, a "
                              "user) until it says done; its rewards, summed per episode, are the reward, and "
                              "its observations are trained on as context only (docs/agents.md)"),
-        ("max_turns", int, "with --environment: model turns per episode at most (--max-response-len bounds the "
-                           "episode's turns and observations together)"),
-        ("max_turn_tokens", int, "with --environment: tokens per model turn at most (0: no limit but "
+        ("agent", str, "MODULE:FUNCTION of an agent written against the openai client, fn(client, prompt) -> "
+                       "reward: it runs once per sample on a host thread with a client tied to that sample's "
+                       "episode, its chat requests are the model's turns (token in, token out) and its return "
+                       "value is the reward (docs/agents.md)"),
+        ("max_turns", int, "with --environment or --agent: model turns per episode at most (--max-response-len "
+                           "bounds the episode's turns and observations together)"),
+        ("max_turn_tokens", int, "with --environment or --agent: tokens per model turn at most (0: no limit but "
                                  "--max-response-len)"),
     ]),
     "ppo": (PPOConfig, "PPO", [

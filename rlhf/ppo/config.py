@@ -47,7 +47,10 @@ class GenerationConfig:
     turns of at most ``max_turn_tokens`` tokens (0: no limit), the
     environment answering between them; its rewards are the
     reward, and ``max_response_len`` bounds the whole response (turns and
-    observations). docs/agents.md."""
+    observations). ``agent`` ("module:function") instead runs a program
+    written against the ``openai`` client per sample, its requests the
+    turns, its return value the reward (rlhf/envs/agents.py).
+    docs/agents.md."""
 
     max_prompt_len: int = 16
     max_response_len: int = 16
@@ -57,17 +60,27 @@ class GenerationConfig:
     long_tail_median: int = 0
     stop_token_ids: tuple = ()
     environment: str | None = None
+    agent: str | None = None
     max_turns: int = 4
     max_turn_tokens: int = 0
+
+    @property
+    def multi_turn(self) -> str | None:
+        """``environment`` or ``agent``, whichever drives the episodes (None: single-turn samples)."""
+        return self.environment or self.agent
 
     def __post_init__(self):
         check_field_types("generation", self)
         check_positive_ints("generation", self, ("max_prompt_len", "max_response_len", "max_turns"))
         check_range("generation", "max_turn_tokens", self.max_turn_tokens, 0, self.max_response_len,
                     "in [0, max_response_len] (0: no limit but the response's)")
-        if self.environment is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", self.environment):
-            raise ConfigError(f"environment={self.environment!r} is not MODULE:CLASS; give e.g. "
-                              "'rlhf.envs.tools:ToolEnvironment'", "generation.environment")
+        for name, example in (("environment", "rlhf.envs.tools:ToolEnvironment"), ("agent", "my_agents:solve")):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", value):
+                raise ConfigError(f"{name}={value!r} is not MODULE:NAME; give e.g. '{example}'", f"generation.{name}")
+        if self.environment is not None and self.agent is not None:
+            raise ConfigError("give an environment or an agent, not both: each drives the episodes",
+                              "generation.agent")
         check_range("generation", "long_tail_median", self.long_tail_median, 0, self.max_response_len,
                      "in [0, max_response_len] (0: off)")
         check_range("generation", "temperature", self.temperature, 0.0, float("inf"), ">= 0 (0 is greedy)")
@@ -561,8 +574,9 @@ class JobConfig:
         self._check_inputs()
 
     def _check_environment(self) -> None:
-        """An environment's rewards are the reward, and its episodes run in the synchronous loop."""
-        if self.generation.environment is None:
+        """An environment's (or agent's) rewards are the reward, and its episodes run in the synchronous loop."""
+        driver = self.generation.multi_turn
+        if driver is None:
             return
         clashes = {"reward.reward_fn": self.reward.reward_fn is not None,
                    "models.reward": "reward" in self.models.weights,
@@ -572,7 +586,7 @@ class JobConfig:
                    "generation.long_tail_median": self.generation.long_tail_median > 0}
         for name, clash in clashes.items():
             if clash:
-                raise ConfigError(f"{name} cannot go with an environment ({self.generation.environment}): its "
+                raise ConfigError(f"{name} cannot go with an environment or agent ({driver}): its "
                                   "rewards are the reward, and its episodes run in the synchronous loop without "
                                   "a declared workload; drop one of the two", name)
 
@@ -589,7 +603,7 @@ class JobConfig:
         model's score is and the function's is logged as ``gold_reward_mean``
         (for the synthetic task the function defaults to its gold rule).
         """
-        unscored = self.reward.reward_fn is None and self.generation.environment is None
+        unscored = self.reward.reward_fn is None and self.generation.multi_turn is None
         return "reward" in self.models.weights or unscored
 
     def prompt_dataset_config(self):

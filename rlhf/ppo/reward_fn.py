@@ -35,9 +35,9 @@ SYNTHETIC_RULE = "rlhf.data.synthetic:gold_reward"
 
 
 def reward_fn_spec(config: JobConfig) -> str | None:
-    """``--reward-fn``; else the synthetic task's gold rule, or None with prompt data or an environment
-    (whose rewards are the reward)."""
-    synthetic = config.data.prompt_data is None and config.generation.environment is None
+    """``--reward-fn``; else the synthetic task's gold rule, or None with prompt data or an environment or
+    agent (whose rewards are the reward)."""
+    synthetic = config.data.prompt_data is None and config.generation.multi_turn is None
     return config.reward.reward_fn or (SYNTHETIC_RULE if synthetic else None)
 
 
@@ -69,6 +69,8 @@ def describe_rewards(config: JobConfig) -> str:
     spec = reward_fn_spec(config)
     if config.generation.environment is not None:
         return f"reward: the environment's rewards ({config.generation.environment}), summed over each episode"
+    if config.generation.agent is not None:
+        return f"reward: what the agent ({config.generation.agent}) returns for each episode"
     if not config.has_reward_model:
         return f"reward: {spec} (no reward model: reward_inf does not run)"
     where = config.models.weights.get("reward", "trained on the synthetic task's preference pairs")

@@ -41,9 +41,11 @@ from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.batch import Batch
 from rlhf.checkpoint.megatron import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
+from rlhf.data.tokenizer import readable_text
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed
+from rlhf.envs.agents import AgentDriver, load_agent
 from rlhf.envs.environment import load_environment
-from rlhf.envs.episodes import EpisodeRunner
+from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner
 from rlhf.fusion.inter_stage import FusionOutcome, InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
 from rlhf.fusion.runtime import FusedGeneration
@@ -102,12 +104,14 @@ class Trainer:
     def __init__(self, config: JobConfig, placement, prompts, tokenizer,
                  initial_weights: Optional[dict] = None, reward_fn: Optional[RewardFn] = None):
         self.config, self.placement, self.prompts, self.tokenizer = config, placement, prompts, tokenizer
-        if reward_fn is None and not config.has_reward_model and config.generation.environment is None:
+        if reward_fn is None and not config.has_reward_model and config.generation.multi_turn is None:
             raise ValueError("a run without a reward model needs a reward_fn: its scores are the reward")
+        if reward_fn is not None and config.generation.multi_turn is not None:
+            raise ValueError(f"a reward_fn cannot go with {config.generation.multi_turn}: the episodes' rewards "
+                             "are the reward")
         self.reward_fn = reward_fn
-        spec = config.generation.environment
-        self.make_env = None if spec is None else load_environment(spec)
         self.groups = build_task_groups(placement)
+        self.driver = self._episode_driver()
         self.learners = learner_group(placement) if config.ppo.max_staleness else None
         self.tasks = list(config.needed_tasks())
         self.models = {t: self._build(t) for t in self.tasks if self.groups[t] is not None}
@@ -246,11 +250,12 @@ class Trainer:
             if self.inter_stage is not None:
                 fused = self.inter_stage.generate(self.engine, requests, g)
                 results = fused.samples
-            elif self.make_env is not None:
+            elif self.config.generation.multi_turn is not None:
                 gen = self.config.generation
-                runner = EpisodeRunner(self.engine, self.make_env, self.tokenizer, gen.max_turns, gen.max_response_len,
-                                       gen.max_turn_tokens, tp_group=g.tp,
-                                       prompt_records=lambda rid: prompt_batch.prompts[int(rid)])
+                if self.driver is not None:
+                    self.driver.prompt_records = lambda rid: prompt_batch.prompts[int(rid)]
+                runner = EpisodeRunner(self.engine, self.driver, self.tokenizer, gen.max_turns, gen.max_response_len,
+                                       gen.max_turn_tokens, tp_group=g.tp)
                 results = runner.run(requests)
             else:
                 results = self.engine.generate(requests)
@@ -280,7 +285,7 @@ class Trainer:
             fusion = FusionOutcome(fused, early)
         samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
         batch = Batch.from_samples(samples, self.tokenizer.pad_id, ids)
-        if self.make_env is not None:  # the episodes' rewards are the scores
+        if self.config.generation.multi_turn is not None:  # the episodes' rewards are the scores
             batch = batch.with_fields(scores=torch.tensor([s.score for s in samples], dtype=torch.float32))
         return Rollout(batch, fusion)
 
@@ -430,8 +435,8 @@ class Trainer:
         p, r = int(batch.prompt_lengths[index]), int(batch.response_lengths[index])
         tokens = batch.tokens[index].tolist()
         return (f"iteration {self.iteration}, sample {index} (reward {float(batch.scores[index]):.4g}, "
-                f"{batch.finish_reasons[index]}):\n  prompt:   {readable(self.tokenizer, tokens[:p])!r}\n"
-                f"  response: {readable(self.tokenizer, tokens[p:p + r])!r}")
+                f"{batch.finish_reasons[index]}):\n  prompt:   {readable_text(self.tokenizer, tokens[:p])!r}\n"
+                f"  response: {readable_text(self.tokenizer, tokens[p:p + r])!r}")
 
     # ---- building --------------------------------------------------------------------
 
@@ -454,6 +459,19 @@ class Trainer:
                 if callable(full):
                     full = full(list(named_global_parameters(stage)))
                 load_full_weights(stage, self.groups[task], full)
+
+    def _episode_driver(self):
+        """What answers the model between turns (an environment's or an agent's driver), on the first TP rank
+        of each generation replica; None elsewhere and in single-turn runs."""
+        gen, g = self.config.generation, self.groups.get("actor_gen")
+        if gen.multi_turn is None:
+            return None
+        target = load_environment(gen.environment) if gen.environment else load_agent(gen.agent)  # every rank
+        if g is None or g.tp_rank != 0:
+            return None
+        if gen.environment is not None:
+            return EnvironmentDriver(target, self.tokenizer)
+        return AgentDriver(target, self.tokenizer, prompt_records=None, max_prompt_len=gen.max_prompt_len)
 
     def _engine_config(self) -> EngineConfig:
         """Each actor_gen replica's engine (rlhf.ppo.layout.engine_config)."""
@@ -487,21 +505,6 @@ class Trainer:
         if self.reward_fn is not None and self.config.has_reward_model:
             out["gold_reward_mean"] = function_scores(self.reward_fn, batch).mean()
         return out
-
-
-def readable(tokenizer, ids: list) -> str:
-    """``ids`` decoded by ``tokenizer``; an id past its vocabulary (a model may have more ids than its
-    tokenizer, as the tiny default's actor has) shows as ``<id N>``."""
-    text, run = [], []
-    for i in [*ids, None]:
-        if i is not None and i < tokenizer.vocab_size:
-            run.append(i)
-            continue
-        text.append(tokenizer.decode(run))
-        run = []
-        if i is not None:
-            text.append(f"<id {i}>")
-    return "".join(text)
 
 
 def sample_statistics(batch: Batch) -> dict:

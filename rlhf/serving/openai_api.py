@@ -22,6 +22,7 @@ import itertools
 import time
 from typing import Any, Optional
 
+from rlhf.data.tokenizer import readable_text
 from rlhf.engine.types import CapacityError, EngineConfigError, SamplingParams
 
 UNSUPPORTED = ("stream", "stop", "logit_bias", "tools", "functions", "response_format", "suffix", "echo",
@@ -63,22 +64,7 @@ class OpenAIEndpoint:
 
     def chat_prompt(self, body: dict) -> list[int]:
         """The prompt ids of a chat request: its messages rendered with the generation prompt."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
-        plain = []
-        for m in messages:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # the content-parts form: text parts only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise RequestError("only text content parts are supported", "messages")
-                content = "".join(p.get("text", "") for p in content)
-            plain.append({**m, "content": "" if content is None else content})
-        try:
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True)
-        except ValueError as exc:
-            raise RequestError(str(exc), "messages") from None
-        return self.tokenizer.encode(text)
+        return chat_prompt_ids(self.tokenizer, chat_messages(body))
 
     def completion_prompt(self, body: dict) -> list[int]:
         """The prompt ids of a completions request: a string (tokenized) or a list of token ids."""
@@ -116,25 +102,6 @@ class OpenAIEndpoint:
 
     # ---- responses ------------------------------------------------------------------
 
-    def _choice(self, result, index: int, chat: bool, logprobs: bool) -> dict:
-        ids = list(result.tokens)
-        shown = ids[:-1] if result.finish_reason == "stop" else ids
-        text = self.tokenizer.decode(shown, skip_special_tokens=True)
-        choice: dict[str, Any] = {"index": index, "finish_reason": "stop" if result.finish_reason == "stop"
-                                  else "length", "token_ids": ids, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if logprobs:
-            tokens = [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
-            if chat:
-                choice["logprobs"] = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
-                                                   "top_logprobs": []} for tok, lp in zip(tokens, result.logprobs)]}
-            else:
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(result.logprobs)}
-        return choice
-
     async def complete(self, body: dict, chat: bool) -> dict:
         """Answer one request (the awaitable behind both routes)."""
         if not isinstance(body, dict):
@@ -146,23 +113,82 @@ class OpenAIEndpoint:
         except CapacityError as exc:
             raise RequestError(str(exc), "max_tokens") from None
         logprobs = bool(body.get("logprobs"))
-        choices = [self._choice(r, i, chat, logprobs) for i, r in enumerate(results)]
-        generated = sum(len(r.tokens) for r in results)
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}",
-                "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "prompt_token_ids": prompt,
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated,
-                          "total_tokens": len(prompt) + generated}}
+        choices = [completion_choice(self.tokenizer, r.tokens, r.logprobs, r.finish_reason, i, chat, logprobs)
+                   for i, r in enumerate(results)]
+        return completion_response(f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids)}", self.model_name, chat,
+                                   choices, prompt)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "rlhf"}]}
 
 
-def _error(status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error"):
+def chat_messages(body: dict) -> list[dict]:
+    """A chat request's messages as plain {role, content: str} dicts (text content parts joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise RequestError("'messages' must be a non-empty list of {role, content} objects", "messages")
+    plain = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):  # the content-parts form: text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise RequestError("only text content parts are supported", "messages")
+            content = "".join(p.get("text", "") for p in content)
+        plain.append({"role": m.get("role"), "content": "" if content is None else content})
+    return plain
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """``messages`` rendered by the chat template with the generation prompt, tokenized once."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
+    return tokenizer.encode(text)
+
+
+def completion_choice(tokenizer, token_ids, logprobs, finish_reason: str, index: int, chat: bool,
+                      with_logprobs: bool) -> dict:
+    """One choice of a response: the text of ``token_ids`` (special tokens and the stop token that ended it
+    left out), the ids themselves (``token_ids``) and, if asked, each token's log-prob."""
+    ids = list(token_ids)
+    text = readable_text(tokenizer, ids[:-1] if finish_reason == "stop" else ids)
+    choice: dict[str, Any] = {"index": index, "finish_reason": "stop" if finish_reason == "stop" else "length",
+                              "token_ids": ids, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if with_logprobs:
+        tokens = [readable_text(tokenizer, [t], skip_special_tokens=False) for t in ids]
+        if chat:
+            choice["logprobs"] = {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()),
+                                               "top_logprobs": []} for tok, lp in zip(tokens, logprobs)]}
+        else:
+            choice["logprobs"] = {"tokens": tokens, "token_logprobs": list(logprobs)}
+    return choice
+
+
+def completion_response(response_id: str, model: str, chat: bool, choices: list, prompt: list) -> dict:
+    """The response envelope around ``choices`` (with the prompt's ids as ``prompt_token_ids``)."""
+    generated = sum(len(c["token_ids"]) for c in choices)
+    return {"id": response_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "prompt_token_ids": list(prompt),
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": generated,
+                      "total_tokens": len(prompt) + generated}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, kind: str = "invalid_request_error"):
+    """OpenAI's error body with HTTP ``status``."""
     from starlette.responses import JSONResponse
 
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def unauthorised():
+    """The 401 of a request without the API key."""
+    return error_response(401, "a valid API key is needed (Authorization: Bearer ...)", kind="authentication_error")
 
 
 def openai_app(endpoint: OpenAIEndpoint, api_key: Optional[str] = None):
@@ -181,20 +207,20 @@ def openai_app(endpoint: OpenAIEndpoint, api_key: Optional[str] = None):
     def route(chat: bool):
         async def handle(request):
             if not authorised(request):
-                return _error(401, "a valid API key is needed (Authorization: Bearer ...)", kind="authentication_error")
+                return unauthorised()
             try:
                 body = await request.json()
             except ValueError:
-                return _error(400, "the request body is not JSON")
+                return error_response(400, "the request body is not JSON")
             try:
                 return JSONResponse(await endpoint.complete(body, chat))
             except RequestError as exc:
-                return _error(400, str(exc), exc.param)
+                return error_response(400, str(exc), exc.param)
         return handle
 
     async def models(request):
         if not authorised(request):
-            return _error(401, "a valid API key is needed (Authorization: Bearer ...)", kind="authentication_error")
+            return unauthorised()
         return JSONResponse(endpoint.models())
 
     return Starlette(routes=[Route("/v1/chat/completions", route(True), methods=["POST"]),
