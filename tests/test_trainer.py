@@ -64,6 +64,7 @@ def test_multi_turn_samples_train_only_on_the_models_tokens(results, model):
         assert r[f"multi_turn_{field}_max_diff"] < TOL, field
     # 5 of the 8 responses (lengths 4, 7, 5, 6, 7) have two turns and a 2-token observation
     assert r["multi_turn_metrics"]["turns_mean"] == pytest.approx(13 / 8)
+    assert r["multi_turn_metrics"]["multi_turn_fraction"] == pytest.approx(5 / 8)
     assert r["multi_turn_metrics"]["observation_tokens_mean"] == pytest.approx(10 / 8)
     assert r["multi_turn_metrics"]["policy_loss"] != pytest.approx(r["metrics"]["policy_loss"], rel=1e-3)
 

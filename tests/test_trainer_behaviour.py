@@ -216,6 +216,6 @@ def test_agent_episodes_through_the_endpoint_are_all_trained(results):
         observation = r["agent_tokens"][k][p + runs[0][1]:p + runs[1][0]]
         assert bytes(t for t in observation if t < 256).decode().endswith("more<|end|>\n<|assistant|>\n"), k
     m = r["agent_metrics"]
-    assert m["turns_mean"] == 2 and m["samples_count"] == 16
+    assert m["turns_mean"] == 2 and m["multi_turn_fraction"] == 1 and m["samples_count"] == 16
     assert m["reward_mean"] == pytest.approx(sum(r["agent_scores"]) / 16)
     assert r["agent_actor_moved"] > 0

@@ -523,14 +523,16 @@ def sample_statistics(batch: Batch) -> dict:
 
 
 def episode_statistics(batch: Batch) -> dict:
-    """A multi-turn run's (``batch.loss_mask`` set) means per episode: ``turns_mean`` (the model's turns: its
-    runs of tokens between observations) and ``observation_tokens_mean`` (the environment's tokens)."""
+    """A multi-turn run's (``batch.loss_mask`` set) statistics per episode: ``turns_mean`` (the model's turns:
+    its runs of tokens between observations), ``multi_turn_fraction`` (episodes of two turns or more: a tool
+    agent's tool-call rate) and ``observation_tokens_mean`` (the tokens that answered the model)."""
     if batch.loss_mask is None:
         return {}
     model = batch.response_mask
-    starts = model[:, :1].sum() + (model[:, 1:] * (1 - model[:, :-1])).sum()
+    turns = model[:, :1].sum(dim=1) + (model[:, 1:] * (1 - model[:, :-1])).sum(dim=1)
     inserted = batch.response_lengths.float().sum() - model.sum().cpu()
-    return {"turns_mean": starts / len(batch), "observation_tokens_mean": inserted / len(batch)}
+    return {"turns_mean": turns.mean(), "multi_turn_fraction": (turns >= 2).float().mean(),
+            "observation_tokens_mean": inserted / len(batch)}
 
 
 def rollout_mismatch(batch: Batch) -> dict:
