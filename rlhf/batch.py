@@ -18,7 +18,7 @@ Padding convention (the only one)
 
     Response-aligned fields [N, R] (``rollout_logprobs``, ``old_logprobs``,
     ``ref_logprobs``, ``values``, ``advantages``, ``returns``,
-    ``policy_versions``, ``loss_mask``): column k is
+    ``policy_versions``, ``loss_mask``, ``turn_rewards``): column k is
     response token k of the sample, right-padded with zeros past
     ``response_lengths``.
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 FINISH_REASONS = ("stop", "length", "context")
 HOST_FIELDS = ("prompt_lengths", "response_lengths", "prompt_ids", "sample_indices")
 RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
-                   "policy_versions", "loss_mask")
+                   "policy_versions", "loss_mask", "turn_rewards")
 OPTIONAL_FIELDS = RESPONSE_FIELDS + ("scores",)
 TENSOR_FIELDS = ("tokens",) + HOST_FIELDS + OPTIONAL_FIELDS
 
@@ -93,7 +93,9 @@ class Batch:
     updates applied to the weights that sampled each token, as floats);
     loss_mask (a multi-turn episode's generation, rlhf/envs/episodes.py: 1
     at the model's tokens, 0 at the environment's observations, which are
-    in the sequence but out of the losses, the KL and the value targets).
+    in the sequence but out of the losses, the KL and the value targets);
+    turn_rewards (the same: each turn's reward at its last token, 0 elsewhere;
+    the episode's score is their sum).
 
     prompt_ids: the prompt's index in this iteration's prompts (the n samples
     of one prompt share it; GRPO groups by it); sample_indices: which of those
@@ -116,6 +118,7 @@ class Batch:
     scores: Optional[torch.Tensor] = None
     policy_versions: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
+    turn_rewards: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:

@@ -390,6 +390,7 @@ def check_episodes(groups, placement, local) -> dict:
            "episodes_computed_once": sum(map(len, prompts)) + sum(len(e.tokens) - 1 for e in tp1),
            "episodes_free_after": engine.kv.pool.num_free, "episodes": [
                dict(tokens=list(e.tokens), mask=list(e.loss_mask), rewards=list(e.rewards), turns=e.turns,
+                    reward_positions=list(e.reward_positions),
                     reason=e.finish_reason, prompt=list(e.prompt)) for e in tp1]}
     fresh, turn_err, turns_equal = Engine(plain, local, CFG, cfg), 0.0, True
     for k, e in enumerate(tp1):

@@ -38,6 +38,7 @@ def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batc
                  rollout_logprobs=response_field(), old_logprobs=response_field(), ref_logprobs=response_field(),
                  values=response_field(), advantages=response_field(), returns=response_field(),
                  policy_versions=response_field(), loss_mask=mask * (torch.rand(n, response_width, generator=g) > 0.3),
+                 turn_rewards=response_field(),
                  scores=torch.randn(n, generator=g))
 
 
@@ -224,7 +225,7 @@ def test_with_fields_from_puts_outputs_back_by_sample():
     ref = torch.randn(6, batch.response_width) * mask
     scores = torch.randn(6)
     bare = batch.with_fields(rollout_logprobs=None, old_logprobs=None, values=None, advantages=None, returns=None,
-                             policy_versions=None, loss_mask=None)
+                             policy_versions=None, loss_mask=None, turn_rewards=None)
     parts = []
     for index in ([4, 1], [0, 5, 2], [3]):  # three replicas' shares
         part = bare.select(index)

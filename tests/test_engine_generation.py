@@ -135,6 +135,7 @@ def test_episode_loss_mask_covers_exactly_the_models_tokens(results):
         assert e["mask"] == [1] * 6 + [0] * 3 + [1] * 6 + [0] * 3 + [1] * 6
         assert observations == [[200 + k, 3 + sum(turn) % 50, 7] for k, turn in enumerate(turns[:2])]
         assert e["rewards"] == [1.0, 2.0, 10.0] and e["turns"] == 3 and e["reason"] == "length"
+        assert e["reward_positions"] == [5, 14, 23]  # each turn's reward at its last token
 
 
 def test_episodes_on_tp2_equal_tp1_with_environments_on_tp_rank_0(results):

@@ -17,7 +17,7 @@ from rlhf.algorithms.losses import policy_loss
 from rlhf.batch import Batch
 from rlhf.config import ConfigError
 from rlhf.envs.environment import EnvironmentStep, checked_step, load_environment, observation_kind
-from rlhf.envs.episodes import Episode
+from rlhf.envs.episodes import Episode, turn_reward_rows
 
 # (prompt, [(model turn, observation), ...]): the observation after the last turn is None
 SCRIPTS = [
@@ -28,23 +28,27 @@ SCRIPTS = [
 
 
 def _episode(index: int, prompt, turns) -> Episode:
-    tokens, mask, logprobs = [], [], []
+    """An episode as the runner records it; turn k's reward is 0.5 + k, at the turn's last token."""
+    tokens, mask, logprobs, positions = [], [], [], []
     for turn, observation in turns:
         tokens += turn
         mask += [1] * len(turn)
         logprobs += [-0.1 * (t % 7) - 0.05 for t in turn]
+        positions.append(len(tokens) - 1)
         for t in observation or ():
             tokens.append(t)
             mask.append(0)
             logprobs.append(0.0)
     return Episode(str(index), 0, tuple(prompt), tuple(tokens), tuple(logprobs), "stop", 0.0, loss_mask=tuple(mask),
-                   rewards=(0.5,) * len(turns), turns=len(turns))
+                   rewards=tuple(0.5 + k for k in range(len(turns))), reward_positions=tuple(positions),
+                   turns=len(turns))
 
 
 @pytest.fixture(scope="module")
 def batch():
     episodes = [_episode(i, p, t) for i, (p, t) in enumerate(SCRIPTS)]
-    return Batch.from_samples(episodes, pad_id=0, prompt_ids={str(i): i for i in range(len(episodes))})
+    batch = Batch.from_samples(episodes, pad_id=0, prompt_ids={str(i): i for i in range(len(episodes))})
+    return batch.with_fields(turn_rewards=turn_reward_rows(episodes, batch.response_width))
 
 
 def _model_positions(turns) -> list[int]:
@@ -64,6 +68,14 @@ def test_the_loss_mask_covers_exactly_the_models_tokens(batch):
     assert batch.response_lengths.tolist() == [9, 4, 7]
 
 
+def test_turn_rewards_sit_at_the_end_of_their_turns(batch):
+    for i, (_, turns) in enumerate(SCRIPTS):
+        ends = [max(_model_positions(turns[:k + 1])) for k in range(len(turns))]
+        want = torch.zeros(batch.response_width)
+        want[ends] = torch.tensor([0.5 + k for k in range(len(turns))])
+        assert torch.equal(batch.turn_rewards[i], want), i
+
+
 def verl_multi_turn_gae(rewards, values, mask, gamma, lam):
     """verl's compute_gae_advantage_return (multi-turn form), written from its description: walking back in
     time, a masked token passes the next value and the running advantage through unchanged."""
@@ -80,15 +92,17 @@ def verl_multi_turn_gae(rewards, values, mask, gamma, lam):
 
 
 def test_gae_over_an_episode_batch_equals_verls_multi_turn_gae(batch):
+    """The trainer's token rewards (each turn's reward at its end, the KL penalty on the model's tokens only)
+    and GAE over them against verl's multi-turn loop on the same rewards."""
     g = torch.Generator().manual_seed(3)
     mask = batch.response_mask
     values = torch.randn(mask.shape, generator=g) * mask
     ref_logprobs = batch.old_logprobs + 0.1 * torch.randn(mask.shape, generator=g) * mask
-    scored = batch.with_fields(values=values, ref_logprobs=ref_logprobs, scores=torch.tensor([1.0, -0.5, 2.0]))
-    rewards, kl = token_rewards(scored.scores, scored.old_logprobs, scored.ref_logprobs, mask, 0.05)
+    scored = batch.with_fields(values=values, ref_logprobs=ref_logprobs)
+    rewards, kl = token_rewards(torch.zeros(3), scored.old_logprobs, scored.ref_logprobs, mask, 0.05,
+                                placed=batch.turn_rewards)
     assert torch.all(kl[mask == 0] == 0) and torch.all(rewards[mask == 0] == 0)  # no KL, no reward at observations
-    last = [max(_model_positions(turns)) for _, turns in SCRIPTS]
-    assert [rewards[i, k] + 0.05 * kl[i, k] for i, k in enumerate(last)] == pytest.approx([1.0, -0.5, 2.0])
+    torch.testing.assert_close(rewards + 0.05 * kl, batch.turn_rewards)
     config = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, whiten=False)
     advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), config)
     want_adv, want_ret = verl_multi_turn_gae(rewards, values, mask, 0.9, 0.8)
@@ -115,7 +129,7 @@ def test_the_ppo_loss_equals_a_masked_loss_written_out_token_by_token(batch):
 
 def test_episode_score_and_environment_checks():
     episode = _episode(0, *SCRIPTS[0])
-    assert episode.score == 1.5
+    assert episode.score == 0.5 + 1.5 + 2.5
     with pytest.raises(ValueError, match="returned reward nan; it must be a finite number"):
         checked_step(EnvironmentStep(reward=float("nan")), "Env.step")
     with pytest.raises(ValueError, match="returned a dict; it must return an EnvironmentStep"):

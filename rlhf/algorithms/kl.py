@@ -150,9 +150,11 @@ def token_rewards(
     mask: torch.Tensor,
     kl_coef: Union[float, torch.Tensor],
     estimator: str = "k1",
+    placed: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token reward: -kl_coef * KL_t on every valid token, plus the sequence
-    score on the last valid token.
+    score on the last valid token, plus ``placed`` ([B, T] rewards already on
+    their tokens: a multi-turn episode's per-turn rewards at each turn's end).
 
     Args:
         scores: [B] reward-model scores.
@@ -165,4 +167,5 @@ def token_rewards(
         A row with no valid token gets no score.
     """
     kl = torch.where(mask > 0, kl_estimate(logprobs, ref_logprobs, estimator), torch.zeros((), device=mask.device))
-    return -kl_coef * kl + scores_at_last_token(scores, mask), kl
+    rewards = -kl_coef * kl + scores_at_last_token(scores, mask)
+    return (rewards if placed is None else rewards + placed * (mask > 0)), kl

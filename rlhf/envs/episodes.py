@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 from rlhf.data.tokenizer import readable_text
@@ -43,9 +44,11 @@ from rlhf.envs.environment import EnvironmentFactory, ModelTurn, checked_step, o
 @dataclass(frozen=True)
 class Episode(SampleResult):
     """One finished episode as a sample (``tokens``: every turn and observation; ``loss_mask``: which are
-    the model's), with the reward of each answered turn and the number of turns."""
+    the model's), with the reward of each answered turn, the response column of that turn's last token
+    (``reward_positions``; -1 before any token) and the number of turns."""
 
     rewards: tuple[float, ...] = ()
+    reward_positions: tuple[int, ...] = ()
     turns: int = 0
 
     @property
@@ -83,6 +86,7 @@ class EpisodeState:
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
+    reward_positions: list[int] = field(default_factory=list)
     turns: int = 0
     last_reason: str = "stop"
     engine_key: Optional[tuple[str, int]] = None  # where the engine holds it, once started
@@ -189,6 +193,7 @@ class EpisodeRunner:
             self._start(action)
             return None
         episode.rewards.append(action.reward)
+        episode.reward_positions.append(len(episode.tokens) - 1)  # the answered turn's last token
         if action.kind == "end":
             if episode.engine_key is not None:
                 self.engine.release(*episode.engine_key)
@@ -231,7 +236,19 @@ class EpisodeRunner:
         now = time.perf_counter() - self._t0
         return Episode(key[0], key[1], episode.prompt, tuple(episode.tokens), tuple(episode.logprobs), reason, now,
                        tuple(episode.versions), loss_mask=tuple(episode.mask), rewards=tuple(episode.rewards),
-                       turns=episode.turns)
+                       reward_positions=tuple(episode.reward_positions), turns=episode.turns)
+
+
+def turn_reward_rows(episodes: list[Episode], width: int) -> torch.Tensor:
+    """[N, width] float32: each episode's rewards at their turns' last tokens (the Batch's ``turn_rewards``);
+    a reward given before the episode had a token goes to its last token, if any."""
+    rows = torch.zeros(len(episodes), width, dtype=torch.float32)
+    for row, episode in zip(rows, episodes):
+        last = len(episode.tokens) - 1
+        for reward, position in zip(episode.rewards, episode.reward_positions):
+            if last >= 0:
+                row[position if position >= 0 else last] += reward
+    return rows
 
 
 def observation_ids(tokenizer, observation, where: str, after_stop: bool) -> list[int]:

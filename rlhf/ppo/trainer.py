@@ -45,7 +45,7 @@ from rlhf.data.tokenizer import readable_text
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed
 from rlhf.envs.agents import AgentDriver, load_agent
 from rlhf.envs.environment import load_environment
-from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner
+from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner, turn_reward_rows
 from rlhf.fusion.inter_stage import FusionOutcome, InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
 from rlhf.fusion.runtime import FusedGeneration
@@ -285,8 +285,9 @@ class Trainer:
             fusion = FusionOutcome(fused, early)
         samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
         batch = Batch.from_samples(samples, self.tokenizer.pad_id, ids)
-        if self.config.generation.multi_turn is not None:  # the episodes' rewards are the scores
-            batch = batch.with_fields(scores=torch.tensor([s.score for s in samples], dtype=torch.float32))
+        if self.config.generation.multi_turn is not None:  # the episodes' rewards, at their turns and summed
+            batch = batch.with_fields(scores=torch.tensor([s.score for s in samples], dtype=torch.float32),
+                                      turn_rewards=turn_reward_rows(samples, batch.response_width))
         return Rollout(batch, fusion)
 
     def _sampling_params(self, prompt_index: int, iteration: int) -> SamplingParams:
@@ -348,9 +349,10 @@ class Trainer:
     # ---- 3. advantages ---------------------------------------------------------------
 
     def advantages(self, batch: Batch) -> tuple[Batch, dict]:
-        """Token rewards (the score, shaped by the overlong penalty, at the last token; minus the KL penalty
-        when it acts in the rewards) and the configured estimator (identical on every rank). The KL of the
-        old policy against the reference drives the adaptive controller wherever the penalty acts."""
+        """Token rewards (the score, shaped by the overlong penalty, at the last token, or a multi-turn
+        episode's rewards at its turns' ends; minus the KL penalty when it acts in the rewards) and the
+        configured estimator (identical on every rank). The KL of the old policy against the reference
+        drives the adaptive controller wherever the penalty acts."""
         ppo, mask = self.config.ppo, batch.response_mask
         scores, metrics = batch.scores, {}
         if ppo.overlong_punishment is not None:
@@ -358,7 +360,10 @@ class Trainer:
                                        *ppo.overlong_punishment).to(scores.device)
             scores, metrics["overlong_penalty_mean"] = scores + penalty, penalty.mean()
         coef = torch.zeros(()) if ppo.kl_in_loss else self.kl.value
-        rewards, kl = token_rewards(scores, batch.old_logprobs, batch.ref_logprobs, mask, coef, ppo.kl_estimator_name)
+        placed = batch.turn_rewards  # a multi-turn episode's rewards sit at its turns; only the penalty is left
+        at_end = scores if placed is None else scores - batch.scores
+        rewards, kl = token_rewards(at_end, batch.old_logprobs, batch.ref_logprobs, mask, coef, ppo.kl_estimator_name,
+                                    placed)
         scored = batch.with_fields(scores=scores)  # the estimators read the shaped score
         advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), ppo.advantage_config)
         sequence_kl = kl.sum(dim=1).mean()
