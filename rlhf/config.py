@@ -92,6 +92,26 @@ def _has_type(value, cls) -> bool:
     return isinstance(value, cls)
 
 
+def import_named(spec: str, field_name: str, what: str):
+    """The object ``MODULE:NAME`` names (NAME may be dotted), imported: a user's reward function,
+    environment or agent. A ConfigError naming ``field_name`` says what is missing (``what``: the form,
+    e.g. ``MODULE:FUNCTION``)."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 -- importing user code can raise anything
+        raise ConfigError(f"{spec}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); give "
+                          f"{what} of a module on the Python path", field_name) from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{spec}: {getattr(target, '__name__', target)!r} has no attribute {part!r}",
+                              field_name)
+        target = getattr(target, part)
+    return target
+
+
 def check_range(section: str, name: str, value, low: float, high: float, what: str) -> None:
     """Raise a ConfigError naming ``<section>.<name>`` unless ``low <= value <= high`` (``what`` says so)."""
     if not low <= value <= high:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
+import importlib.util
 import math
 import numbers
 import socket
@@ -39,7 +39,7 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, Optional
 
-from rlhf.config import ConfigError
+from rlhf.config import ConfigError, import_named
 from rlhf.envs.chat import continuation_ids
 from rlhf.envs.episodes import Action, EpisodeDriver, EpisodeRunner
 from rlhf.serving.openai_api import (RequestError, chat_messages, chat_prompt_ids, completion_choice,
@@ -49,20 +49,13 @@ AgentFn = Callable[[object, object], float]
 
 
 def load_agent(spec: str) -> AgentFn:
-    """The function ``MODULE:FUNCTION`` names (a ConfigError naming ``generation.agent`` if there is none)."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        target = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- importing user code can raise anything
-        raise ConfigError(f"{spec}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); give "
-                          "MODULE:FUNCTION of a module on the Python path", "generation.agent") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{spec}: {getattr(target, '__name__', target)!r} has no attribute {part!r}",
-                              "generation.agent")
-        target = getattr(target, part)
+    """The function ``MODULE:FUNCTION`` names (a ConfigError naming ``generation.agent`` if there is none, or
+    when the ``openai`` package, which the agents' clients are, is missing)."""
+    target = import_named(spec, "generation.agent", "MODULE:FUNCTION")
     if not callable(target):
         raise ConfigError(f"{spec} is a {type(target).__name__}, not a function", "generation.agent")
+    if importlib.util.find_spec("openai") is None:
+        raise ConfigError(f"{spec}: agents talk through the openai client; pip install openai", "generation.agent")
     return target
 
 

@@ -22,13 +22,12 @@ touch torch.distributed.
 from __future__ import annotations
 
 import abc
-import importlib
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
-from rlhf.config import ConfigError
+from rlhf.config import ConfigError, import_named
 
 Observation = Union[Sequence[int], Sequence[dict], str, None]
 """Token ids, chat messages ({role, content}), plain text, or nothing."""
@@ -76,17 +75,7 @@ EnvironmentFactory = Callable[[], Environment]
 def load_environment(spec: str) -> EnvironmentFactory:
     """The class ``MODULE:CLASS`` names (a ConfigError naming ``generation.environment`` if it is not an
     Environment subclass that imports)."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- importing user code can raise anything
-        raise ConfigError(f"{spec}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); give "
-                          "MODULE:CLASS of a module on the Python path", "generation.environment") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(f"{spec}: {getattr(target, '__name__', target)!r} has no attribute {part!r}",
-                              "generation.environment")
-        target = getattr(target, part)
+    target = import_named(spec, "generation.environment", "MODULE:CLASS")
     if not (isinstance(target, type) and issubclass(target, Environment)):
         raise ConfigError(f"{spec} is not a subclass of rlhf.envs.environment.Environment", "generation.environment")
     return target

@@ -13,7 +13,6 @@ refusal is a ConfigError naming ``reward.reward_fn`` on every rank.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import traceback
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.batch import Batch
-from rlhf.config import ConfigError
+from rlhf.config import ConfigError, import_named
 from rlhf.parallel.exchange import first_rank
 from rlhf.ppo.config import JobConfig
 
@@ -49,16 +48,7 @@ def job_reward_fn(config: JobConfig) -> RewardFn | None:
 
 def load_reward_fn(spec: str) -> RewardFn:
     """The function ``module:function`` names (ConfigError naming ``reward.reward_fn`` if there is none)."""
-    module_name, _, attribute = spec.partition(":")
-    try:
-        fn = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 -- importing user code can raise anything
-        raise ConfigError(f"{spec}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); give "
-                          "MODULE:FUNCTION of a module on the Python path", "reward.reward_fn") from None
-    for part in attribute.split("."):
-        if not hasattr(fn, part):
-            raise ConfigError(f"{spec}: {fn.__name__!r} has no attribute {part!r}", "reward.reward_fn")
-        fn = getattr(fn, part)
+    fn = import_named(spec, "reward.reward_fn", "MODULE:FUNCTION")
     if not callable(fn):
         raise ConfigError(f"{spec} is a {type(fn).__name__}, not a function", "reward.reward_fn")
     return fn
