@@ -19,7 +19,6 @@ CUDA is absent.
 
 import os
 
-import pytest
 import torch
 
 os.environ["RLHF_DEVICE"] = "cpu"

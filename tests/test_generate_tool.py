@@ -6,7 +6,6 @@ generate.py runs on both (one subprocess, since it sets up torch.distributed).
 """
 
 import json
-import os
 import subprocess
 import sys
 

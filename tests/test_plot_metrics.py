@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 from rlhf.testing.tools import load_tool
 
