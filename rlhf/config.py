@@ -277,12 +277,15 @@ SAVE_FORMATS = ("ours", "torch_dist")
 @dataclass(frozen=True)
 class CheckpointConfig:
     """``save``: checkpoint root written every ``save_interval`` iterations and after the last one;
-    ``load``: checkpoint root to resume from (its latest complete checkpoint); ``save_format``:
+    ``keep_last``: how many of its newest checkpoints to keep (older ones are deleted once a newer one
+    is complete; None: all); ``load``: checkpoint root to resume from (its latest complete checkpoint);
+    ``save_format``:
     "torch_dist" also writes the actor of each checkpoint as a Megatron-LM checkpoint in
     ``<save>/megatron`` (docs/megatron_checkpoints.md)."""
 
     save: str | None = None
     save_interval: int | None = None
+    keep_last: int | None = None
     load: str | None = None
     save_format: str = "ours"
 
@@ -295,6 +298,10 @@ class CheckpointConfig:
             if self.save is None:
                 raise ConfigError("save_interval needs a checkpoint root to save to (save)", "checkpoint.save_interval")
             check_positive_ints("checkpoint", self, ("save_interval",))
+        if self.keep_last is not None:
+            if self.save is None:
+                raise ConfigError("keep_last needs a checkpoint root to save to (save)", "checkpoint.keep_last")
+            check_positive_ints("checkpoint", self, ("keep_last",))
         if self.load is not None and not os.path.isdir(self.load):
             raise ConfigError(f"load={self.load!r} is not a directory; give the root a run saved into "
                               "(it holds iter_* directories and 'latest')", "checkpoint.load")

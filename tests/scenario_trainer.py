@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.batch import Batch
+from rlhf.checkpoint.storage import list_checkpoints
 from rlhf.config import CheckpointConfig, RunConfig
 from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
@@ -335,12 +336,17 @@ def _resume(placement, root: str) -> dict:
         exported = read_megatron_state(open_megatron(f"{root}/{MEGATRON_EXPORT_DIR}"))
         assert sorted(exported) == sorted(saved_actor)
         megatron_diff = max((exported[k] - saved_actor[k]).abs().max().item() for k in saved_actor)
-    resumed = synthetic_trainer(placement, full, mini_batch=4, **RESUME_OPTIMIZER)
+    resumed = synthetic_trainer(placement, full, mini_batch=4, checkpoint=CheckpointConfig(save=root, keep_last=2),
+                                **RESUME_OPTIMIZER)
     resumed.load(root)
     loaded_at = resumed.iteration
-    metrics_resumed = [resumed.step().metrics for _ in range(2)]
+    metrics_resumed = []
+    for _ in range(2):  # saving after each (--keep-last 2): iterations 3 and 4 are kept, 2 is deleted
+        metrics_resumed.append(resumed.step().metrics)
+        resumed.save(root)
     a, b = trained_weights(straight), trained_weights(resumed)
     return {"loaded_at": loaded_at, "straight_metrics": metrics[2:], "resumed_metrics": metrics_resumed,
+            "kept_checkpoints": list_checkpoints(root),
             "resume_param_diff": max((a[m][k] - b[m][k]).abs().max().item() for m in a for k in a[m]),
             "kl_coefs": [m["kl_coef"] for m in metrics], "megatron_export_diff": megatron_diff, **released}
 

@@ -240,6 +240,24 @@ def test_keep_last(tmp_path):
         save(tmp_path, 10, keep_last=0)
 
 
+def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeypatch):
+    """Free space under the newest checkpoint's size: one line saying both, nothing written, the previous
+    checkpoint still loads and ``latest`` still names it."""
+    save(tmp_path, 1)
+    with open(os.path.join(checkpoint_path(tmp_path, 1), "manifest.json")) as f:
+        size = sum(e["bytes"] for e in json.load(f)["files"])
+    usage = storage.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: usage._replace(free=size - 1))
+    with pytest.raises(CheckpointError, match=rf"cannot start checkpoint 2: .* GiB free, but the last checkpoint "
+                                              rf"took .* GiB; free some space \(--keep-last N"):
+        save(tmp_path, 2)
+    assert list_checkpoints(tmp_path) == [1] and latest_iteration(tmp_path) == 1 and tmp_entries(tmp_path) == []
+    assert load_checkpoint(tmp_path).iteration == 1
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: usage._replace(free=size))
+    save(tmp_path, 2)
+    assert latest_iteration(tmp_path) == 2
+
+
 # ----------------------------------------------------------------------------- RNG
 def draws():
     return (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(),

@@ -109,6 +109,7 @@ def test_resume_continues_exactly(results):
                 assert resumed[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert r["resume_param_diff"] < 1e-6
     assert r["megatron_export_diff"] == 0.0  # --save-format torch_dist: the same actor, as Megatron-LM's
+    assert r["kept_checkpoints"] == [3, 4]  # --keep-last 2: the resumed run's two saves, iteration 2 deleted
 
 
 @pytest.mark.parametrize("path", ["distributed", "overlapped"])

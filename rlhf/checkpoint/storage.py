@@ -284,7 +284,24 @@ def _begin_save(root: str, iteration: int, overwrite: bool, clean_stale: bool) -
     final = checkpoint_path(root, iteration)
     if os.path.exists(final) and not overwrite:
         raise CheckpointError(f"{final} already exists; pass overwrite=True to replace it")
+    _check_free_space(root)
     return tempfile.mkdtemp(prefix=f".tmp_iter_{iteration:07d}_", dir=root)
+
+
+def _check_free_space(root: str) -> None:
+    """Refuse to start a save the disk cannot hold, judging by the size of the newest checkpoint (before
+    a byte is written, so the previous checkpoints and ``latest`` stay as they are)."""
+    its = list_checkpoints(root)
+    if not its:
+        return
+    try:
+        need = sum(e["bytes"] for e in _read_manifest(checkpoint_path(root, its[-1]))["files"])
+    except CheckpointError:  # a broken newest checkpoint says nothing of the size; the save finds out
+        return
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise CheckpointError(f"{free / 2 ** 30:.2f} GiB free, but the last checkpoint took {need / 2 ** 30:.2f} "
+                              "GiB; free some space (--keep-last N deletes older checkpoints)")
 
 
 def commit_checkpoint(root: str, iteration: int, tmp: str, entries: list[dict], state: Mapping,

@@ -176,6 +176,8 @@ SECTIONS = {
         ("save", str, "checkpoint root to save into (atomic; <root>/iter_N, <root>/latest)"),
         ("save_interval", int, "save every this many iterations (and after the last; default: only after the "
                                "last)"),
+        ("keep_last", int, "keep only the N newest checkpoints under --save: older ones are deleted once a "
+                           "newer one is complete (default: keep all)"),
         ("load", str, "checkpoint root to resume from: models, optimizers, LR schedules, KL controller, RNG "
                       "and data position; the run continues to --iterations"),
         ("save_format", str, "ours, or torch_dist: also write each saved actor as a Megatron-LM torch_dist "

@@ -400,7 +400,8 @@ class Trainer:
         with self.memory.on_device(*self.memory.offloaders):  # collectives gather the weights where they compute
             position = self.prompts.state_dict() if self.ahead is None else self.ahead.data_position()
             path = save_rlhf_state(root, self.iteration, self._slots(), data_position=position,
-                                   extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD)
+                                   extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD,
+                                   keep_last=self.config.checkpoint.keep_last)
         if self.config.checkpoint.save_format == "torch_dist":
             self._export_megatron_actor(root)
         return path

@@ -75,6 +75,8 @@ REWARD_SECTIONS = {
                       "step the model is also exported to <root>/hf as an HF *ForSequenceClassification"),
         ("save_interval", int, "save every this many iterations (and after the last; default: only after the "
                                "last)"),
+        ("keep_last", int, "keep only the N newest checkpoints under --save: older ones are deleted once a "
+                           "newer one is complete (default: keep all)"),
         ("load", str, "checkpoint root to resume from: model, optimizer, LR schedule, RNG and data position; "
                       "the run continues to --iterations"),
     ]),

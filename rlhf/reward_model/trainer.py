@@ -242,7 +242,7 @@ class RewardTrainer:
         """Save the model with its optimizer and LR schedule, the data position and each rank's RNG as
         checkpoint ``iteration`` under ``root`` (collective, atomic)."""
         return save_rlhf_state(root, self.iteration, self._slots(), data_position=self.batches.state_dict(),
-                               group=dist.group.WORLD)
+                               group=dist.group.WORLD, keep_last=self.config.checkpoint.keep_last)
 
     def load(self, root: str) -> None:
         """Resume from the latest complete checkpoint under ``root`` (any layout; collective)."""
