@@ -248,8 +248,8 @@ def test_a_save_the_disk_cannot_hold_is_refused_before_writing(tmp_path, monkeyp
         size = sum(e["bytes"] for e in json.load(f)["files"])
     usage = storage.shutil.disk_usage(tmp_path)
     monkeypatch.setattr(storage.shutil, "disk_usage", lambda path: usage._replace(free=size - 1))
-    with pytest.raises(CheckpointError, match=rf"cannot start checkpoint 2: .* GiB free, but the last checkpoint "
-                                              rf"took .* GiB; free some space \(--keep-last N"):
+    with pytest.raises(CheckpointError, match=r"cannot start checkpoint 2: .* GiB free, but the last checkpoint "
+                                              r"took .* GiB; free some space \(--keep-last N"):
         save(tmp_path, 2)
     assert list_checkpoints(tmp_path) == [1] and latest_iteration(tmp_path) == 1 and tmp_entries(tmp_path) == []
     assert load_checkpoint(tmp_path).iteration == 1
