@@ -148,7 +148,7 @@ def _agents(placement, weights: dict) -> dict:
     """One GRPO step whose samples are `two_turn_agent`'s episodes: the batch's masks, scores and metrics, and
     how far the actor moved."""
     generation = GenerationConfig(max_prompt_len=40, max_response_len=64, max_turn_tokens=12, max_turns=2,
-                                  agent="scenario_trainer_behaviour:two_turn_agent")
+                                  agent=f"{__name__}:two_turn_agent")  # this module, as the workers import it
     trainer = _trainer(placement, weights, generation=generation, advantage_estimator="grpo")
     before = _actor_weights(trainer)
     result = trainer.step()
