@@ -309,10 +309,6 @@ class Engine:
         self.kv.free(seq.seq_id)
         seq.status = Status.FINISHED
 
-    def held(self) -> list[tuple[str, int]]:
-        """(request_id, sample_index) of the held samples, oldest first."""
-        return list(self._held)
-
     def _evict_held(self) -> bool:
         """Free the K/V of the oldest held sample that still has some (it is computed again when it
         continues); False when none has."""
