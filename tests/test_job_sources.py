@@ -388,3 +388,16 @@ def test_checked_scores_take_lists_and_arrays():
 
     assert checked_scores(lambda p, r: np.array([0.5, 2]), [[1], [2]], [[3], [4]]) == [0.5, 2.0]
     assert checked_scores(lambda p, r: (1, 0.25), [[1], [2]], [[3], [4]]) == [1.0, 0.25]
+
+
+def test_a_non_finite_reward_model_score_stops_the_run_naming_the_samples():
+    from rlhf.batch import Batch
+    from rlhf.engine.types import SampleResult
+    from rlhf.ppo.reward_fn import check_model_scores
+
+    samples = [SampleResult(str(i // 2), i % 2, (5, 6), (7, 8, 9), (-0.1,) * 3, "stop", 0.0) for i in range(4)]
+    batch = Batch.from_samples(samples, 0, {"0": 0, "1": 1})
+    check_model_scores(batch.with_fields(scores=torch.tensor([0.5, -1.0, 2.0, 0.0])))
+    with pytest.raises(RuntimeError, match=r"the reward model scored 2 of 4 samples non-finite, e.g. sample 1 "
+                                           r"\(prompt 0, sample 1\): nan, 3 \(prompt 1, sample 1\): inf"):
+        check_model_scores(batch.with_fields(scores=torch.tensor([0.5, float("nan"), 2.0, float("inf")])))

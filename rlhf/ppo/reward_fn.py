@@ -105,6 +105,17 @@ def function_scores(fn: RewardFn, batch: Batch, group=None) -> torch.Tensor:
     return torch.tensor(box[0], dtype=torch.float32, device=batch.tokens.device)
 
 
+def check_model_scores(batch: Batch) -> None:
+    """Stop the run when the reward model scored a sample NaN or infinite (every rank holds the same scores,
+    so every rank raises the same line): one line naming the model and the first such samples."""
+    bad = (~torch.isfinite(batch.scores)).nonzero().flatten().tolist()
+    if bad:
+        where = ", ".join(f"{i} (prompt {batch.prompt_ids[i]}, sample {batch.sample_indices[i]}): "
+                          f"{batch.scores[i].item()}" for i in bad[:5])
+        raise RuntimeError(f"the reward model scored {len(bad)} of {len(batch)} samples non-finite, e.g. sample "
+                           f"{where}; its weights or inputs hold NaN or infinity (--reward-model)")
+
+
 def prompts_and_responses(batch: Batch) -> tuple[list, list]:
     """The batch's prompts and responses as token-id lists (what a reward function reads)."""
     rows = batch.tokens.tolist()

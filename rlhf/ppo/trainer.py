@@ -63,7 +63,7 @@ from rlhf.ppo import layout
 from rlhf.ppo.asynchronous import GenerationAhead, learner_group
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.partial_rollouts import PartialRollouts, signal_group
-from rlhf.ppo.reward_fn import RewardFn, function_scores
+from rlhf.ppo.reward_fn import RewardFn, check_model_scores, function_scores
 from rlhf.ppo.update import PPOUpdate
 from rlhf.tasks import INFERENCE_FIELDS, MODEL_SEEDS, TASK_MODEL, WEIGHTS_TASK, task_kind
 
@@ -321,6 +321,8 @@ class Trainer:
         self.memory.note("inference")
         names = [INFERENCE_FIELDS[task] for task in self.inference_tasks()]
         batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
+        if "reward_inf" in self.inference_tasks():
+            check_model_scores(batch)
         if self.reward_fn is not None and not self.config.has_reward_model:
             batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners))
         return batch
