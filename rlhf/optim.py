@@ -40,6 +40,7 @@ construction and step run under ``rlhf.platform.megatron_scope()``.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -228,11 +229,13 @@ class ModelOptimizer:
         """Unscale (fp16), clip, update, advance the LR schedule and zero the gradients.
 
         Returns ``grad_norm`` (global, before clipping), ``lr`` (used by this
-        update) and, with fp16 loss scaling, ``loss_scale`` (the scale of this
-        step's gradients) and ``skipped`` (1: they overflowed, so neither the
-        weights nor the LR schedule moved and ``grad_norm`` is NaN), as Python
-        floats: megatron syncs the norm to the host to clip. The same dict stays in
-        ``last_step`` for whoever logs it (the executor calls step).
+        update), ``skipped`` (1: the gradients were not finite, an fp16 overflow
+        or a NaN or infinity in any precision, so neither the weights, the
+        optimizer's moments nor the LR schedule moved) and, with fp16 loss
+        scaling, ``loss_scale`` (the scale of this step's gradients), as Python
+        floats: megatron syncs the norm to the host to clip. Every rank of the
+        model gets the same global norm, so every rank skips alike. The same dict
+        stays in ``last_step`` for whoever logs it (the executor calls step).
         """
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
@@ -241,14 +244,31 @@ class ModelOptimizer:
         scaler = getattr(opt, "grad_scaler", None)
         scale = float(scaler.scale) if scaler is not None else None
         with platform.megatron_scope():
-            updated, grad_norm, _ = self.optimizer.step()
+            updated, grad_norm = self._finite_step()
         if updated:  # Megatron-LM: the schedule advances only with the weights
             self.scheduler.step(increment=1)
         self.zero_grad()
-        self.last_step = {"grad_norm": float("nan") if grad_norm is None else float(grad_norm), "lr": float(lr)}
+        self.last_step = {"grad_norm": float("nan") if grad_norm is None else float(grad_norm), "lr": float(lr),
+                          "skipped": float(not updated)}
         if scale is not None:
-            self.last_step.update(loss_scale=scale, skipped=float(not updated))
+            self.last_step["loss_scale"] = scale
         return self.last_step
+
+    def _finite_step(self) -> tuple[bool, float | None]:
+        """megatron's ChainedOptimizer.step (prepare the gradients, take their global norm, clip, update), but
+        an update whose norm is not finite is not made: (updated, norm; None on an fp16 overflow)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        (opt,) = self.optimizer.chained_optimizers
+        if self.optimizer.prepare_grads():  # an fp16 overflow: the loss scale backs off
+            return False, None
+        grad_norm = self.optimizer.get_grad_norm()
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        if opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return self.optimizer.step_with_ready_grads(), grad_norm
 
     def zero_grad(self) -> None:
         """Zero the gradient buffer and drop ``param.grad`` (megatron points it into the buffer)."""

@@ -105,15 +105,17 @@ def reference(kind: str, data: list) -> dict:
     return {"before": before, "after": gather_tp_full_weights(model, local), "grad_norm": norms}
 
 
-def sharded_step(module, groups, opt: ModelOptimizer, kind: str, microbatches: list) -> dict:
-    """This DP replica's share of the micro-batches through the pipeline, then reduce and step."""
+def sharded_step(module, groups, opt: ModelOptimizer, kind: str, microbatches: list, poison: bool = False) -> dict:
+    """This DP replica's share of the micro-batches through the pipeline, then reduce and step; ``poison``: the
+    loss is multiplied by NaN (every gradient NaN)."""
+    scale = float("nan") if poison else 1.0
     strategy = groups.mesh.strategy
     share = len(microbatches) // strategy.dp
     mine = microbatches[groups.coord.dp * share:(groups.coord.dp + 1) * share]
     for i, (tokens, target) in enumerate(mine):
         with opt.backward_scope(last_microbatch=i == share - 1):
             pipeline_forward_backward(module, groups, tokens,
-                                      lambda out: sharded_loss(kind, out, tokens, target, groups.tp) / share)
+                                      lambda out: scale * sharded_loss(kind, out, tokens, target, groups.tp) / share)
     opt.reduce_grads()
     return opt.step()
 
@@ -122,11 +124,16 @@ def train(groups, kind: str, options: dict, data: list, ref: dict) -> dict:
     module = build_model(CFG, kind, groups.pg_collection, groups.stage, seed=SEEDS[kind] + 100)
     load_full_weights(module, groups, ref["before"])
     opt = ModelOptimizer(module, groups, replace(OPT, **options))
-    stats = [sharded_step(module, groups, opt, kind, mbs) for mbs in data]
+    stats, poisoned = [], None
+    for n, mbs in enumerate(data):
+        if n == 1:  # a step of NaN gradients first: it must leave the weights, moments and schedule as they were
+            poisoned = sharded_step(module, groups, opt, kind, mbs, poison=True)
+        stats.append(sharded_step(module, groups, opt, kind, mbs))
     after = gather_tp_full_weights(module, groups)
     return {"err": max((after[k] - ref["after"][k]).abs().max().item() for k in after),
             "moved": max((after[k] - ref["before"][k]).abs().max().item() for k in after),
             "grad_norm": [s["grad_norm"] for s in stats], "lr": [s["lr"] for s in stats],
+            "skipped": [s["skipped"] for s in stats], "poisoned": poisoned,
             "ref_grad_norm": ref["grad_norm"]}
 
 

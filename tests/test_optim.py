@@ -6,7 +6,8 @@ model, reversed pipeline), with megatron's distributed optimizer
 overlapped gradient reduction ``pp2_dp2_overlap`` and ``tp2_dp2_distopt_overlap``
 (steps of 4, 2, 6 and 4 micro-batches). Each takes 4
 AdamW steps with clipping active and a warm-up + cosine LR; parameters, the
-reported gradient norms and LRs must match unsharded torch training.
+reported gradient norms and LRs must match unsharded torch training, with a
+step of NaN gradients slipped in before the second (skipped on every rank).
 """
 
 import math
@@ -73,6 +74,15 @@ def test_grad_norm_is_the_unsharded_norm_and_clips(results, layout):
         assert len(ref) == STEPS and min(ref) > CLIP  # clipping was active on every step
         for norm, expected in zip(r[layout]["grad_norm"], ref):
             assert abs(norm - expected) <= TOL * expected
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_of_non_finite_gradients_is_skipped_on_every_rank(results, layout):
+    """A NaN-loss step before step 2: every rank reports it skipped with a NaN norm, and the run's weights
+    (test_parameters_match_torch_adamw) and learning rates match a run without it."""
+    for r in results:
+        assert r[layout]["poisoned"]["skipped"] == 1.0 and math.isnan(r[layout]["poisoned"]["grad_norm"])
+        assert r[layout]["skipped"] == [0.0] * STEPS
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

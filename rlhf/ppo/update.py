@@ -275,17 +275,16 @@ def _mean(values: list) -> float:
 
 def step_metrics(name: str, steps: list[dict]) -> dict:
     """``<name>_lr`` and ``<name>_grad_norm``: means over an iteration's optimizer ``steps`` (``last_step``
-    dicts; the norm over the applied ones) and, with fp16 loss scaling, ``<name>_loss_scale`` (the last
-    step's) and ``<name>_skipped_steps`` (steps whose gradients overflowed, so the weights did not move)."""
+    dicts; the norm over the applied ones), ``<name>_skipped_steps`` (steps whose gradients were not finite,
+    so the weights did not move) and, with fp16 loss scaling, ``<name>_loss_scale`` (the last step's)."""
     if not steps:
         return {}
-    applied = [s["grad_norm"] for s in steps if not s.get("skipped")]
-    out = {f"{name}_lr": _mean([s["lr"] for s in steps])}
+    applied = [s["grad_norm"] for s in steps if not s["skipped"]]
+    out = {f"{name}_lr": _mean([s["lr"] for s in steps]), f"{name}_skipped_steps": sum(s["skipped"] for s in steps)}
     if applied:
         out[f"{name}_grad_norm"] = _mean(applied)
     if "loss_scale" in steps[-1]:
-        out.update({f"{name}_loss_scale": steps[-1]["loss_scale"],
-                    f"{name}_skipped_steps": sum(s["skipped"] for s in steps)})
+        out[f"{name}_loss_scale"] = steps[-1]["loss_scale"]
     return out
 
 
