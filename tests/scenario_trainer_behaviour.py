@@ -19,7 +19,8 @@ the tiny presets, the byte tokenizer and the synthetic prompts, 4 prompts x
   log-probs equal the trainer's, so truncated importance sampling weighs every token 1).
 - An agent in the loop (``--agent``, `two_turn_agent`): GRPO, one ``step()``, 16 episodes of two chat
   requests each through the per-episode endpoints of actor_gen's two TP2 replicas, the reward the
-  second reply's length.
+  second reply's length; then a step whose agent raises on one replica (`failing_agent`): every rank
+  must stop with its message.
 
 Start weights are made here: the actor's with EOS made likely (so responses
 end at different lengths), a reference of another seed (so the KL penalty is
@@ -144,6 +145,15 @@ def two_turn_agent(client, prompt) -> float:
     return float(len(second.choices[0].model_extra["token_ids"]))
 
 
+def failing_agent(client, prompt) -> float:
+    """`two_turn_agent`, but sample 0 of the batch's first prompt (generation replica 0's) raises after its
+    first request, while the other samples wait for their replies or go on."""
+    if "/episodes/0.0/" in str(client.base_url):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        raise ValueError("scripted failure")
+    return two_turn_agent(client, prompt)
+
+
 def _agents(placement, weights: dict) -> dict:
     """One GRPO step whose samples are `two_turn_agent`'s episodes: the batch's masks, scores and metrics, and
     how far the actor moved."""
@@ -156,7 +166,14 @@ def _agents(placement, weights: dict) -> dict:
     batch = result.batch
     moved = [None] * dist.get_world_size()
     dist.all_gather_object(moved, max((after[k] - before[k]).abs().max().item() for k in after))
-    return {"agent_metrics": dict(result.metrics), "agent_actor_moved": max(moved),
+    if trainer.driver is not None:
+        trainer.driver.agent = failing_agent
+    try:
+        trainer.step()
+        failure = None
+    except RuntimeError as exc:
+        failure = str(exc)
+    return {"agent_failure": failure, "agent_metrics": dict(result.metrics), "agent_actor_moved": max(moved),
             "agent_mask": _plain(batch.response_mask), "agent_scores": _plain(batch.scores),
             "agent_tokens": _plain(batch.tokens), "agent_prompt_lengths": _plain(batch.prompt_lengths),
             "agent_response_lengths": _plain(batch.response_lengths), "agent_prompt_ids": _plain(batch.prompt_ids)}
@@ -184,6 +201,7 @@ def run() -> dict:
     out = {"grpo_placed": _placed(grpo), "reinforce_placed": _placed(reinforce)}
     semantics = _semantics(placement, weights)
     semantics.update(_agents(placement, weights))
+    out["agent_failure"] = semantics["agent_failure"]  # every rank's: each one must stop
     diffs = [None] * dist.get_world_size()
     dist.all_gather_object(diffs, semantics.pop("grpo_kl_actor_diff"))  # every rank holds an actor stage
     semantics["grpo_kl_actor_diff"] = max(diffs)

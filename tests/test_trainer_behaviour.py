@@ -219,3 +219,11 @@ def test_agent_episodes_through_the_endpoint_are_all_trained(results):
     assert m["turns_mean"] == 2 and m["multi_turn_fraction"] == 1 and m["samples_count"] == 16
     assert m["reward_mean"] == pytest.approx(sum(r["agent_scores"]) / 16)
     assert r["agent_actor_moved"] > 0
+
+
+def test_an_agent_that_raises_stops_every_rank_with_its_message(results):
+    """One agent of generation replica 0 raises in the next iteration: replica 1's ranks, whose agents were
+    fine, stop too, with the same line, instead of waiting at the gather."""
+    for r in results:
+        assert r["agent_failure"] == ("agent failing_agent failed on sample 0 of prompt 0: ValueError: scripted "
+                                      "failure")

@@ -75,7 +75,7 @@ class AgentDriver(EpisodeDriver):
     # ---- the run (engine thread) ----------------------------------------------------------
 
     def begin(self, runner: EpisodeRunner, requests) -> None:
-        self.runner, self.conversations, self._failure = runner, {}, None
+        self.runner, self.conversations, self._failure, self._closed = runner, {}, None, False
         keys = [(r.request_id, i) for r in requests for i in range(r.params.n)]
         self.pool = concurrent.futures.ThreadPoolExecutor(max(1, len(keys)), thread_name_prefix="agent")
         for key in keys:
@@ -103,6 +103,13 @@ class AgentDriver(EpisodeDriver):
                                               [choice], list(episode.prompt)))
 
     def end(self) -> None:
+        """Close the batch: requests still waiting (the run stopped on an error) and any later ones get a 400,
+        so every agent's thread returns."""
+        with self._lock:
+            self._closed = True
+            for future, _ in self._replies.values():
+                future.set_exception(RequestError("the run stopped before this turn was generated"))
+            self._replies.clear()
         self.pool.shutdown(wait=True)
 
     # ---- one sample's agent (its own thread) -----------------------------------------------
@@ -136,6 +143,8 @@ class AgentDriver(EpisodeDriver):
         if not isinstance(limit, int) or limit < 0:
             raise RequestError(f"'max_tokens' is {limit!r}; it must be an integer >= 1", "max_tokens")
         with self._lock:
+            if self._closed:
+                raise RequestError("this batch of episodes has ended", "model")
             if key not in self.runner.episodes:
                 raise RequestError(f"no episode {key[0]}.{key[1]} in this batch", "model")
             if key in self._replies:

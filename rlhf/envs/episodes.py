@@ -58,6 +58,14 @@ class Episode(SampleResult):
 
 
 @dataclass(frozen=True)
+class EpisodeFailure:
+    """What an environment or agent raised on one generation replica, sent in place of its samples so that
+    every rank stops with the same message (rather than that replica alone)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Action:
     """What happens next to episode ``key`` (request id, sample index), decided by the driver.
 

@@ -45,7 +45,7 @@ from rlhf.data.tokenizer import readable_text
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed
 from rlhf.envs.agents import AgentDriver, load_agent
 from rlhf.envs.environment import load_environment
-from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner, turn_reward_rows
+from rlhf.envs.episodes import EnvironmentDriver, EpisodeFailure, EpisodeRunner, turn_reward_rows
 from rlhf.fusion.inter_stage import FusionOutcome, InterStageFusion
 from rlhf.fusion.policy import long_tailed_lengths
 from rlhf.fusion.runtime import FusedGeneration
@@ -251,18 +251,26 @@ class Trainer:
                 fused = self.inter_stage.generate(self.engine, requests, g)
                 results = fused.samples
             elif self.config.generation.multi_turn is not None:
-                gen = self.config.generation
-                if self.driver is not None:
-                    self.driver.prompt_records = lambda rid: prompt_batch.prompts[int(rid)]
-                runner = EpisodeRunner(self.engine, self.driver, self.tokenizer, gen.max_turns, gen.max_response_len,
-                                       gen.max_turn_tokens, tp_group=g.tp)
-                results = runner.run(requests)
+                results = self._episodes(prompt_batch, requests)
             else:
                 results = self.engine.generate(requests)
             mine = results if g.tp_rank == 0 else []
         self.memory.note("generation")
         self.memory.release_generation()
         return mine, fused
+
+    def _episodes(self, prompt_batch, requests: list[Request]) -> list:
+        """This replica's requests as multi-turn episodes (rlhf/envs/episodes.py); what an environment or agent
+        raised comes back as an EpisodeFailure in their place, so that every rank stops at the gather."""
+        gen, g = self.config.generation, self.groups["actor_gen"]
+        if self.driver is not None:
+            self.driver.prompt_records = lambda rid: prompt_batch.prompts[int(rid)]
+        runner = EpisodeRunner(self.engine, self.driver, self.tokenizer, gen.max_turns, gen.max_response_len,
+                               gen.max_turn_tokens, tp_group=g.tp)
+        try:
+            return runner.run(requests)
+        except (RuntimeError, ValueError) as exc:
+            return [EpisodeFailure(str(exc))]
 
     def requests_here(self, prompt_batch, iteration: int) -> list[Request]:
         """The engine requests of this actor_gen replica for ``prompt_batch`` in (0-based) ``iteration``:
@@ -278,6 +286,9 @@ class Trainer:
         fusion = None
         if self.inter_stage is None:
             samples = gather_to_all(mine)
+            failures = [s.message for s in samples if isinstance(s, EpisodeFailure)]
+            if failures:
+                raise RuntimeError(failures[0])
         else:  # the freed ranks infer what finished by the migration, then the streamed tail, while the rest generate
             early = self.inter_stage.infer_early(fused, lambda part: Batch.from_samples(
                 part, self.tokenizer.pad_id, ids).to(platform.device()), self.inference)
