@@ -174,8 +174,7 @@ class AgentDriver(EpisodeDriver):
                                f"({len(before)} messages, the replies as returned) and add at least one",
                                "messages")
         ids = continuation_ids(self.tokenizer, messages[len(before):], after_stop=episode.last_reason == "stop")
-        room = self.runner.max_response_len - len(episode.tokens) - len(ids)
-        if episode.turns >= self.runner.max_turns or episode.last_reason == "context" or room < 1:
+        if not self.runner.can_continue(episode, ids):
             return None
         return Action("continue", key, tuple(ids), max_new_tokens=limit)
 

@@ -161,6 +161,12 @@ class EpisodeRunner:
         room = self.max_response_len - len(episode.tokens)
         return max(0, min(room, self.max_turn_tokens) if self.max_turn_tokens else room)
 
+    def can_continue(self, episode: EpisodeState, observation) -> bool:
+        """Whether the episode may take another turn after ``observation`` (ids): fewer than ``max_turns``
+        turns so far, its last turn not stopped by the context, and room for the observation and a token."""
+        return (episode.turns < self.max_turns and episode.last_reason != "context"
+                and len(episode.tokens) + len(observation) < self.max_response_len)
+
     def _poll(self):
         """The driver's actions, or the exception it raised (to be raised on every TP rank); None off rank 0."""
         if not self.runs_driver:
@@ -317,10 +323,8 @@ class EnvironmentDriver(EpisodeDriver):
         reward = float(step.reward)
         if step.done:
             return Action("end", key, reward=reward)
-        if turn.finish_reason == "context" or episode.turns >= self.runner.max_turns:
-            return Action("end", key, reward=reward, cut=True)
         ids = observation_ids(self.tokenizer, step.observation, where, turn.finish_reason == "stop")
-        if self.runner.max_response_len - len(episode.tokens) - len(ids) < 1:
+        if not self.runner.can_continue(episode, ids):
             return Action("end", key, reward=reward, cut=True)
         return Action("continue", key, tuple(ids), reward)
 
