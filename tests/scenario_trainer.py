@@ -13,7 +13,8 @@ iteration runs again on the placement the planner's search picks for this job
 on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
 train, not only to validate, with packed token-budget micro-batches
 (--max-tokens-per-microbatch), against textbook PPO and the padded run, and on
-multi-turn samples whose observations are holes in the loss mask.
+multi-turn samples whose observations are holes in the loss mask. A run whose
+reference infers NaN (every gradient NaN) stops at --max-skipped-steps.
 """
 
 from dataclasses import replace
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.checkpoint.storage import list_checkpoints
-from rlhf.config import CheckpointConfig, RunConfig
+from rlhf.config import CheckpointConfig, ConfigError, RunConfig
 from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
@@ -165,6 +166,7 @@ def run(root: str) -> dict:
     multi_turn, _ = _against_textbook(placement, holes=True)
     out.update({f"multi_turn_{k}": v for k, v in multi_turn.items()
                 if k.endswith(("_max_diff", "_moved", "metrics"))})
+    out.update(_skipped_steps_stop(placement))
     out.update(_planned())
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
@@ -230,6 +232,23 @@ def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None
                 out[f"{name}_vs_token_mean"] = max((ref[name][k] - token_mean[name][k]).abs().max().item()
                                                    for k in ref[name])
     return out, after
+
+
+def _skipped_steps_stop(placement) -> dict:
+    """A reference whose weights are NaN: the KL in the rewards, so every advantage and return, is NaN, and every
+    step of both models is skipped (2 an iteration). ``train()`` with --max-skipped-steps 3: the error each rank
+    raised, the iteration it stopped after and how far the weights moved."""
+    full = synthetic_weights(61)
+    full["reference"] = {k: torch.full_like(v, float("nan")) for k, v in full["actor"].items()}
+    trainer = synthetic_trainer(placement, full, mini_batch=4, max_skipped_steps=3)
+    error = None
+    try:
+        trainer.train()
+    except ConfigError as exc:
+        error = (exc.field_name, str(exc))
+    after = trained_weights(trainer)
+    return {"skip_stop": {"error": error, "iteration": trainer.iteration,
+                          "moved": max((after[m][k] - full[m][k]).abs().max().item() for m in after for k in after[m])}}
 
 
 PACKED_BUDGET = 16

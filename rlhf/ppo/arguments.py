@@ -134,6 +134,13 @@ SECTIONS = {
                                      "off)"),
         ("tis_mode", str, "token (a weight per token) or sequence (one weight per sample) for --tis-cap"),
         ("critic_warmup", int, "iterations that train the critic alone before the actor starts"),
+        ("max_skipped_steps", int, "stop the run, naming the model, once this many of its optimizer steps in a "
+                                   "row were skipped for non-finite gradients (checked after each iteration, alike "
+                                   "on every rank; 0: never). A skipped step leaves the weights as they were, so a "
+                                   "model that skips step after step has stopped learning: 10 lets a few bad "
+                                   "batches pass and stops such a run within a few iterations; fp16 overflows "
+                                   "that the dynamic loss scale still backs off from (it starts at 2**32, as "
+                                   "Megatron-LM's) do not count"),
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
                                      "engine's (also reports mismatch_kl: the engine vs the trainer)"),
         ("max_staleness", int, "asynchronous RL: actor_gen, placed on ranks of its own, generates the next K "

@@ -64,7 +64,7 @@ from rlhf.ppo.asynchronous import GenerationAhead, learner_group
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.partial_rollouts import PartialRollouts, signal_group
 from rlhf.ppo.reward_fn import RewardFn, check_model_scores, function_scores
-from rlhf.ppo.update import PPOUpdate
+from rlhf.ppo.update import PPOUpdate, stop_after_skipped_steps
 from rlhf.tasks import INFERENCE_FIELDS, MODEL_SEEDS, TASK_MODEL, WEIGHTS_TASK, task_kind
 
 MEGATRON_EXPORT_DIR = "megatron"
@@ -147,13 +147,15 @@ class Trainer:
 
     def train(self) -> None:
         """Iterations until ``config.run.iterations``, each logged (rank 0 writes; a decoded sample every
-        ``logging.log_samples``), saved when configured."""
+        ``logging.log_samples``), saved when configured; a model whose last ``ppo.max_skipped_steps`` optimizer
+        steps were all skipped stops the run after its iteration is logged (a ConfigError on every rank)."""
         cfg, ckpt = self.config, self.config.checkpoint
         with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration,
                            checkpoint=ckpt) as writer:
             while self.iteration < cfg.run.iterations:
                 result = self.step()
                 writer.log(self.iteration, result.metrics)
+                stop_after_skipped_steps(result.metrics, cfg.ppo.max_skipped_steps)
                 every = cfg.logging.log_samples
                 if every and self.iteration % every == 0 and dist.get_rank() == 0:
                     writer.print_text(self.describe_sample(result.batch, 0))
