@@ -207,6 +207,10 @@ SECTIONS = {
                            "a response may end with EOS). Alone: it is the reward and no reward model runs; with "
                            "--reward-model: logged as gold_reward_mean (None: the synthetic task's gold rule "
                            "without --prompt-data)"),
+        ("skip_nonfinite_samples", bool, "a sample whose score (--reward-fn's, or the reward model's) is NaN or "
+                                         "infinite is dropped instead of stopping the run: its tokens leave every "
+                                         "loss, the KL, the value targets, the whitening and its GRPO/RLOO group, "
+                                         "its score the reward metrics; nonfinite_samples_dropped counts them"),
     ]),
     "precision": PRECISION_FLAGS,
     "memory": (MemoryConfig, "memory between stages", [

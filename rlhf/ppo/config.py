@@ -440,9 +440,12 @@ class DataConfig:
 class RewardConfig:
     """``reward_fn``: "module:function", a Python function ``fn(prompts, responses) -> scores`` (token-id
     lists in, one number per sample out; a response may end with the EOS id), the signature of
-    rlhf.data.synthetic.gold_reward. Where the reward comes from: ``JobConfig.has_reward_model``."""
+    rlhf.data.synthetic.gold_reward. Where the reward comes from: ``JobConfig.has_reward_model``.
+    ``skip_nonfinite_samples``: a sample whose score (the function's or the reward model's) is NaN or
+    infinite is dropped from training and counted, instead of stopping the run (rlhf/ppo/reward_fn.py)."""
 
     reward_fn: str | None = None
+    skip_nonfinite_samples: bool = False
 
     def __post_init__(self):
         check_field_types("reward", self)
@@ -584,6 +587,7 @@ class JobConfig:
         if driver is None:
             return
         clashes = {"reward.reward_fn": self.reward.reward_fn is not None,
+                   "reward.skip_nonfinite_samples": self.reward.skip_nonfinite_samples,
                    "models.reward": "reward" in self.models.weights,
                    "ppo.max_staleness": self.ppo.max_staleness > 0,
                    "ppo.partial_rollouts": self.ppo.partial_rollouts,
