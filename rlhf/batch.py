@@ -48,7 +48,8 @@ FINISH_REASONS = ("stop", "length", "context")
 HOST_FIELDS = ("prompt_lengths", "response_lengths", "prompt_ids", "sample_indices")
 RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
                    "policy_versions", "loss_mask", "turn_rewards")
-OPTIONAL_FIELDS = RESPONSE_FIELDS + ("scores",)
+SAMPLE_FIELDS = ("scores", "sample_mask")
+OPTIONAL_FIELDS = RESPONSE_FIELDS + SAMPLE_FIELDS
 TENSOR_FIELDS = ("tokens",) + HOST_FIELDS + OPTIONAL_FIELDS
 
 
@@ -83,7 +84,7 @@ class Batch:
     Shapes: tokens [N, T] int64; prompt_lengths, response_lengths, prompt_ids,
     sample_indices [N] int64 on the host; finish_reasons: N of "stop" |
     "length" | "context"; response-aligned fields [N, R] floating, one R for
-    the batch, R >= max(response_lengths); scores [N] floating;
+    the batch, R >= max(response_lengths); scores, sample_mask [N] floating;
     T >= max(prompt_lengths + response_lengths). Optional fields are None
     until their stage ran: rollout_logprobs (generation: the engine's, kept
     as they were sampled), old_logprobs (generation, or recomputed by the
@@ -95,7 +96,11 @@ class Batch:
     at the model's tokens, 0 at the environment's observations, which are
     in the sequence but out of the losses, the KL and the value targets);
     turn_rewards (the same: each turn's reward at its last token, 0 elsewhere;
-    the episode's score is their sum).
+    the episode's score is their sum); sample_mask (``--skip-nonfinite-samples``,
+    rlhf/ppo/reward_fn.py: 1 for a sample trained on, 0 for one whose score was
+    NaN or infinite, whose tokens are then out of ``response_mask`` and so of
+    every loss, the KL, the value targets and the whitening, and which the
+    outcome estimators leave out of its group's statistics).
 
     prompt_ids: the prompt's index in this iteration's prompts (the n samples
     of one prompt share it; GRPO groups by it); sample_indices: which of those
@@ -119,6 +124,7 @@ class Batch:
     policy_versions: Optional[torch.Tensor] = None
     loss_mask: Optional[torch.Tensor] = None
     turn_rewards: Optional[torch.Tensor] = None
+    sample_mask: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:
@@ -163,7 +169,7 @@ class Batch:
             t = getattr(self, name)
             if t is None:
                 continue
-            _check_tensor(name, t, 1 if name == "scores" else 2, n, floating=True)
+            _check_tensor(name, t, 1 if name in SAMPLE_FIELDS else 2, n, floating=True)
             if t.device != self.tokens.device:
                 _fail(name, _describe(t), f"a tensor on {self.tokens.device}, the device of tokens")
             if name in RESPONSE_FIELDS and first is not None and t.shape[1] != getattr(self, first).shape[1]:
@@ -195,11 +201,14 @@ class Batch:
     @property
     def response_mask(self) -> torch.Tensor:
         """[N, R] float32 0/1 on the device of tokens: 1 at column k < response_lengths[i], times
-        ``loss_mask`` where set (the 0/1 mask the losses and estimators take: an observation inside a
-        response is a hole, as verl's multi-turn masks make it)."""
+        ``loss_mask`` and ``sample_mask`` where set (the 0/1 mask the losses and estimators take: an
+        observation inside a response is a hole, as verl's multi-turn masks make it; a dropped sample
+        is all holes)."""
         columns = torch.arange(self.response_width, device=self.tokens.device)
         mask = (columns < self._on_device(self.response_lengths).unsqueeze(1)).float()
-        return mask if self.loss_mask is None else mask * self.loss_mask.float()
+        if self.loss_mask is not None:
+            mask = mask * self.loss_mask.float()
+        return mask if self.sample_mask is None else mask * self.sample_mask.float().unsqueeze(1)
 
     def response_from_positions(self, per_position: torch.Tensor) -> torch.Tensor:
         """Per-position model output [N, T'] (T' >= T-1) -> response-aligned [N, R].

@@ -162,6 +162,7 @@ class ModelOptimizer:
             self.optimizer = self._build_optimizer()
         self.scheduler = self._build_scheduler()
         self.last_step: dict[str, float] = {}  # the last step's grad_norm, lr and loss scale (step)
+        self.skipped_in_a_row = 0  # steps skipped since the last update (step; a resumed run starts at 0)
 
     def _build_optimizer(self):
         from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig as MegatronConfig
@@ -236,6 +237,11 @@ class ModelOptimizer:
         floats: megatron syncs the norm to the host to clip. Every rank of the
         model gets the same global norm, so every rank skips alike. The same dict
         stays in ``last_step`` for whoever logs it (the executor calls step).
+
+        ``skipped_in_a_row`` counts the skips since the last update, but not fp16
+        overflows that the dynamic loss scale still backs off from (it is above
+        ``min_loss_scale``): those are the scaler finding its scale, as the first
+        steps from Megatron-LM's 2**32 are.
         """
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
@@ -248,6 +254,10 @@ class ModelOptimizer:
         if updated:  # Megatron-LM: the schedule advances only with the weights
             self.scheduler.step(increment=1)
         self.zero_grad()
+        p = self.precision
+        backing_off = grad_norm is None and p.loss_scale is None and scale > p.min_loss_scale
+        if updated or not backing_off:
+            self.skipped_in_a_row = 0 if updated else self.skipped_in_a_row + 1
         self.last_step = {"grad_norm": float("nan") if grad_norm is None else float(grad_norm), "lr": float(lr),
                           "skipped": float(not updated)}
         if scale is not None:

@@ -4,8 +4,8 @@ Each named layout (all on ranks 0-3) trains a model from the reference's
 weights for STEPS AdamW steps, with clipping active (CLIP is below every
 gradient norm) and a warm-up + cosine LR schedule; its DP replicas split each
 step's micro-batches (MICROBATCHES[step]: the count varies, as token-balanced
-mini-batches make it vary, which overlapped gradient reduction must survive). The reference is the unsharded model in one
-process: ``torch.optim.AdamW`` (no weight decay on 1-D parameters),
+mini-batches make it vary, which overlapped gradient reduction must survive). The
+reference is the unsharded model in one process: ``torch.optim.AdamW`` (no weight decay on 1-D parameters),
 ``torch.nn.utils.clip_grad_norm_`` and :func:`lr_at` over all micro-batches.
 """
 
@@ -124,16 +124,19 @@ def train(groups, kind: str, options: dict, data: list, ref: dict) -> dict:
     module = build_model(CFG, kind, groups.pg_collection, groups.stage, seed=SEEDS[kind] + 100)
     load_full_weights(module, groups, ref["before"])
     opt = ModelOptimizer(module, groups, replace(OPT, **options))
-    stats, poisoned = [], None
+    stats, poisoned, in_a_row = [], [], []
     for n, mbs in enumerate(data):
-        if n == 1:  # a step of NaN gradients first: it must leave the weights, moments and schedule as they were
-            poisoned = sharded_step(module, groups, opt, kind, mbs, poison=True)
+        if n == 1:  # two steps of NaN gradients first: they must leave the weights, moments and schedule as they were
+            for _ in range(2):
+                poisoned.append(sharded_step(module, groups, opt, kind, mbs, poison=True))
+                in_a_row.append(opt.skipped_in_a_row)
         stats.append(sharded_step(module, groups, opt, kind, mbs))
+        in_a_row.append(opt.skipped_in_a_row)
     after = gather_tp_full_weights(module, groups)
     return {"err": max((after[k] - ref["after"][k]).abs().max().item() for k in after),
             "moved": max((after[k] - ref["before"][k]).abs().max().item() for k in after),
             "grad_norm": [s["grad_norm"] for s in stats], "lr": [s["lr"] for s in stats],
-            "skipped": [s["skipped"] for s in stats], "poisoned": poisoned,
+            "skipped": [s["skipped"] for s in stats], "poisoned": poisoned, "in_a_row": in_a_row,
             "ref_grad_norm": ref["grad_norm"]}
 
 

@@ -12,8 +12,11 @@ weights; the scenario returns the largest parameter differences. The same
 iteration runs again on the placement the planner's search picks for this job
 on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
 train, not only to validate, with packed token-budget micro-batches
-(--max-tokens-per-microbatch), against textbook PPO and the padded run, and on
-multi-turn samples whose observations are holes in the loss mask.
+(--max-tokens-per-microbatch), against textbook PPO and the padded run, on
+multi-turn samples whose observations are holes in the loss mask, and scored
+by a reward function returning NaN and infinity for two samples with
+--skip-nonfinite-samples, against textbook PPO on the other six. A run whose
+reference infers NaN (every gradient NaN) stops at --max-skipped-steps.
 """
 
 from dataclasses import replace
@@ -24,8 +27,9 @@ import torch.distributed as dist
 from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.checkpoint.storage import list_checkpoints
-from rlhf.config import CheckpointConfig, RunConfig
-from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig
+from rlhf.config import CheckpointConfig, ConfigError, RunConfig
+from rlhf.ppo.config import (FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig,
+                             RewardConfig)
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
@@ -97,10 +101,12 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.T
     return ((per_token * mask).sum(dim=1) / mask.sum(dim=1)).mean()
 
 
-def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean") -> dict:
-    """One PPO iteration from the definitions, one sample at a time where it is clearer."""
+def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean", scores=None) -> dict:
+    """One PPO iteration from the definitions, one sample at a time where it is clearer; ``scores``: the samples'
+    scores (default: the reward model's)."""
     actor, critic = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["critic"])
-    reference, reward = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["reward"])
+    reference = unsharded("lm", ACTOR, full.get("reference", full["actor"]))
+    reward = unsharded("value", CRITIC, full["reward"])
     seqs = [(torch.tensor([list(s.prompt) + list(s.tokens)]), len(s.prompt), len(s.tokens)) for s in samples]
     R = max(r for _, _, r in seqs)
 
@@ -110,7 +116,7 @@ def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean") -> d
     with torch.no_grad():
         old = padded([torch.tensor(s.logprobs) for s in samples])
         ref = padded([plain_logprobs(reference, t, p, r, TEMPERATURE)[0] for t, p, r in seqs])
-        score = torch.stack([stage_forward(reward, t)[0, p + r - 1] for t, p, r in seqs])
+        score = torch.stack([stage_forward(reward, t)[0, p + r - 1] for t, p, r in seqs]) if scores is None else scores
         old_values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
     mask = padded([torch.tensor(s.loss_mask or [1] * len(s.tokens), dtype=torch.float32) for s in samples])
     rewards = -PPO.kl_coef * (old - ref) * mask
@@ -141,7 +147,8 @@ def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean") -> d
         norms.append(float(torch.nn.utils.clip_grad_norm_(critic.parameters(), PPO.clip_grad)))
         c_opt.step()
     return {"actor": dict(actor.named_parameters()), "critic": dict(critic.named_parameters()), "norms": norms,
-            "advantages": adv, "returns": returns, "scores": score, "ref_logprobs": ref, "values": old_values}
+            "advantages": adv, "returns": returns, "scores": score, "ref_logprobs": ref, "values": old_values,
+            "kl_mean": ((old - ref) * mask).sum(dim=1).mean().item()}
 
 
 def _gathered(trainer, task: str) -> dict:
@@ -165,6 +172,8 @@ def run(root: str) -> dict:
     multi_turn, _ = _against_textbook(placement, holes=True)
     out.update({f"multi_turn_{k}": v for k, v in multi_turn.items()
                 if k.endswith(("_max_diff", "_moved", "metrics"))})
+    out.update(_skip_nonfinite(placement))
+    out.update(_skipped_steps_stop(placement))
     out.update(_planned())
     out.update(_resume(placement, root))
     out.update(_optimizer_paths(placement))
@@ -190,20 +199,25 @@ def _critic_warmup(placement) -> dict:
 
 
 def learn_fixed_samples(placement, agg: str = "token-mean", precision: PrecisionConfig = PrecisionConfig(),
-                        max_tokens: int | None = None, holes: bool = False) -> tuple:
+                        max_tokens: int | None = None, holes: bool = False, reward_fn=None) -> tuple:
     """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights).
     ``max_tokens``: packed micro-batches of that many tokens (--max-tokens-per-microbatch); ``holes``:
-    multi-turn samples (`_samples`)."""
+    multi-turn samples (`_samples`); ``reward_fn``: the samples' scores instead of the reward model's, with
+    --skip-nonfinite-samples, and a reference of its own weights (a KL that is not 0)."""
     generation = GenerationConfig(temperature=TEMPERATURE)
     if max_tokens is not None:  # the budget must hold the longest sample the lengths allow
         generation = replace(generation, max_prompt_len=max(PROMPTS), max_response_len=max(RESPONSES))
+    reward = RewardConfig() if reward_fn is None else RewardConfig(reward_fn=f"{__name__}:{reward_fn.__name__}",
+                                                                      skip_nonfinite_samples=True)
     config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
                        generation=generation, ppo=replace(PPO, loss_agg=agg, max_tokens_per_microbatch=max_tokens),
-                       precision=precision)
+                       precision=precision, reward=reward)
     full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
             "reward": full_weights("value", CRITIC, 303)}
+    if reward_fn is not None:
+        full["reference"] = full_weights("lm", ACTOR, 404)
     samples = _samples(unsharded("lm", ACTOR, full["actor"]), holes)
-    trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full)
+    trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full, reward_fn=reward_fn)
     batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
     result = trainer.learn(batch)
     return full, samples, result, trained_weights(trainer)
@@ -230,6 +244,54 @@ def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None
                 out[f"{name}_vs_token_mean"] = max((ref[name][k] - token_mean[name][k]).abs().max().item()
                                                    for k in ref[name])
     return out, after
+
+
+NON_FINITE = {1: float("nan"), 4: float("inf")}
+"""The samples `some_non_finite` scores NaN and infinity (--skip-nonfinite-samples drops them)."""
+
+
+def some_non_finite(prompts: list, responses: list) -> list:
+    """A reward function: each response's mean token id / vocabulary size, but NON_FINITE's scores at its samples."""
+    scores = [sum(r) / len(r) / ACTOR.vocab_size for r in responses]
+    return [NON_FINITE.get(i, score) for i, score in enumerate(scores)]
+
+
+def _skip_nonfinite(placement) -> dict:
+    """--skip-nonfinite-samples on the fixed samples scored by `some_non_finite`: the trained weights against textbook
+    PPO on the six finite-scored samples alone, and so the advantages, returns, kl_mean and reward_mean (the dropped
+    samples' advantages and returns: 0)."""
+    full, samples, result, after = learn_fixed_samples(placement, reward_fn=some_non_finite)
+    out = {"metrics": {k: float(v) for k, v in result.metrics.items()}}
+    if dist.get_rank() == 0:
+        kept = [i for i in range(len(samples)) if i not in NON_FINITE]
+        scores = torch.tensor([some_non_finite([], [s.tokens for s in samples])[i] for i in kept])
+        ref = _textbook_iteration(full, [samples[i] for i in kept], scores=scores)
+        for name in ("actor", "critic"):
+            out[f"{name}_max_diff"] = max((after[name][k] - ref[name][k]).abs().max().item() for k in ref[name])
+            out[f"{name}_moved"] = max((after[name][k] - full[name][k]).abs().max().item() for k in ref[name])
+        for field in ("advantages", "returns"):
+            got = getattr(result.batch, field)
+            out[f"{field}_max_diff"] = (got[kept, :ref[field].shape[1]] - ref[field]).abs().max().item()
+            out[f"dropped_{field}_max"] = got[list(NON_FINITE)].abs().max().item()
+        out.update(kl_mean=ref["kl_mean"], reward_mean=scores.mean().item())
+    return {f"skip_{k}": v for k, v in out.items()}
+
+
+def _skipped_steps_stop(placement) -> dict:
+    """A reference whose weights are NaN: the KL in the rewards, so every advantage and return, is NaN, and every
+    step of both models is skipped (2 an iteration). ``train()`` with --max-skipped-steps 3: the error each rank
+    raised, the iteration it stopped after and how far the weights moved."""
+    full = synthetic_weights(61)
+    full["reference"] = {k: torch.full_like(v, float("nan")) for k, v in full["actor"].items()}
+    trainer = synthetic_trainer(placement, full, mini_batch=4, max_skipped_steps=3)
+    error = None
+    try:
+        trainer.train()
+    except ConfigError as exc:
+        error = (exc.field_name, str(exc))
+    after = trained_weights(trainer)
+    return {"skip_stop": {"error": error, "iteration": trainer.iteration,
+                          "moved": max((after[m][k] - full[m][k]).abs().max().item() for m in after for k in after[m])}}
 
 
 PACKED_BUDGET = 16

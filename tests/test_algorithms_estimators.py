@@ -148,3 +148,52 @@ def test_reinforce_pp_baseline_whitens_the_group_baseline_plus_the_kl_to_go():
     want = _loop_reference(kl, inputs.mask, _minus_group_mean)
     torch.testing.assert_close(ret, want)
     torch.testing.assert_close(adv, _whiten(want, inputs.mask, config.eps), rtol=1e-5, atol=1e-5)
+
+
+def test_grpo_leaves_dropped_samples_out_of_their_group_by_hand():
+    """--skip-nonfinite-samples: sample 1 dropped leaves sample 0 alone in group 7 (its score passes through, as a
+    group of one's does), group 3 keeps both, group 9's only sample is dropped: zeros, not NaN."""
+    scores = torch.tensor([1.0, 0.0, 2.0, 4.0, 0.0])  # the dropped samples' scores are placeholders
+    groups = torch.tensor([7, 7, 3, 3, 9])
+    kept = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
+    mask = torch.tensor([[1, 1, 0]] * 5) * kept[:, None].long()
+    rewards, _ = token_rewards(scores, torch.zeros(5, 3), torch.zeros(5, 3), mask, kl_coef=0.0)
+    inputs = AdvantageInputs(rewards, mask=mask, scores=scores, group_index=groups, sample_mask=kept)
+    adv, _ = compute_advantages(inputs, AdvantageConfig(estimator="grpo", eps=1e-6))
+    per_sample = torch.tensor([1.0, 0.0, -1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0])
+    torch.testing.assert_close(adv, per_sample[:, None] * mask)
+    rloo, _ = compute_advantages(inputs, AdvantageConfig(estimator="rloo"))
+    torch.testing.assert_close(rloo[:, 0], torch.tensor([1.0, 0.0, -2.0, 2.0, 0.0]))
+
+
+KEPT = [1, 0, 1, 0, 0, 1, 0]
+"""Which of SCORES' samples a run with --skip-nonfinite-samples keeps: group 7 two of three, group 3 one of three
+(a group of one), group 9 none."""
+
+
+def _inputs(scores, mask, logp, ref, values, groups, sample_mask=None):
+    rewards, _ = token_rewards(scores, logp, ref, mask, kl_coef=BETA, estimator="k1")
+    return AdvantageInputs(rewards, mask, values=values, scores=scores, group_index=groups, sample_mask=sample_mask)
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline"])
+def test_dropped_samples_train_as_if_absent(estimator):
+    """Samples of sample_mask 0 (a placeholder score, their mask rows 0): the others' advantages and returns are
+    those of the batch without them (whitening and group statistics alike), theirs are 0, and nothing is NaN."""
+    gen = torch.Generator().manual_seed(6)
+    mask = (torch.rand(7, 6, generator=gen) > 0.25).long()
+    mask[:, 0] = 1
+    logp, ref, values = -torch.rand(7, 6, generator=gen), -torch.rand(7, 6, generator=gen), torch.randn(7, 6)
+    kept, rows = torch.tensor(KEPT, dtype=torch.float32), torch.tensor([i for i, k in enumerate(KEPT) if k])
+    scores, groups = torch.tensor(SCORES), torch.tensor(GROUPS)
+    config = AdvantageConfig(estimator=estimator)
+    adv, ret = compute_advantages(_inputs(torch.where(kept > 0, scores, -7.0), mask * kept[:, None].long(), logp, ref,
+                                          values, groups, kept), config)
+    want_adv, want_ret = compute_advantages(_inputs(scores[rows], mask[rows], logp[rows], ref[rows], values[rows],
+                                                    groups[rows]), config)
+    torch.testing.assert_close(adv[rows], want_adv)
+    torch.testing.assert_close(ret[rows], want_ret)
+    assert not adv[kept == 0].any() and not ret[kept == 0].any() and adv.isfinite().all() and ret.isfinite().all()
+    # the dropped samples would have moved the others: the check can tell
+    assert not torch.allclose(compute_advantages(_inputs(scores, mask, logp, ref, values, groups), config)[0][rows],
+                              want_adv)

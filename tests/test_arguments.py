@@ -40,13 +40,14 @@ def test_flags_fill_the_configs(tmp_path):
                       "--temperature", "0.7", "--rollout-batch-size", "8", "--n-samples-per-prompt", "2",
                       "--ppo-mini-batch-size", "8", "--micro-batch-size", "2", "--lr", "3e-4",
                       "--value-clip", "none", "--kl-target", "6", "--advantage-estimator", "grpo",
-                      "--recompute-logprobs", "--metrics-file", str(tmp_path / "m.jsonl"), "--no-progress"])
+                      "--recompute-logprobs", "--max-skipped-steps", "0", "--skip-nonfinite-samples",
+                      "--metrics-file", str(tmp_path / "m.jsonl"), "--no-progress"])
     assert cfg.run == RunConfig(iterations=3, seed=7)
     assert (cfg.generation.max_prompt_len, cfg.generation.max_response_len, cfg.generation.temperature) == (8, 24, 0.7)
     assert cfg.ppo == PPOConfig(rollout_batch_size=8, n_samples_per_prompt=2, ppo_mini_batch_size=8,
                                 micro_batch_size=2, lr=3e-4, value_clip=None, kl_target=6.0,
-                                advantage_estimator="grpo", recompute_logprobs=True)
-    assert not cfg.ppo.uses_critic
+                                advantage_estimator="grpo", recompute_logprobs=True, max_skipped_steps=0)
+    assert not cfg.ppo.uses_critic and cfg.reward.skip_nonfinite_samples
     assert cfg.logging.metrics_file == str(tmp_path / "m.jsonl") and not cfg.logging.progress
     assert cfg.models.actor.num_layers == 4 and cfg.models["reference"].vocab_size == 256
     # a flag's fields merge into the file's entry for its task; other file entries stay
@@ -106,6 +107,10 @@ def test_flags_fill_the_configs(tmp_path):
                                             "than the longest sample: max_prompt_len 16 + max_response_len 16 = 32 "
                                             "tokens; give at least 32"),
     (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch: max_tokens_per_microbatch=0 must be >= 1"),
+    (["--max-skipped-steps", "-1"], "--max-skipped-steps: max_skipped_steps=-1 must be >= 0 optimizer steps (0: "
+                                    "never stop)"),
+    (["--agent", "c:d", "--skip-nonfinite-samples"], "--skip-nonfinite-samples: reward.skip_nonfinite_samples cannot "
+                                                     "go with an environment or agent"),
 ])
 def test_bad_values_name_their_flag(argv, message):
     with pytest.raises(UsageError) as exc:

@@ -39,7 +39,7 @@ def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batc
                  values=response_field(), advantages=response_field(), returns=response_field(),
                  policy_versions=response_field(), loss_mask=mask * (torch.rand(n, response_width, generator=g) > 0.3),
                  turn_rewards=response_field(),
-                 scores=torch.randn(n, generator=g))
+                 scores=torch.randn(n, generator=g), sample_mask=(torch.rand(n, generator=g) > 0.3).float())
 
 
 def _assert_same(a: Batch, b: Batch) -> None:
@@ -292,8 +292,10 @@ def test_advantage_inputs_from_batch_grpo_groups_by_prompt_id():
     mask = torch.zeros(len(batch), batch.response_width)
     for i, length in enumerate(batch.response_lengths.tolist()):
         mask[i, :length] = 1
-    mask = mask * batch.loss_mask  # the observations' holes
-    by_hand = AdvantageInputs(rewards, mask, scores=batch.scores, group_index=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]))
+    mask = mask * batch.loss_mask * batch.sample_mask[:, None]  # the observations' holes, the dropped samples' rows
+    assert 0 < batch.sample_mask.sum() < len(batch)
+    by_hand = AdvantageInputs(rewards, mask, scores=batch.scores, group_index=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]),
+                              sample_mask=batch.sample_mask)
     want = compute_advantages(by_hand, config)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"token_rewards shape \(8, 1\)"):

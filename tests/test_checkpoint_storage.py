@@ -1,5 +1,6 @@
 """Checkpoint storage: roundtrip, crash safety, corruption refusal, retention, RNG, 2 gloo ranks."""
 import json
+import math
 import os
 import random
 import subprocess
@@ -141,6 +142,48 @@ def test_bad_state_keeps_previous(tmp_path):
     with pytest.raises(CheckpointError, match="entry 'w' must be str -> torch.Tensor"):
         save_checkpoint(tmp_path, 2, shards={"s": {"w": [1.0]}})
     assert list_checkpoints(tmp_path) == [1] and tmp_entries(tmp_path) == []
+
+
+def test_non_finite_tensors_are_never_written(tmp_path):
+    """A NaN in a bf16 tensor, an infinity in a float32 one: one line naming the shard, the tensor and the count;
+    nothing of checkpoint 2 is left and checkpoint 1 still loads. Integer and bool tensors are not checked."""
+    save(tmp_path, 1)
+    for shard, key, dtype, value in (("model_actor_rank0", "layer.0.bias", torch.bfloat16, float("nan")),
+                                     ("model_actor_rank1", "embed.weight", torch.float32, float("-inf"))):
+        shards = make_shards(2)
+        shards[shard][key] = shards[shard][key].clone()
+        shards[shard][key][1] = value  # one row: 1 value of the bias, 4 of the embedding
+        bad = 1 if shards[shard][key].dim() == 1 else 4
+        with pytest.raises(CheckpointError) as info:
+            save_checkpoint(tmp_path, 2, shards=shards)
+        assert str(info.value) == (
+            f"checkpoint 2 in {tmp_path} not written: rank 0: CheckpointError: shard {shard!r}: tensor {key!r} holds "
+            f"{bad} NaN or infinite value(s) of {shards[shard][key].numel()}; a checkpoint is never written from "
+            "non-finite values")
+        assert list_checkpoints(tmp_path) == [1] and latest_iteration(tmp_path) == 1 and tmp_entries(tmp_path) == []
+    assert_same(load_checkpoint(tmp_path).tensors, make_shards(1))
+
+
+def test_a_read_only_directory_fails_with_one_line_and_keeps_previous(tmp_path, monkeypatch):
+    """Tests run as root, whom chmod does not stop: the directory refuses the temporary checkpoint's mkdir as a
+    read-only one does (PermissionError); the one-line error names the root and the path refused."""
+    save(tmp_path, 1)
+    real = os.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if os.fspath(path).startswith(os.fspath(tmp_path)):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", read_only)
+    with pytest.raises(CheckpointError) as info:
+        save(tmp_path, 2)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path}: cannot start checkpoint 2: [Errno 13] Permission denied: "
+                              f"'{tmp_path}/.tmp_iter_0000002_") and "\n" not in message
+    monkeypatch.undo()
+    assert list_checkpoints(tmp_path) == [1] and latest_iteration(tmp_path) == 1 and tmp_entries(tmp_path) == []
+    assert_same(load_checkpoint(tmp_path).tensors, make_shards(1))
 
 
 KILL_SCRIPT = textwrap.dedent("""
@@ -318,6 +361,14 @@ def _two_rank_worker(rank, init_file, root):
             raise AssertionError("save should have failed")
         except CheckpointError as e:
             assert "same.safetensors written by two ranks" in str(e), str(e)
+        # rank 1's weights hold a NaN: every rank raises the line naming rank 1's shard and tensor
+        try:
+            save_checkpoint(root, 2, shards={f"w{rank}": {"w": torch.full((2,), math.nan if rank else 0.0)}},
+                            group=group)
+            raise AssertionError("save should have failed")
+        except CheckpointError as e:
+            assert str(e).endswith("not written: rank 1: CheckpointError: shard 'w1': tensor 'w' holds 2 NaN or "
+                                   "infinite value(s) of 2; a checkpoint is never written from non-finite values"), e
         dist.barrier(group)
         assert latest_iteration(root) == 1 and list_checkpoints(root) == [1]
         left = [(n, os.listdir(os.path.join(root, n))) for n in os.listdir(root) if n.startswith(".tmp_iter")]

@@ -9,9 +9,10 @@ SequenceClassification, greedy, on a JSONL prompt file, with a recording
 transformers' numbers: the prompts are AutoTokenizer's ids, the responses
 are transformers' greedy generate, kl_mean is the actor/reference KL that
 transformers computes and reward_mean the HF reward model's score. A 2-rank
-run with only --reward-fn must score by the function alone, and one whose
-function returns one score for the batch must stop every rank naming the
-flag. Bad inputs are refused in-process by the argument parser and the job.
+run with only --reward-fn must score by the function alone, going on past
+the NaN and infinite scores it returns with --skip-nonfinite-samples, and
+one whose function returns one score for the batch must stop every rank
+naming the flag. Bad inputs are refused in-process by the argument parser and the job.
 """
 
 import json
@@ -176,6 +177,7 @@ def test_reward_is_the_hf_reward_models_score(files, hf_run):
     scores = [_score(files["reward"], p, r) for p, r in zip(record["prompts"], record["responses"])]
     assert metrics["reward_mean"] == pytest.approx(np.mean(scores), abs=1e-5)
     assert metrics["reward_std"] == pytest.approx(np.std(scores), abs=1e-5)
+    assert metrics["nonfinite_samples_dropped"] == 0  # logged without --skip-nonfinite-samples too
     assert f"reward: the reward model's score ({files['reward_dir']}); gold_reward_mean: " \
            "scenario_job_sources:record" in stdout.splitlines()
 
@@ -190,21 +192,27 @@ def test_reward_fn_is_logged_as_gold_beside_the_model(hf_run):
 @pytest.fixture(scope="module")
 def fn_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fn_run")
-    proc, metrics, records = _torchrun(tmp, "--reward-fn", "scenario_job_sources:record", "--iterations", "2",
-                                       *RUN, nproc=2)
+    proc, metrics, records = _torchrun(tmp, "--reward-fn", "scenario_job_sources:record_some_non_finite",
+                                       "--skip-nonfinite-samples", "--iterations", "2", *RUN, nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, metrics, records
 
 
 def test_reward_fn_alone_is_the_reward(fn_run):
-    """Every rank trains on rank 0's scores: the rank mean of reward_mean is the recorded mean, noise included."""
+    """Every rank trains on rank 0's scores: the rank mean of reward_mean is the mean of the recorded finite ones,
+    noise included; with --skip-nonfinite-samples the NaN and the infinity of each batch (8 samples on 2 DP
+    replicas) are dropped and counted, and the run goes on."""
     stdout, metrics, records = fn_run
     assert [m["iteration"] for m in metrics] == [1, 2] and len(records) == 2
     for m, record in zip(metrics, records):
-        assert m["reward_mean"] == pytest.approx(np.mean(record["scores"]), abs=1e-6)
+        finite = [s for s in record["scores"] if math.isfinite(s)]
+        assert len(record["scores"]) == 8 and len(finite) == 6
+        assert m["reward_mean"] == pytest.approx(np.mean(finite), abs=1e-6)
+        assert m["reward_max"] == pytest.approx(max(finite), abs=1e-6) and m["nonfinite_samples_dropped"] == 2
         assert "gold_reward_mean" not in m
     lines = stdout.splitlines()
-    assert "reward: scenario_job_sources:record (no reward model: reward_inf does not run)" in lines
+    assert ("reward: scenario_job_sources:record_some_non_finite (no reward model: reward_inf does not run)"
+            in lines)
     assert not any(line.startswith("reward model:") for line in lines)
 
 
@@ -401,3 +409,24 @@ def test_a_non_finite_reward_model_score_stops_the_run_naming_the_samples():
     with pytest.raises(RuntimeError, match=r"the reward model scored 2 of 4 samples non-finite, e.g. sample 1 "
                                            r"\(prompt 0, sample 1\): nan, 3 \(prompt 1, sample 1\): inf"):
         check_model_scores(batch.with_fields(scores=torch.tensor([0.5, float("nan"), 2.0, float("inf")])))
+
+
+def test_skipping_passes_non_finite_scores_and_drops_their_samples():
+    """With --skip-nonfinite-samples a function's NaN and infinity pass (what is not a number still stops the run),
+    and the batch keeps its 4 samples, the non-finite ones with sample_mask 0, score 0 and no token in
+    response_mask."""
+    from rlhf.batch import Batch
+    from rlhf.engine.types import SampleResult
+    from rlhf.ppo.reward_fn import checked_scores, drop_nonfinite_samples
+
+    got = checked_scores(lambda p, r: [1.0, math.nan, -math.inf], [[1]] * 3, [[2]] * 3, nonfinite_ok=True)
+    assert got[0] == 1.0 and math.isnan(got[1]) and got[2] == -math.inf
+    with pytest.raises(ConfigError, match="returned 'x' for sample 0; every score must be a number"):
+        checked_scores(lambda p, r: ["x"], [[1]], [[2]], nonfinite_ok=True)
+    samples = [SampleResult(str(i // 2), i % 2, (5, 6), (7, 8, 9)[:i % 2 + 2], (-0.1,) * (i % 2 + 2), "stop", 0.0)
+               for i in range(4)]
+    batch = Batch.from_samples(samples, 0, {"0": 0, "1": 1})
+    dropped = drop_nonfinite_samples(batch.with_fields(scores=torch.tensor([0.5, math.nan, 2.0, math.inf])))
+    assert len(dropped) == 4 and dropped.scores.tolist() == [0.5, 0.0, 2.0, 0.0]
+    assert dropped.sample_mask.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert dropped.response_mask.tolist() == [[1, 1, 0], [0, 0, 0], [1, 1, 0], [0, 0, 0]]

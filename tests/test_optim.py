@@ -6,8 +6,8 @@ model, reversed pipeline), with megatron's distributed optimizer
 overlapped gradient reduction ``pp2_dp2_overlap`` and ``tp2_dp2_distopt_overlap``
 (steps of 4, 2, 6 and 4 micro-batches). Each takes 4
 AdamW steps with clipping active and a warm-up + cosine LR; parameters, the
-reported gradient norms and LRs must match unsharded torch training, with a
-step of NaN gradients slipped in before the second (skipped on every rank).
+reported gradient norms and LRs must match unsharded torch training, with two
+steps of NaN gradients slipped in before the second (skipped on every rank, counted in a row).
 """
 
 import math
@@ -78,11 +78,14 @@ def test_grad_norm_is_the_unsharded_norm_and_clips(results, layout):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_step_of_non_finite_gradients_is_skipped_on_every_rank(results, layout):
-    """A NaN-loss step before step 2: every rank reports it skipped with a NaN norm, and the run's weights
-    (test_parameters_match_torch_adamw) and learning rates match a run without it."""
+    """Two NaN-loss steps before step 2: every rank reports them skipped with a NaN norm and counts them in a
+    row (1, 2; back to 0 at the next update), and the run's weights (test_parameters_match_torch_adamw) and
+    learning rates match a run without them."""
     for r in results:
-        assert r[layout]["poisoned"]["skipped"] == 1.0 and math.isnan(r[layout]["poisoned"]["grad_norm"])
+        assert [p["skipped"] for p in r[layout]["poisoned"]] == [1.0, 1.0]
+        assert all(math.isnan(p["grad_norm"]) for p in r[layout]["poisoned"])
         assert r[layout]["skipped"] == [0.0] * STEPS
+        assert r[layout]["in_a_row"] == [0, 1, 2, 0, 0, 0]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -3,7 +3,8 @@
 What the trainer trains on: the actor's loss mask drops samples cut at the length budget with
 ``mask_truncated``; each aggregation's mini-batch denominator counts that mask over the whole
 mini-batch; statistics are token-weighted means, maxima for ``*_max``. DAPO's overlong penalty
-against its formula. A combination of loss options that cannot act is refused, naming the flag.
+against its formula. A combination of loss options that cannot act is refused, naming the flag. A model's
+skipped steps in a row stop the run at --max-skipped-steps.
 """
 
 import pytest
@@ -13,7 +14,7 @@ from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.batch import Batch
 from rlhf.config import ConfigError
 from rlhf.ppo.config import GenerationConfig, JobConfig, PPOConfig
-from rlhf.ppo.update import ActorLoss, CriticLoss, combine_records
+from rlhf.ppo.update import ActorLoss, CriticLoss, combine_records, stop_after_skipped_steps
 
 PAD = 0
 
@@ -80,3 +81,17 @@ def test_the_overlong_buffer_fits_the_budget_and_kl_placement_follows_the_estima
     assert exc.value.field_name == "ppo.overlong_penalty"
     assert PPOConfig(advantage_estimator="grpo").kl_in_loss and PPOConfig(advantage_estimator="dr-grpo").kl_in_loss
     assert not PPOConfig().kl_in_loss and not PPOConfig(advantage_estimator="grpo", kl_in="reward").kl_in_loss
+
+
+def test_skipped_steps_in_a_row_stop_the_run_at_the_limit():
+    """The reduced metrics' ``<model>_consecutive_skipped_steps`` against --max-skipped-steps (0: never); the
+    iteration's ``<model>_skipped_steps`` does not count."""
+    metrics = {"actor_consecutive_skipped_steps": 3.0, "actor_skipped_steps": 5.0,
+               "critic_consecutive_skipped_steps": 0.0, "critic_skipped_steps": 5.0}
+    for limit in (0, 4):
+        stop_after_skipped_steps(metrics, limit)
+    with pytest.raises(ConfigError) as exc:
+        stop_after_skipped_steps(metrics, 3)
+    assert exc.value.field_name == "ppo.max_skipped_steps"
+    assert str(exc.value).startswith("actor: 3 optimizer steps in a row skipped for non-finite gradients (the limit "
+                                     "is 3)")

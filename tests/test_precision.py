@@ -51,7 +51,9 @@ def test_fp16_scales_the_loss_and_skips_overflowing_steps(results):
     assert results["fp16"]["loss_scale"] == 2.0 ** 12 and results["fp16"]["skipped"] == 0
     overflow = results["overflow"]  # Megatron-LM's initial scale 2**32: the gradients overflow fp16
     assert overflow["metrics"] == {"actor_loss_scale": 2.0 ** 32, "actor_skipped_steps": 2.0,
-                                   "critic_loss_scale": 2.0 ** 32, "critic_skipped_steps": 2.0}
+                                   "critic_loss_scale": 2.0 ** 32, "critic_skipped_steps": 2.0,
+                                   # the loss scale backs off from them: not counted towards --max-skipped-steps
+                                   "actor_consecutive_skipped_steps": 0.0, "critic_consecutive_skipped_steps": 0.0}
     assert overflow["moved"] == 0.0  # a skipped step leaves the weights as they were
 
 

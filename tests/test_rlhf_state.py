@@ -91,3 +91,27 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="incomplete: manifest missing"):
         load_rlhf_state(root, {"actor": slot}, iteration=2)
     assert load_rlhf_state(root, {"actor": slot}, restore_rng=False).iteration == 1
+
+
+def test_non_finite_optimizer_state_is_never_saved(tmp_path):
+    """An Adam moment holding NaN (weights finite): the save is refused with one line naming the model's shard and
+    the tensor, and the previous checkpoint still loads with its own moments."""
+    from rlhf.checkpoint.rlhf_state import save_rlhf_state
+    from scenario_rlhf_state import tiny_slot
+
+    root = str(tmp_path)
+    save_rlhf_state(root, 1, {"actor": tiny_slot(seed=1)}, data_position={"index": 1})
+    slot = tiny_slot(seed=2)
+    moments = slot.optimizer.state[slot.model.output_layer.weight]["exp_avg"]
+    moments[0, 0] = float("nan")
+    with pytest.raises(CheckpointError) as info:
+        save_rlhf_state(root, 2, {"actor": slot}, data_position={"index": 2})
+    assert str(info.value) == (
+        f"checkpoint 2 in {root} not written: rank 0: CheckpointError: shard 'actor_stage0of1': tensor "
+        f"'exp_avg/output_layer.weight' holds 1 NaN or infinite value(s) of {moments.numel()}; a checkpoint is never "
+        "written from non-finite values")
+    expected = tiny_slot(seed=1)
+    state = load_rlhf_state(root, {"actor": slot}, restore_rng=False)
+    assert state.iteration == 1
+    assert torch.equal(slot.optimizer.state[slot.model.output_layer.weight]["exp_avg"],
+                       expected.optimizer.state[expected.model.output_layer.weight]["exp_avg"])

@@ -9,6 +9,8 @@ into a fresh trainer, 2 more, against 4 straight. Optimizer paths: 2 iterations 
 distributed optimizer (and with overlapped gradient reduction) against the plain one. Fusion: 2 iterations with a searched fused
 actor/critic schedule against serial 1F1B. Memory: 2 iterations with the reference and reward offloaded
 and actor_gen's weights and KV cache released against 2 without (results, and bytes per rank and stage).
+Non-finite values: samples a reward function scores NaN or infinite, dropped with --skip-nonfinite-samples,
+against textbook PPO without them; a run whose every step is skipped stops at --max-skipped-steps.
 See tests/scenario_trainer.py.
 """
 
@@ -67,6 +69,33 @@ def test_multi_turn_samples_train_only_on_the_models_tokens(results, model):
     assert r["multi_turn_metrics"]["multi_turn_fraction"] == pytest.approx(5 / 8)
     assert r["multi_turn_metrics"]["observation_tokens_mean"] == pytest.approx(10 / 8)
     assert r["multi_turn_metrics"]["policy_loss"] != pytest.approx(r["metrics"]["policy_loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_samples_of_non_finite_scores_are_dropped_as_if_absent(results, model):
+    """--skip-nonfinite-samples with a reward function scoring sample 1 NaN and sample 4 infinite: the iteration
+    goes on, on all 8 samples (the critic's 2 DP replicas keep their shares), and trains as textbook PPO does
+    on the other 6: weights, advantages and returns (0 for the dropped two), kl_mean and reward_mean over the
+    six; nonfinite_samples_dropped counts the two."""
+    r = results[0]
+    assert r[f"skip_{model}_moved"] > 1e-4 and r[f"skip_{model}_max_diff"] < TOL
+    for field in ("advantages", "returns"):
+        assert r[f"skip_{field}_max_diff"] < TOL and r[f"skip_dropped_{field}_max"] == 0.0
+    metrics = r["skip_metrics"]
+    assert metrics["nonfinite_samples_dropped"] == 2.0
+    assert metrics["kl_mean"] == pytest.approx(r["skip_kl_mean"], rel=TOL)
+    assert metrics["reward_mean"] == pytest.approx(r["skip_reward_mean"], rel=TOL)
+    assert r["metrics"]["nonfinite_samples_dropped"] == 0.0  # logged without the flag too
+
+
+def test_a_model_whose_steps_all_skip_stops_the_run_on_every_rank(results):
+    """The reference infers NaN, so every step of both models is skipped (2 an iteration): with
+    --max-skipped-steps 3 train() stops after its second iteration, every rank with the same line naming the
+    actor (its metrics sort first) and its 4 skips in a row; no weight moved."""
+    expected = ("ppo.max_skipped_steps", "actor: 4 optimizer steps in a row skipped for non-finite gradients (the "
+                "limit is 3), so it no longer learns; look for NaN or infinity in its inputs, or lower its learning "
+                "rate")
+    assert [r["skip_stop"] for r in results] == [{"error": expected, "iteration": 2, "moved": 0.0}] * 4
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])

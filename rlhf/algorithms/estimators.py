@@ -67,6 +67,8 @@ class AdvantageInputs:
     values: [B, T] critic values (GAE only).
     scores: [B] sequence scores (the outcome estimators).
     group_index: [B] int64 prompt id of each sample (the outcome estimators: n samples per prompt).
+    sample_mask: [B] 0/1, 0 for a sample out of training (its ``mask`` row is 0 too): the outcome
+        estimators leave it out of its group's statistics; None: every sample counts.
     """
 
     token_rewards: torch.Tensor
@@ -74,19 +76,21 @@ class AdvantageInputs:
     values: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
     group_index: Optional[torch.Tensor] = None
+    sample_mask: Optional[torch.Tensor] = None
 
     @classmethod
     def from_batch(cls, batch: Batch, token_rewards: torch.Tensor) -> AdvantageInputs:
         """Inputs of one ``rlhf.batch.Batch``: token_rewards [N, R] (KL penalty +
         score, response-aligned like the batch), mask = ``batch.response_mask``,
-        the batch's values and scores, group_index = ``batch.prompt_ids``."""
+        the batch's values, scores and sample_mask, group_index = ``batch.prompt_ids``."""
         mask = batch.response_mask
         if token_rewards.shape != mask.shape:
             raise ValueError(f"AdvantageInputs.from_batch: token_rewards shape {tuple(token_rewards.shape)}; "
                              f"expected the batch's response shape {tuple(mask.shape)} [N, R]")
         # prompt_ids is host metadata; GRPO groups on the scores' device.
         group_index = batch.prompt_ids.to(mask.device, non_blocking=True)
-        return cls(token_rewards, mask, values=batch.values, scores=batch.scores, group_index=group_index)
+        return cls(token_rewards, mask, values=batch.values, scores=batch.scores, group_index=group_index,
+                   sample_mask=batch.sample_mask)
 
     def require(self, estimator: str, *names: str) -> None:
         missing = [name for name in names if getattr(self, name) is None]
@@ -157,21 +161,23 @@ def gae_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[tor
     return advantages, returns
 
 
-def group_statistics(scores: torch.Tensor,
-                     group_index: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample mean, unbiased std and size of its group's scores ([B] each).
+def group_statistics(scores: torch.Tensor, group_index: torch.Tensor,
+                     sample_mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample mean, unbiased std and size of its group's scores ([B] each), over the samples
+    ``sample_mask`` keeps (default: all; a dropped sample's own score is ignored, so it may be anything finite).
 
-    Groups of one sample get mean 0 and std 1 (their score passes through)."""
+    Groups of one kept sample get mean 0 and std 1 (their score passes through), as do groups of none."""
     # unique() sizes its output from the data (a host sync on accelerators): once per batch.
     groups, inverse = torch.unique(group_index, return_inverse=True)
 
     def group_sum(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros(groups.shape[0], dtype=x.dtype, device=x.device).index_add_(0, inverse, x)[inverse]
 
-    count = group_sum(torch.ones_like(scores))
-    mean = group_sum(scores) / count
-    std = (group_sum((scores - mean).square()) / (count - 1).clamp(min=1)).sqrt()
-    single = count == 1
+    kept = torch.ones_like(scores) if sample_mask is None else sample_mask.to(scores.dtype)
+    count = group_sum(kept)
+    mean = group_sum(kept * scores) / count.clamp(min=1)
+    std = (group_sum(kept * (scores - mean).square()) / (count - 1).clamp(min=1)).sqrt()
+    single = count <= 1
     return torch.where(single, torch.zeros_like(mean), mean), torch.where(single, torch.ones_like(std), std), count
 
 
@@ -194,7 +200,7 @@ def group_normalised(inputs: AdvantageInputs, estimator: str, norm_by_std: bool,
     """GRPO's [B, T] advantages: score - group mean, divided by (group std + eps) when ``norm_by_std``."""
     inputs.require(estimator, "scores", "group_index")
     scores = inputs.scores.float()
-    mean, std, _ = group_statistics(scores, inputs.group_index)
+    mean, std, _ = group_statistics(scores, inputs.group_index, inputs.sample_mask)
     normalised = (scores - mean) / (std + eps) if norm_by_std else scores - mean
     return outcome_advantages(inputs, normalised)
 
@@ -221,7 +227,7 @@ def rloo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[to
     group (+ the KL reward-to-go); a group of one keeps its score. No critic."""
     inputs.require("rloo", "scores", "group_index")
     scores = inputs.scores.float()
-    mean, _, count = group_statistics(scores, inputs.group_index)
+    mean, _, count = group_statistics(scores, inputs.group_index, inputs.sample_mask)
     others = torch.where(count > 1, (count * mean - scores) / (count - 1).clamp(min=1), torch.zeros_like(scores))
     advantages = outcome_advantages(inputs, scores - others)
     return advantages, advantages

@@ -17,7 +17,8 @@ the callers. On disk::
 Save protocol (every member of ``group`` calls :func:`save_checkpoint`)::
 
     rank 0: mkdtemp .tmp_iter_<it>_<rand>  --broadcast path-->  all ranks
-    all:    write own shards / json files (fsync), hash them
+    all:    write own shards / json files (fsync), hash them; a floating
+            tensor holding NaN or infinity fails the rank's part instead
     all:    all_gather (entries | error)          <- the barrier
     rank 0: state.json, manifest.json, fsync, rename tmp -> iter_<it>,
             latest (tmp file + os.replace), retention
@@ -238,8 +239,18 @@ def _prepare_tensors(shard: str, tensors: Mapping[str, torch.Tensor]) -> dict[st
         if not isinstance(key, str) or not isinstance(t, torch.Tensor):
             raise CheckpointError(f"shard {shard!r}: entry {key!r} must be str -> torch.Tensor, "
                                   f"got {type(key).__name__} -> {type(t).__name__}")
+        _check_finite(shard, key, t)
         out[key] = t.detach().cpu().contiguous()
     return out
+
+
+def _check_finite(shard: str, key: str, t: torch.Tensor) -> None:
+    """Refuse a floating tensor holding NaN or infinity (one ``isfinite().all()`` where it lives): a checkpoint is
+    never written from non-finite weights or optimizer state, which no resumed run could recover from."""
+    if t.is_floating_point() and not bool(torch.isfinite(t.detach()).all()):
+        bad = int((~torch.isfinite(t.detach())).sum())
+        raise CheckpointError(f"shard {shard!r}: tensor {key!r} holds {bad} NaN or infinite value(s) of {t.numel()}; "
+                              "a checkpoint is never written from non-finite values")
 
 
 # --------------------------------------------------------------------------- save
@@ -368,8 +379,9 @@ def save_checkpoint(
     ``keep_last=N`` deletes all but the N newest checkpoints after the save.
     ``clean_stale`` removes ``.tmp_*`` leftovers of crashed saves first (one
     training job per root). Returns the final directory; raises
-    :class:`CheckpointError` on every rank if any rank failed, leaving the
-    previous checkpoints and ``latest`` untouched.
+    :class:`CheckpointError` on every rank if any rank failed (a write, or a
+    floating tensor holding NaN or infinity), leaving the previous checkpoints
+    and ``latest`` untouched.
     """
     root = os.fspath(root)
     iteration = _check_iteration(iteration)

@@ -134,6 +134,13 @@ SECTIONS = {
                                      "off)"),
         ("tis_mode", str, "token (a weight per token) or sequence (one weight per sample) for --tis-cap"),
         ("critic_warmup", int, "iterations that train the critic alone before the actor starts"),
+        ("max_skipped_steps", int, "stop the run, naming the model, once this many of its optimizer steps in a "
+                                   "row were skipped for non-finite gradients (checked after each iteration, alike "
+                                   "on every rank; 0: never). A skipped step leaves the weights as they were, so a "
+                                   "model that skips step after step has stopped learning: 10 lets a few bad "
+                                   "batches pass and stops such a run within a few iterations; fp16 overflows "
+                                   "that the dynamic loss scale still backs off from (it starts at 2**32, as "
+                                   "Megatron-LM's) do not count"),
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
                                      "engine's (also reports mismatch_kl: the engine vs the trainer)"),
         ("max_staleness", int, "asynchronous RL: actor_gen, placed on ranks of its own, generates the next K "
@@ -200,6 +207,10 @@ SECTIONS = {
                            "a response may end with EOS). Alone: it is the reward and no reward model runs; with "
                            "--reward-model: logged as gold_reward_mean (None: the synthetic task's gold rule "
                            "without --prompt-data)"),
+        ("skip_nonfinite_samples", bool, "a sample whose score (--reward-fn's, or the reward model's) is NaN or "
+                                         "infinite is dropped instead of stopping the run: its tokens leave every "
+                                         "loss, the KL, the value targets, the whitening and its GRPO/RLOO group, "
+                                         "its score the reward metrics; nonfinite_samples_dropped counts them"),
     ]),
     "precision": PRECISION_FLAGS,
     "memory": (MemoryConfig, "memory between stages", [

@@ -132,7 +132,9 @@ class PPOConfig:
     whitening, truncated samples masked out of the loss or given DAPO's
     overlong penalty (``overlong_penalty`` "LEN,COEF"), truncated importance
     sampling of the rollout policy (``tis_cap``, ``tis_mode``), and
-    ``critic_warmup`` iterations that update the critic alone.
+    ``critic_warmup`` iterations that update the critic alone. A model whose last
+    ``max_skipped_steps`` optimizer steps were all skipped for non-finite gradients
+    stops the run (0: never; rlhf.ppo.update.stop_after_skipped_steps).
 
     ``max_staleness`` K > 0 makes the iteration asynchronous (rlhf/ppo/asynchronous.py,
     docs/async.md): actor_gen, on ranks of its own, generates the batches of the next K
@@ -181,6 +183,7 @@ class PPOConfig:
     tis_cap: float | None = None
     tis_mode: str = "token"
     critic_warmup: int = 0
+    max_skipped_steps: int = 10
     recompute_logprobs: bool = False
     max_staleness: int = 0
     partial_rollouts: bool = False
@@ -235,6 +238,8 @@ class PPOConfig:
             check_range("ppo", "dual_clip", self.dual_clip, 1.0 + 1e-9, float("inf"), "> 1, or None to disable")
         check_range("ppo", "entropy_coef", self.entropy_coef, 0.0, float("inf"), ">= 0 (0: off)")
         check_range("ppo", "critic_warmup", self.critic_warmup, 0, float("inf"), ">= 0 iterations")
+        check_range("ppo", "max_skipped_steps", self.max_skipped_steps, 0, float("inf"),
+                    ">= 0 optimizer steps (0: never stop)")
         check_range("ppo", "max_staleness", self.max_staleness, 0, float("inf"),
                     ">= 0 policy versions (0: synchronous)")
         if self.partial_rollouts and not self.max_staleness:
@@ -435,9 +440,12 @@ class DataConfig:
 class RewardConfig:
     """``reward_fn``: "module:function", a Python function ``fn(prompts, responses) -> scores`` (token-id
     lists in, one number per sample out; a response may end with the EOS id), the signature of
-    rlhf.data.synthetic.gold_reward. Where the reward comes from: ``JobConfig.has_reward_model``."""
+    rlhf.data.synthetic.gold_reward. Where the reward comes from: ``JobConfig.has_reward_model``.
+    ``skip_nonfinite_samples``: a sample whose score (the function's or the reward model's) is NaN or
+    infinite is dropped from training and counted, instead of stopping the run (rlhf/ppo/reward_fn.py)."""
 
     reward_fn: str | None = None
+    skip_nonfinite_samples: bool = False
 
     def __post_init__(self):
         check_field_types("reward", self)
@@ -579,6 +587,7 @@ class JobConfig:
         if driver is None:
             return
         clashes = {"reward.reward_fn": self.reward.reward_fn is not None,
+                   "reward.skip_nonfinite_samples": self.reward.skip_nonfinite_samples,
                    "models.reward": "reward" in self.models.weights,
                    "ppo.max_staleness": self.ppo.max_staleness > 0,
                    "ppo.partial_rollouts": self.ppo.partial_rollouts,

@@ -9,6 +9,11 @@ function defaults to its gold rule. Rank 0 calls the function once per
 batch and broadcasts the scores, or why they are unusable, so a function
 that raises, or is not deterministic, cannot split the ranks: every
 refusal is a ConfigError naming ``reward.reward_fn`` on every rank.
+
+A score that is NaN or infinite, from the function or the reward model,
+stops the run, unless ``--skip-nonfinite-samples``
+(``reward.skip_nonfinite_samples``): then its sample is dropped from
+training (``drop_nonfinite_samples``) and counted.
 """
 
 from __future__ import annotations
@@ -67,9 +72,10 @@ def describe_rewards(config: JobConfig) -> str:
     return f"reward: the reward model's score ({where})" + (f"; gold_reward_mean: {spec}" if spec else "")
 
 
-def checked_scores(fn: RewardFn, prompts: list, responses: list) -> list[float]:
+def checked_scores(fn: RewardFn, prompts: list, responses: list, nonfinite_ok: bool = False) -> list[float]:
     """``fn(prompts, responses)`` as one float per sample; a ConfigError (``reward.reward_fn``) says what
-    went wrong when it raises or returns anything else (a list, tuple or array of finite numbers)."""
+    went wrong when it raises or returns anything else (a list, tuple or array of finite numbers; NaN and
+    infinity pass with ``nonfinite_ok``, for ``--skip-nonfinite-samples`` to drop)."""
     name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
     try:
         scores = fn(prompts, responses)
@@ -83,20 +89,21 @@ def checked_scores(fn: RewardFn, prompts: list, responses: list) -> list[float]:
         raise ConfigError(f"{name} returned {got} for {len(prompts)} samples; it must return a list of one "
                           "number per sample", "reward.reward_fn")
     for i, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, numbers.Real) or not math.isfinite(score):
-            raise ConfigError(f"{name} returned {score!r} for sample {i}; every score must be a finite number",
-                              "reward.reward_fn")
+        number = isinstance(score, numbers.Real) and not isinstance(score, bool)
+        if not number or not (nonfinite_ok or math.isfinite(score)):
+            raise ConfigError(f"{name} returned {score!r} for sample {i}; every score must be a "
+                              f"{'' if nonfinite_ok else 'finite '}number", "reward.reward_fn")
     return [float(score) for score in scores]
 
 
-def function_scores(fn: RewardFn, batch: Batch, group=None) -> torch.Tensor:
-    """[N] float32 scores of ``fn`` on the batch, the same on every rank of ``group`` (default: all;
-    collective: its first rank calls it and broadcasts the scores or the ConfigError's message, which
-    every rank then raises)."""
+def function_scores(fn: RewardFn, batch: Batch, group=None, nonfinite_ok: bool = False) -> torch.Tensor:
+    """[N] float32 scores of ``fn`` on the batch (``checked_scores``), the same on every rank of ``group``
+    (default: all; collective: its first rank calls it and broadcasts the scores or the ConfigError's
+    message, which every rank then raises)."""
     box, first = [None], first_rank(group)
     if dist.get_rank() == first:
         try:
-            box = [checked_scores(fn, *prompts_and_responses(batch))]
+            box = [checked_scores(fn, *prompts_and_responses(batch), nonfinite_ok)]
         except ConfigError as exc:
             box = [str(exc)]
     dist.broadcast_object_list(box, src=first, group=group)
@@ -114,6 +121,15 @@ def check_model_scores(batch: Batch) -> None:
                           f"{batch.scores[i].item()}" for i in bad[:5])
         raise RuntimeError(f"the reward model scored {len(bad)} of {len(batch)} samples non-finite, e.g. sample "
                            f"{where}; its weights or inputs hold NaN or infinity (--reward-model)")
+
+
+def drop_nonfinite_samples(batch: Batch) -> Batch:
+    """``--skip-nonfinite-samples``: the batch with ``sample_mask`` 0 (and score 0, a finite placeholder) for each
+    sample whose score is NaN or infinite, 1 for the others; the batch keeps its shape, so it still divides over
+    the data-parallel replicas, while the dropped samples train nothing (rlhf.batch.Batch.sample_mask)."""
+    kept = torch.isfinite(batch.scores)
+    mask = kept.float() if batch.sample_mask is None else batch.sample_mask * kept
+    return batch.with_fields(scores=torch.where(kept, batch.scores, torch.zeros_like(batch.scores)), sample_mask=mask)
 
 
 def prompts_and_responses(batch: Batch) -> tuple[list, list]:

@@ -63,8 +63,8 @@ from rlhf.ppo import layout
 from rlhf.ppo.asynchronous import GenerationAhead, learner_group
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.partial_rollouts import PartialRollouts, signal_group
-from rlhf.ppo.reward_fn import RewardFn, check_model_scores, function_scores
-from rlhf.ppo.update import PPOUpdate
+from rlhf.ppo.reward_fn import RewardFn, check_model_scores, drop_nonfinite_samples, function_scores
+from rlhf.ppo.update import PPOUpdate, stop_after_skipped_steps
 from rlhf.tasks import INFERENCE_FIELDS, MODEL_SEEDS, TASK_MODEL, WEIGHTS_TASK, task_kind
 
 MEGATRON_EXPORT_DIR = "megatron"
@@ -147,13 +147,15 @@ class Trainer:
 
     def train(self) -> None:
         """Iterations until ``config.run.iterations``, each logged (rank 0 writes; a decoded sample every
-        ``logging.log_samples``), saved when configured."""
+        ``logging.log_samples``), saved when configured; a model whose last ``ppo.max_skipped_steps`` optimizer
+        steps were all skipped stops the run after its iteration is logged (a ConfigError on every rank)."""
         cfg, ckpt = self.config, self.config.checkpoint
         with MetricsWriter(cfg.logging, cfg.run.iterations, dist.get_rank(), self.iteration,
                            checkpoint=ckpt) as writer:
             while self.iteration < cfg.run.iterations:
                 result = self.step()
                 writer.log(self.iteration, result.metrics)
+                stop_after_skipped_steps(result.metrics, cfg.ppo.max_skipped_steps)
                 every = cfg.logging.log_samples
                 if every and self.iteration % every == 0 and dist.get_rank() == 0:
                     writer.print_text(self.describe_sample(result.batch, 0))
@@ -321,7 +323,8 @@ class Trainer:
 
     def infer(self, batch: Batch, fusion: Optional[FusionOutcome] = None) -> Batch:
         """ref_logprobs, scores, values (with a critic) and recomputed old_logprobs (if asked), on every rank
-        (of ``learners``: an asynchronous run's ranks besides actor_gen's; all ranks otherwise).
+        (of ``learners``: an asynchronous run's ranks besides actor_gen's; all ranks otherwise). A NaN or
+        infinite score stops the run, or with ``reward.skip_nonfinite_samples`` drops its sample (sample_mask).
 
         Each task's replicas share the samples ``fusion``'s freed ranks did not infer already; the
         outputs of every rank (those included) are gathered as batches and put back by sample.
@@ -332,11 +335,13 @@ class Trainer:
         self.memory.note("inference")
         names = [INFERENCE_FIELDS[task] for task in self.inference_tasks()]
         batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
-        if "reward_inf" in self.inference_tasks():
+        skip = self.config.reward.skip_nonfinite_samples
+        if "reward_inf" in self.inference_tasks() and not skip:
             check_model_scores(batch)
         if self.reward_fn is not None and not self.config.has_reward_model:
-            batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners))
-        return batch
+            batch = batch.with_fields(scores=function_scores(self.reward_fn, batch, group=self.learners,
+                                                             nonfinite_ok=skip))
+        return drop_nonfinite_samples(batch) if skip else batch
 
     def infer_here(self, batch: Batch, done: dict) -> list[Batch]:
         """This rank's inference outputs for ``batch``: each inference task's replicas share the samples not
@@ -379,9 +384,10 @@ class Trainer:
                                     placed)
         scored = batch.with_fields(scores=scores)  # the estimators read the shaped score
         advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), ppo.advantage_config)
-        sequence_kl = kl.sum(dim=1).mean()
+        trained = torch.tensor(float(len(batch))) if batch.sample_mask is None else batch.sample_mask.sum()
+        sequence_kl = kl.sum(dim=1).sum() / trained.clamp(min=1)  # over the samples trained on (sample_mask)
         metrics.update(kl_mean=sequence_kl, kl_coef=self.kl.value.clone())
-        self.kl.update(sequence_kl, len(batch))
+        self.kl.update(sequence_kl, trained)
         return batch.with_fields(advantages=advantages, returns=returns), metrics
 
     # ---- 4. PPO epochs ---------------------------------------------------------------
@@ -449,11 +455,13 @@ class Trainer:
         return slots
 
     def describe_sample(self, batch: Batch, index: int) -> str:
-        """Sample ``index`` of ``batch`` as text for the log: the iteration, its reward and how it ended,
-        then its prompt and response decoded by the job's tokenizer."""
+        """Sample ``index`` of ``batch`` as text for the log: the iteration, its reward (or that it was dropped for
+        a non-finite one) and how it ended, then its prompt and response decoded by the job's tokenizer."""
         p, r = int(batch.prompt_lengths[index]), int(batch.response_lengths[index])
         tokens = batch.tokens[index].tolist()
-        return (f"iteration {self.iteration}, sample {index} (reward {float(batch.scores[index]):.4g}, "
+        dropped = batch.sample_mask is not None and not batch.sample_mask[index]
+        reward = "non-finite, dropped" if dropped else f"{float(batch.scores[index]):.4g}"
+        return (f"iteration {self.iteration}, sample {index} (reward {reward}, "
                 f"{batch.finish_reasons[index]}):\n  prompt:   {readable_text(self.tokenizer, tokens[:p])!r}\n"
                 f"  response: {readable_text(self.tokenizer, tokens[p:p + r])!r}")
 
@@ -507,23 +515,38 @@ class Trainer:
 
     def _batch_metrics(self, batch: Batch) -> dict:
         """Per-iteration statistics of the samples (every rank holds the batch, so each computes the same;
-        counts from rank 0 only): rewards, lengths, truncation, advantages, returns, values and, with
-        recomputed log-probs, how far the engine's are from the trainer's (docs/training.md, "Metrics")."""
+        counts from rank 0 only): rewards, lengths, truncation, advantages, returns, values, the samples
+        dropped for non-finite scores and, with recomputed log-probs, how far the engine's are from the
+        trainer's (docs/training.md, "Metrics")."""
         lengths = batch.response_lengths.float()
         truncated = sum(reason == "length" for reason in batch.finish_reasons) / len(batch)
-        out = {"reward_mean": batch.scores.mean(), "reward_std": batch.scores.std(correction=0),
-               "reward_min": batch.scores.min(), "reward_max": batch.scores.max(),
-               "prompt_length_mean": batch.prompt_lengths.float().mean(),
-               "response_length_mean": lengths.mean(), "response_length_min": lengths.min(),
-               "response_length_max": lengths.max(), "truncated_fraction": float(truncated),
+        out = {**reward_statistics(batch.scores, batch.sample_mask),
+               "prompt_length_mean": batch.prompt_lengths.float().mean(), "response_length_mean": lengths.mean(),
+               "response_length_min": lengths.min(), "response_length_max": lengths.max(),
+               "truncated_fraction": float(truncated),
                **sample_statistics(batch), **episode_statistics(batch)}
         if self.config.ppo.recomputes_logprobs:
             out.update(rollout_mismatch(batch))
         if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
             out.update(samples_count=float(len(batch)), tokens_count=lengths.sum())
+        out["nonfinite_samples_dropped"] = 0.0 if batch.sample_mask is None else len(batch) - batch.sample_mask.sum()
         if self.reward_fn is not None and self.config.has_reward_model:
-            out["gold_reward_mean"] = function_scores(self.reward_fn, batch).mean()
+            gold = function_scores(self.reward_fn, batch, nonfinite_ok=self.config.reward.skip_nonfinite_samples)
+            gold = reward_statistics(gold, batch.sample_mask)
+            if gold:
+                out["gold_reward_mean"] = gold["reward_mean"]
         return out
+
+
+def reward_statistics(scores: torch.Tensor, sample_mask: Optional[torch.Tensor]) -> dict:
+    """``reward_mean``, ``reward_std``, ``reward_min`` and ``reward_max`` of the samples trained on: with a
+    ``sample_mask`` (``--skip-nonfinite-samples``) only of its kept samples' finite scores; none when none is left."""
+    if sample_mask is not None:
+        scores = scores[torch.isfinite(scores) & (sample_mask > 0)]  # a host sync on accelerators
+        if not len(scores):
+            return {}
+    return {"reward_mean": scores.mean(), "reward_std": scores.std(correction=0), "reward_min": scores.min(),
+            "reward_max": scores.max()}
 
 
 def sample_statistics(batch: Batch) -> dict:

@@ -24,6 +24,7 @@ from rlhf.algorithms import balanced_minibatches, kl_estimate, masked_mean
 from rlhf.algorithms.losses import (aggregate_loss, loss_denominator, loss_numerator, policy_loss_per_token,
                                     truncated_is_weights, value_loss_per_token)
 from rlhf.batch import Batch
+from rlhf.config import ConfigError
 from rlhf.metrics import StageTimer
 from rlhf.models.logprobs import vocab_parallel_entropy
 from rlhf.models.packing import PackedLayout, unpacked
@@ -40,6 +41,8 @@ from rlhf.schedule.io import load_schedule, save_schedule, schedule_from_dict, s
 from rlhf.schedule.schedule import Schedule
 from rlhf.schedule.search import SearchConfig, search
 
+CONSECUTIVE_SKIPS = "_consecutive_skipped_steps"
+"""``<model>_consecutive_skipped_steps``: the metric of a model's optimizer steps skipped in a row."""
 FUSED_SCHEDULE_FILE = "fused_schedule.json"
 """Beside the checkpoints (``<save>/``): the fused schedule searched at start-up, reused on resume."""
 
@@ -95,7 +98,7 @@ class PPOUpdate:
             self.fused = self._search_fused_schedule()
         out = {k: v for loss in losses.values() for k, v in loss.metrics().items()}
         for name, done in steps.items():
-            out.update(step_metrics(name, done))
+            out.update(step_metrics(name, done, self.optimizers.get(name)))
         idle = idle_fraction(timelines)
         return out if idle is None else {**out, "training_bubble_fraction": idle}
 
@@ -273,19 +276,33 @@ def _mean(values: list) -> float:
     return sum(values) / len(values)
 
 
-def step_metrics(name: str, steps: list[dict]) -> dict:
+def step_metrics(name: str, steps: list[dict], optimizer) -> dict:
     """``<name>_lr`` and ``<name>_grad_norm``: means over an iteration's optimizer ``steps`` (``last_step``
     dicts; the norm over the applied ones), ``<name>_skipped_steps`` (steps whose gradients were not finite,
-    so the weights did not move) and, with fp16 loss scaling, ``<name>_loss_scale`` (the last step's)."""
+    so the weights did not move), ``<name>_consecutive_skipped_steps`` (the ``optimizer``'s skips in a row
+    after them, read by :func:`stop_after_skipped_steps`) and, with fp16 loss scaling, ``<name>_loss_scale``
+    (the last step's)."""
     if not steps:
         return {}
     applied = [s["grad_norm"] for s in steps if not s["skipped"]]
-    out = {f"{name}_lr": _mean([s["lr"] for s in steps]), f"{name}_skipped_steps": sum(s["skipped"] for s in steps)}
+    out = {f"{name}_lr": _mean([s["lr"] for s in steps]), f"{name}_skipped_steps": sum(s["skipped"] for s in steps),
+           f"{name}{CONSECUTIVE_SKIPS}": float(optimizer.skipped_in_a_row)}
     if applied:
         out[f"{name}_grad_norm"] = _mean(applied)
     if "loss_scale" in steps[-1]:
         out[f"{name}_loss_scale"] = steps[-1]["loss_scale"]
     return out
+
+
+def stop_after_skipped_steps(metrics: dict, limit: int) -> None:
+    """Stop the run once a model's last ``limit`` optimizer steps were all skipped (0: never): a ConfigError
+    naming ``ppo.max_skipped_steps``, raised alike on every rank, as ``metrics`` are reduced over all ranks
+    (those outside the model learn its count there)."""
+    for key, count in metrics.items():
+        if limit and key.endswith(CONSECUTIVE_SKIPS) and count >= limit:
+            raise ConfigError(f"{key[:-len(CONSECUTIVE_SKIPS)]}: {int(count)} optimizer steps in a row skipped for "
+                              f"non-finite gradients (the limit is {limit}), so it no longer learns; look for NaN or "
+                              "infinity in its inputs, or lower its learning rate", "ppo.max_skipped_steps")
 
 
 def combine_records(recorded: list) -> dict:
