@@ -44,8 +44,8 @@ def run(config) -> None:
     from rlhf.ppo.job import build_trainer
 
     with usage_errors(flag_of):
-        load = config.checkpoint.load
-        trainer = built_and_resumed(load, lambda: build_trainer(config, placement), lambda t: t.load(load))
+        ckpt = config.checkpoint
+        trainer = built_and_resumed(ckpt, lambda: build_trainer(config, placement), lambda t: t.load(ckpt.load))
         trainer.train()  # a reward function failing on a batch raises a ConfigError on every rank
 
 

@@ -33,9 +33,9 @@ def run(config) -> None:
         reverse = " (reversed pipeline)" if mesh.reverse_pp else ""
         print(f"world size {world}; the reward model trains on ranks {list(mesh.ranks)} {mesh.strategy}{reverse}")
     with usage_errors(reward_flag_of):
-        load = config.checkpoint.load
-        trainer, tokenizer = built_and_resumed(load, lambda: build_reward_trainer(config, placement),
-                                               lambda built: built[0].load(load))
+        ckpt = config.checkpoint
+        trainer, tokenizer = built_and_resumed(ckpt, lambda: build_reward_trainer(config, placement),
+                                               lambda built: built[0].load(ckpt.load))
     save_tokenizer(config, tokenizer)
     trainer.train()
     if config.checkpoint.save:

@@ -134,21 +134,30 @@ def check_out_path(flag: str, path) -> None:
             os.remove(path)
 
 
-def built_and_resumed(load: str | None, build, resume):
-    """``build()`` a trainer, then ``resume(built)`` from checkpoint root ``load`` (``--load``) when given.
-    A root without a complete checkpoint is refused (UsageError) before anything is built; collective."""
+def built_and_resumed(checkpoint, build, resume):
+    """``build()`` a trainer, then ``resume(built)`` from ``checkpoint.load`` (``--load``) when given, said
+    in one line on rank 0. A root without a complete checkpoint is refused (UsageError) before anything is
+    built, unless it is also ``checkpoint.save``: a run relaunched with the same command (Megatron-LM's
+    ``--save DIR --load DIR``, or torchrun restarting it) before its first save starts from its initial
+    weights. Collective."""
     import torch.distributed as dist
 
     from rlhf.checkpoint import CheckpointError, resolve_checkpoint
+    from rlhf.checkpoint.storage import holds_no_checkpoint
 
+    load = checkpoint.load
+    fresh = checkpoint.loads_own_saves and holds_no_checkpoint(load)
     try:
-        if load:
-            resolve_checkpoint(load, group=dist.group.WORLD)
+        iteration = resolve_checkpoint(load, group=dist.group.WORLD) if load and not fresh else None
         built = build()
-        if load:
+        if iteration is not None:
             resume(built)
     except CheckpointError as exc:
         raise UsageError(f"--load {load}: {exc}") from None
+    if dist.get_rank() == 0 and load:
+        print(f"--load {load}: " + ("no checkpoint there yet (it is also --save); starting from the initial "
+                                    "weights" if fresh else f"resuming from the checkpoint of iteration {iteration}"),
+              flush=True)
     return built
 
 
@@ -168,18 +177,23 @@ def run_program(program: str, parse, run, argv=None) -> int:
     import torch.distributed as dist
 
     from rlhf import platform
+    from rlhf.parallel import collectives
 
     global _ran_distributed
-    platform.init_distributed()
+    platform.init_distributed(collectives.set_timeout(config.run.distributed_timeout_minutes).total_seconds())
     _ran_distributed = True
     try:
         run(config)
         status = 0
     except UsageError as exc:
         status = report(program, exc)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
+    except BaseException as exc:
+        failure = collectives.describe_failure(exc, dist.get_rank())
+        if failure is None:
+            dist.destroy_process_group()
+            raise
+        print(f"{program}: {failure}", file=sys.stderr, flush=True)
+        return 1  # the groups are broken: no barrier and no teardown, exit_process ends the process
     dist.barrier()  # every rank has printed what it had to before any of them exits (exit_process)
     dist.destroy_process_group()
     return status
@@ -300,6 +314,13 @@ def load_model_config(value: str, flag: str) -> ModelConfig:
     except (OSError, ValueError, ModelConfigError) as exc:
         raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(MODEL_PRESETS))}, "
                          "a JSON file of model fields, an HF model directory or our checkpoint root)") from None
+
+
+TIMEOUT_FLAG = ("distributed_timeout_minutes", float,
+                "how long any collective waits for a peer rank: a rank that died or stopped answering ends the "
+                "job within this time, with a line naming the collective, its ranks and tasks, and the code that "
+                "called it (Megatron-LM's flag; long enough for the longest stage that other ranks wait out)")
+"""The run section's collective timeout flag, the same in both programs."""
 
 
 LOGGING_FLAGS = (LoggingConfig, "logging", [

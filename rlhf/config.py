@@ -26,6 +26,7 @@ from typing import Mapping
 
 from rlhf.checks import finite_float, is_int
 from rlhf.models.config import RECOMPUTE_GRANULARITIES
+from rlhf.parallel.collectives import DEFAULT_TIMEOUT_MINUTES
 from rlhf.parallel.placement import load_plan
 from rlhf.tasks import TASKS
 
@@ -150,15 +151,20 @@ rlhf.engine.sampler.mixed_seed)."""
 
 @dataclass(frozen=True)
 class RunConfig:
-    """How long: total iterations (a resumed run continues to it) and the seed."""
+    """How long: total iterations (a resumed run continues to it), the seed, and how long a collective may
+    wait for a peer before the run ends (rlhf/parallel/collectives.py)."""
 
     iterations: int = 30
     seed: int = 1234
+    distributed_timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES
 
     def __post_init__(self):
         check_field_types("run", self)
         check_positive_ints("run", self, ("iterations",))
         check_range("run", "seed", self.seed, 0, MAX_SEED, f"in [0, {MAX_SEED}]")
+        if not self.distributed_timeout_minutes > 0:
+            raise ConfigError(f"distributed_timeout_minutes={self.distributed_timeout_minutes!r} must be a number "
+                              "of minutes > 0", "run.distributed_timeout_minutes")
 
 
 @dataclass(frozen=True)
@@ -302,8 +308,16 @@ class CheckpointConfig:
             if self.save is None:
                 raise ConfigError("keep_last needs a checkpoint root to save to (save)", "checkpoint.keep_last")
             check_positive_ints("checkpoint", self, ("keep_last",))
-        if self.load is not None and not os.path.isdir(self.load):
+        if self.load is not None and not os.path.isdir(self.load) and not self.loads_own_saves:
             raise ConfigError(f"load={self.load!r} is not a directory; give the root a run saved into "
-                              "(it holds iter_* directories and 'latest')", "checkpoint.load")
+                              "(it holds iter_* directories and 'latest'), or the same root as save to "
+                              "start fresh until the first save", "checkpoint.load")
         if self.save is not None and os.path.isfile(self.save):
             raise ConfigError(f"save={self.save!r} is a file; give a directory (created if missing)", "checkpoint.save")
+
+    @property
+    def loads_own_saves(self) -> bool:
+        """``load`` and ``save`` name one root (Megatron-LM's ``--save DIR --load DIR``): a run relaunched with
+        the same command continues from its own newest checkpoint, or starts fresh before the first."""
+        return self.load is not None and self.save is not None and \
+            os.path.realpath(self.load) == os.path.realpath(self.save)

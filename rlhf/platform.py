@@ -100,7 +100,30 @@ def init_distributed(timeout_s: float = 600.0) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend(), timeout=timeout)
+    else:
+        dist.init_process_group(backend(), store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def _attempt_store(timeout: timedelta):
+    """Under torchrun, the agent's store with keys of this attempt only (None elsewhere).
+
+    torchrun keeps one store for all attempts of a job (``--max-restarts``), and
+    torch 2.13 does not separate their keys: a restarted gloo group reads the
+    addresses the killed attempt's ranks left there, and its connections are
+    refused. Prefixing the keys with the attempt (``TORCHELASTIC_RESTART_COUNT``)
+    gives each attempt its own rendezvous, as older torch releases did.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"rlhf/attempt_{attempt}", agent)
 
 
 def _free_port() -> int:

@@ -146,6 +146,12 @@ def latest_iteration(root: PathLike) -> Optional[int]:
     return int(text)
 
 
+def holds_no_checkpoint(root: PathLike) -> bool:
+    """Whether ``root`` (possibly missing) has neither an ``iter_*`` directory nor a ``latest`` file: nothing a
+    run saved there yet (a save killed before its commit leaves only a ``.tmp_iter_*``, which does not count)."""
+    return not list_checkpoints(root) and not os.path.exists(os.path.join(os.fspath(root), LATEST))
+
+
 # --------------------------------------------------------------------------- distributed
 def _rank_size(group) -> tuple[int, int]:
     if group is None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from rlhf.models.gpt import PipelineStage
+from rlhf.parallel.collectives import name_group, new_group
 from rlhf.parallel.mesh import Coord, ParallelStrategy, TaskMesh
 from rlhf.parallel.placement import Placement
 from rlhf.tasks import TASKS
@@ -82,12 +83,14 @@ class _GroupCache:
     def __init__(self):
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-    def get(self, ranks, create: bool = True) -> dist.ProcessGroup:
+    def get(self, ranks, create: bool = True, user: str = "one rank") -> dist.ProcessGroup:
+        """The group of ``ranks``, made when missing (collective), remembered as used by ``user``."""
         key = tuple(sorted(ranks))
         if key not in self._groups:
             if not create:
                 raise RuntimeError(f"no process group for ranks {list(key)}; call build_task_groups first")
-            self._groups[key] = dist.new_group(list(key))
+            self._groups[key] = new_group(key, user)
+        name_group(self._groups[key], list(key), user)
         return self._groups[key]
 
 
@@ -120,7 +123,7 @@ def build_task_groups(placement: Placement, rank: int | None = None) -> dict[str
         mine: dict[str, dist.ProcessGroup] = {}
         for kind, sets in _rank_sets(mesh).items():
             for ranks in sets:
-                group = cache.get(ranks)
+                group = cache.get(ranks, user=f"{task} {kind}")
                 if rank in ranks:
                     mine[kind] = group
         coord = mesh.coord(rank)

@@ -13,9 +13,9 @@ import argparse
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, UsageError, add_section_flags, flag_name, fraction_or_auto,
-                      load_model_config, optional_float, parse_task_spec, section_configs, section_flag,
-                      usage_errors)
+from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, add_section_flags, flag_name,
+                      fraction_or_auto, load_model_config, optional_float, parse_task_spec, section_configs,
+                      section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import MODEL_PRESETS
 from rlhf.ppo.config import (DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
@@ -51,6 +51,7 @@ SECTIONS = {
         ("iterations", int, "total PPO iterations; a resumed run continues to this number "
                             "(alias --train-iters, as Megatron-LM)"),
         ("seed", int, "random seed of weights, data order and sampling, in [0, 2**28 - 1]"),
+        TIMEOUT_FLAG,
     ]),
     "generation": (GenerationConfig, "generation", [
         ("max_prompt_len", int, "longest prompt in tokens (BOS included)"),
@@ -186,7 +187,9 @@ SECTIONS = {
         ("keep_last", int, "keep only the N newest checkpoints under --save: older ones are deleted once a "
                            "newer one is complete (default: keep all)"),
         ("load", str, "checkpoint root to resume from: models, optimizers, LR schedules, KL controller, RNG "
-                      "and data position; the run continues to --iterations"),
+                      "and data position; the run continues to --iterations. The same root as --save makes a "
+                      "relaunch with the same command (or a torchrun restart) continue from the newest complete "
+                      "checkpoint, or start fresh before the first save"),
         ("save_format", str, "ours, or torch_dist: also write each saved actor as a Megatron-LM torch_dist "
                              "checkpoint in <save>/megatron"),
     ]),

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.parallel import Placement
+from rlhf.parallel.collectives import new_group
 from rlhf.parallel.exchange import first_rank
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 def learner_group(placement: Placement):
     """The process group of every rank besides actor_gen's (collective: every rank calls it)."""
     generation = set(placement["actor_gen"].ranks)
-    return dist.new_group([r for r in range(placement.world_size) if r not in generation])
+    return new_group([r for r in range(placement.world_size) if r not in generation], "the learners")
 
 
 class GenerationAhead:

@@ -41,6 +41,7 @@ from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.fusion.inter_stage import EarlyInference, FusionOutcome
 from rlhf.parallel import Placement
+from rlhf.parallel.collectives import new_group
 from rlhf.parallel.exchange import first_rank, gather_to_all
 from rlhf.ppo.asynchronous import GenerationAhead
 
@@ -50,7 +51,8 @@ SIGNAL_BACKEND = "gloo"
 
 def signal_group(placement: Placement, learners):
     """The group of the first learner and actor_gen's ranks (collective: every rank calls it)."""
-    return dist.new_group(sorted({first_rank(learners), *placement["actor_gen"].ranks}), backend=SIGNAL_BACKEND)
+    return new_group({first_rank(learners), *placement["actor_gen"].ranks}, "the update signal",
+                     backend=SIGNAL_BACKEND)
 
 
 @dataclass

@@ -15,8 +15,8 @@ import argparse
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
-from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, UsageError, add_section_flags, load_model_config, parse_task_spec,
-                      section_configs, section_flag, usage_errors)
+from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, add_section_flags, load_model_config,
+                      parse_task_spec, section_configs, section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
 from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
@@ -28,6 +28,7 @@ REWARD_SECTIONS = {
     "run": (RunConfig, "run", [
         ("iterations", int, "total optimizer steps; a resumed run continues to this number (alias --train-iters)"),
         ("seed", int, "random seed of the starting weights (a new value head) and the data order, in [0, 2**28 - 1]"),
+        TIMEOUT_FLAG,
     ]),
     "training": (RewardTrainingConfig, "reward training (pairwise Bradley-Terry loss)", [
         ("global_batch_size", int, "preference pairs per optimizer step (a multiple of dp x micro-batch size)"),
@@ -78,7 +79,9 @@ REWARD_SECTIONS = {
         ("keep_last", int, "keep only the N newest checkpoints under --save: older ones are deleted once a "
                            "newer one is complete (default: keep all)"),
         ("load", str, "checkpoint root to resume from: model, optimizer, LR schedule, RNG and data position; "
-                      "the run continues to --iterations"),
+                      "the run continues to --iterations. The same root as --save makes a relaunch with the same command "
+                      "(or a torchrun restart) continue from the newest complete checkpoint, or start fresh before "
+                      "the first save"),
     ]),
 }
 
