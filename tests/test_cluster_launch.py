@@ -196,13 +196,13 @@ def test_launch_commands_run_the_dry_run_flags(tmp_path):
     expected = dry_run_flags("single_node", "llama2-7b-7b", tmp_path, {}, "--seed", "7")
     out, recorded = run_script("single_node", "llama2-7b-7b", tmp_path, {}, "--seed", "7")
     assert out.returncode == 0, out.stderr
-    assert recorded["torchrun"] == ["--standalone", "--nproc-per-node=8", str(ROOT / "pretrain_rlhf.py"), *expected]
+    assert recorded["torchrun"] == ["--standalone", "--nproc-per-node=8", "--max-restarts=2",
+                                    str(ROOT / "pretrain_rlhf.py"), *expected]
     assert expected[-2:] == ["--seed", "7"]
+    root = str(tmp_path / "out" / "checkpoints")  # a restart or a requeued job continues from it
+    assert expected[expected.index("--save") + 1] == expected[expected.index("--load") + 1] == root
 
-    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
-    (tmp_path / "out" / "checkpoints" / "latest").write_text("iter_0000050\n")  # a requeued job resumes
     expected = dry_run_flags("slurm", "llama2-13b-7b", tmp_path, {})
-    assert expected[-2:] == ["--load", str(tmp_path / "out" / "checkpoints")]
     out, recorded = run_script("slurm", "llama2-13b-7b", tmp_path, {})
     assert out.returncode == 0, out.stderr
     assert recorded["torchrun"] == ["--node-rank=1", "--nnodes=2", "--nproc-per-node=8", "--master-addr=node-a",

@@ -75,11 +75,9 @@ example_flags() {
   if [[ -z ${REWARD_FN:-}${REWARD_MODEL:-}${PROMPT_DATA:-} ]]; then
     FLAGS+=(--reward-fn rlhf.data.synthetic:gold_reward)
   fi
-  FLAGS+=(--save "$OUT/checkpoints" --save-interval 50 --metrics-file "$OUT/metrics.jsonl"
+  # --load is --save: a relaunch (a torchrun restart, a requeued job) continues from the newest checkpoint
+  FLAGS+=(--save "$OUT/checkpoints" --load "$OUT/checkpoints" --save-interval 50 --metrics-file "$OUT/metrics.jsonl"
           --tensorboard-dir "$OUT/tensorboard" --no-progress)
-  if [[ -f $OUT/checkpoints/latest ]]; then
-    FLAGS+=(--load "$OUT/checkpoints")
-  fi
 }
 
 # dry_run_if_asked WORLD_SIZE: with DRY_RUN=1, replace this shell by pretrain_rlhf.py --dry-run of FLAGS.

@@ -18,4 +18,5 @@ FLAGS+=("$@")
 dry_run_if_asked "$NPROC"
 
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
-launch torchrun --standalone --nproc-per-node="$NPROC"
+# a rank that dies restarts every rank (at most MAX_RESTARTS times), which continue from the newest checkpoint
+launch torchrun --standalone --nproc-per-node="$NPROC" --max-restarts="${MAX_RESTARTS:-2}"
