@@ -26,7 +26,6 @@ from typing import Mapping
 
 from rlhf.checks import finite_float, is_int
 from rlhf.models.config import RECOMPUTE_GRANULARITIES
-from rlhf.parallel.collectives import DEFAULT_TIMEOUT_MINUTES
 from rlhf.parallel.placement import load_plan
 from rlhf.tasks import TASKS
 
@@ -147,6 +146,12 @@ def check_recompute_stage(section: str, task: str, granularity: str | None, num_
 MAX_SEED = 2**28 - 1
 """Largest run seed (the documented range of --seed; requests and samples get 64-bit seeds mixed from it,
 rlhf.engine.sampler.mixed_seed)."""
+
+
+DEFAULT_TIMEOUT_MINUTES = 30.0
+"""``--distributed-timeout-minutes``' default: ranks idle in one stage wait inside a collective for the others
+(the inference ranks while a long generation runs), so it leaves room for a long stage; Megatron-LM's 10 minutes
+suits training alone."""
 
 
 @dataclass(frozen=True)

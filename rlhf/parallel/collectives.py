@@ -20,9 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_MINUTES = 30.0
-"""Ranks idle in one stage wait inside a collective for the others (the inference ranks while a long
-generation runs), so the default leaves room for a long stage; Megatron-LM's 10 minutes suits training alone."""
+from rlhf.config import DEFAULT_TIMEOUT_MINUTES
 
 _state = {"timeout": timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)}
 _names: dict[int, tuple[list[int], set[str]]] = {}  # id(group) -> (its ranks, what uses it)
