@@ -16,6 +16,7 @@ to ``FAULTS_RECORD`` with the attempt that scored them.
 
 import json
 import os
+import runpy
 import signal
 import sys
 import time
@@ -101,11 +102,8 @@ def install(kind: str, iteration: int, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import pretrain_rlhf
-    from rlhf.cli import exit_process
-
     fault = _fault()
     if fault is not None:
         install(*fault)
-    exit_process(pretrain_rlhf.main())
+    runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pretrain_rlhf.py"),
+                   run_name="__main__")  # the program as torchrun would start it, with the fault armed
