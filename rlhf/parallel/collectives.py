@@ -15,7 +15,6 @@ process itself after the timeout, with its own line naming the collective
 from __future__ import annotations
 
 import os
-import traceback
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,7 +25,7 @@ _state = {"timeout": timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)}
 _names: dict[int, tuple[list[int], set[str]]] = {}  # id(group) -> (its ranks, what uses it)
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe")
-TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+TIMED_OUT = ("timed out", "timeout")  # matched in lower case
 
 
 def set_timeout(minutes: float) -> timedelta:
@@ -57,7 +56,7 @@ def describe_group(group) -> str:
     """``ranks [0, 1] (actor_train tp, critic_inf tp)``, or ``every rank`` for the default group."""
     if group is None or group is dist.GroupMember.WORLD:
         return "every rank"
-    group = getattr(group, "_group", group)  # a reversed pipeline's logical view
+    group = getattr(group, "process_group", group)  # a reversed pipeline's logical view (groups.py)
     ranks, users = _names.get(id(group), (None, set()))
     if ranks is None:
         return "a group of this run"
@@ -89,7 +88,7 @@ def _is_collective_failure(error: BaseException) -> bool:
     if not isinstance(error, RuntimeError):
         return False
     text = str(error)
-    return any(s in text for s in PEER_LOST + TIMED_OUT) and (
+    return (any(s in text for s in PEER_LOST) or any(s in text.lower() for s in TIMED_OUT)) and (
         _collective(_frames(error))[0] is not None or "gloo" in text or "NCCL" in text)
 
 
@@ -116,8 +115,7 @@ def _our_caller(frames) -> str:
     for frame in reversed(frames):
         path = frame.f_code.co_filename
         if not path.startswith(torch_dir) and frame.f_code.co_name != "__torch_function__":
-            summary = traceback.FrameSummary(path, frame.f_lineno, frame.f_code.co_name)
-            return f"{_short(summary.filename)}:{summary.lineno} ({summary.name})"
+            return f"{_short(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
     return "torch"
 
 

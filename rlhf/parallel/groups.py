@@ -28,17 +28,17 @@ class LogicalStageGroup:
     """A pipeline group whose rank() is the logical stage of a reversed pipeline."""
 
     def __init__(self, group: dist.ProcessGroup, stage: int):
-        self._group = group
+        self.process_group = group  # the communicator itself (what collectives.describe_group names)
         self._stage = stage
 
     def rank(self) -> int:
         return self._stage
 
     def size(self) -> int:
-        return self._group.size()
+        return self.process_group.size()
 
     def __getattr__(self, name):
-        return getattr(self._group, name)
+        return getattr(self.process_group, name)
 
 
 @dataclass
@@ -90,7 +90,8 @@ class _GroupCache:
             if not create:
                 raise RuntimeError(f"no process group for ranks {list(key)}; call build_task_groups first")
             self._groups[key] = new_group(key, user)
-        name_group(self._groups[key], list(key), user)
+        else:
+            name_group(self._groups[key], list(key), user)
         return self._groups[key]
 
 
