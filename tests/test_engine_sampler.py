@@ -5,21 +5,71 @@ import math
 import pytest
 import torch
 
-from rlhf.engine.sampler import filter_logits, mixed_seed, sample
+from rlhf.engine.sampler import filter_logits, inverse_cdf, mixed_seed, sample
 from rlhf.engine.sequence import make_generator
 from rlhf.engine.types import EngineConfigError, SamplingParams
 
 NEG = float("-inf")
 
 
+def reference_kept(row: torch.Tensor, p: SamplingParams) -> list[int]:
+    """The ids a row keeps, in float64 and plain Python: its top_k largest of logits / T, then the most
+    likely of those while the mass before each is below top_p."""
+    x = (row.double() / p.temperature).tolist()
+    order = sorted(range(len(x)), key=lambda i: -x[i])[:p.top_k or None]
+    weights = [math.exp(x[i] - x[order[0]]) for i in order]
+    kept, before = [], 0.0
+    for i, w in zip(order, weights):
+        if before >= p.top_p * sum(weights):
+            break
+        kept.append(i)
+        before += w
+    return sorted(kept)
+
+
+def reference_probs(row: torch.Tensor, p: SamplingParams) -> dict[int, float]:
+    """The filtered distribution over the kept ids (float64)."""
+    kept = reference_kept(row, p)
+    weights = [math.exp(row[i].item() / p.temperature) for i in kept]
+    return {i: w / sum(weights) for i, w in zip(kept, weights)}
+
+
+def reference_token(row: torch.Tensor, p: SamplingParams, seed: int) -> int:
+    """A plain per-row inverse CDF: the first kept id whose cumulative probability exceeds the generator's
+    one uniform."""
+    u = torch.rand((), dtype=torch.float64, generator=make_generator(seed)).item()
+    cumulative = 0.0
+    for i, prob in sorted(reference_probs(row, p).items()):
+        cumulative += prob
+        if cumulative > u:
+            return i
+    return i
+
+
 def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
     logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
-    assert filter_logits(logits, SamplingParams(temperature=1.0, top_k=2)).tolist() == [NEG, 3.0, NEG, 2.0]
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=1.0, top_p=0.1), SamplingParams(temperature=2.0)]
     # probs of [3, 2, 1, 0] are about [.64, .24, .09, .03]: top_p=0.8 keeps the first two
-    kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.8)).tolist()
-    assert kept == [NEG, 3.0, NEG, 2.0]
-    assert filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.1)).tolist() == [NEG, 3.0, NEG, NEG]
-    assert filter_logits(logits, SamplingParams(temperature=2.0)).tolist() == [0.0, 1.5, 0.5, 1.0]
+    assert filter_logits(logits.expand(4, 4), params).tolist() == [
+        [NEG, 3.0, NEG, 2.0], [NEG, 3.0, NEG, 2.0], [NEG, 3.0, NEG, NEG], [0.0, 1.5, 0.5, 1.0]]
+
+
+def test_batched_filter_matches_a_per_row_reference_whatever_the_batch():
+    """Rows with their own temperature, top_k and top_p in one batch keep what each would alone."""
+    torch.manual_seed(2)
+    logits = torch.randn(7, 300) * 3
+    params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=1.3, top_p=0.9),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, top_k=50, top_p=0.8),
+              SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=1.0, top_k=300, top_p=0.5),
+              SamplingParams(temperature=0.5, top_k=7, top_p=0.999)]
+    batched = filter_logits(logits, params)
+    for row, p in enumerate(params):
+        expected = torch.full((300,), NEG)
+        kept = reference_kept(logits[row], p)
+        expected[kept] = logits[row, kept] / p.temperature
+        assert torch.equal(batched[row], expected), p
+        assert torch.equal(filter_logits(logits[row:row + 1], [p])[0], expected)
 
 
 def test_greedy_raw_logprobs_and_seeded_draws():
@@ -38,6 +88,79 @@ def test_greedy_raw_logprobs_and_seeded_draws():
     assert math.isclose(lp.item(), 0.0, abs_tol=1e-6)  # top-1 distribution: probability 1
 
 
+def test_seeded_draws_are_a_per_row_inverse_cdf_of_one_uniform():
+    """Each sampled row's token is what a plain inverse CDF of its filtered distribution gives at the one
+    uniform its generator draws; greedy rows between them take no draw."""
+    torch.manual_seed(3)
+    logits = torch.randn(40, 64) * 2
+    kinds = [dict(temperature=1.0), dict(temperature=0.6, top_k=8), dict(temperature=1.4, top_p=0.7),
+             dict(temperature=0.8, top_k=16, top_p=0.9), dict()]
+    params = [SamplingParams(seed=row, **kinds[row % len(kinds)]) for row in range(40)]
+    generators = [make_generator(row) for row in range(40)]
+    tokens, _ = sample(logits, params, generators)
+    for row, p in enumerate(params):
+        expected = logits[row].argmax().item() if p.greedy else reference_token(logits[row], p, row)
+        assert tokens[row].item() == expected, (row, p)
+        fresh = make_generator(row)
+        if not p.greedy:
+            torch.rand((), dtype=torch.float64, generator=fresh)
+        assert torch.equal(generators[row].get_state(), fresh.get_state())  # exactly one draw, or none
+
+
+def test_inverse_cdf_float_edges_never_pick_a_zero_probability_token():
+    """u = 0 and u rounding to 1, padded -inf ids at both ends and inside, probabilities that underflow to 0
+    and sums that miss 1: the token always has nonzero probability, and u = 1 takes the last one."""
+    rows = torch.tensor([[NEG, NEG, 0.0, NEG, 1.0, -200.0, NEG],
+                         [NEG, 2.0, -150.0, 2.0, NEG, 1e-3, NEG],
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    positive = rows.softmax(-1) > 0
+    one_below = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
+    for u in (0.0, 1e-30, 0.5, one_below, 1.0):
+        tokens = inverse_cdf(rows, torch.full((3,), u))
+        assert all(positive[row, token] for row, token in enumerate(tokens.tolist())), u
+    assert inverse_cdf(rows, torch.zeros(3)).tolist() == [2, 1, 0]
+    assert inverse_cdf(rows, torch.ones(3)).tolist() == [4, 5, 6]
+    # every u on the boundaries of the cumulative sums, and between them
+    cdf = rows.softmax(-1).cumsum(-1)
+    grid = torch.cat([cdf / cdf[:, -1:], torch.linspace(0, 1, 1001).expand(3, 1001)], dim=1)
+    for column in grid.T:
+        assert positive.gather(1, inverse_cdf(rows, column)[:, None]).all()
+    many = torch.randn(4, 49152) * 8
+    many[:, -100:] = NEG
+    assert (many.softmax(-1).cumsum(-1)[:, -1] != 1).any()  # 49,152 float32 terms: the sum misses 1
+    positive, cdf = many.softmax(-1) > 0, many.softmax(-1).cumsum(-1)
+    for u in (one_below, 1.0):
+        tokens = inverse_cdf(many, torch.full((4,), u))[:, None]
+        assert positive.gather(1, tokens).all()
+    # u = 1: the last token that raises the float sum (later ones are below its resolution)
+    assert torch.equal(cdf.gather(1, tokens), cdf[:, -1:]) and (cdf.gather(1, tokens - 1) < cdf[:, -1:]).all()
+
+
+def test_token_frequencies_match_the_filtered_distribution():
+    """20,000 draws per setting (temperature, top-k, top-p, both; padded -inf ids): a chi-square test of the
+    counts against the filtered distribution computed in float64. Under a correct sampler the p-value is
+    uniform, so requiring p > 1e-4 fails a correct sampler for one seed in 10,000; an error d in a token of
+    probability q adds about 20,000 d**2 / q to the statistic (60 for d = 0.03, q = 0.3), above its 1e-4
+    critical value (21 to 37 for these 3 to 11 degrees of freedom). Filtered and padded ids never appear."""
+    torch.manual_seed(5)
+    row = torch.cat([torch.randn(12) * 1.5, torch.full((4,), NEG)])
+    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_k=4),
+                SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.9, top_k=6, top_p=0.9)]
+    draws = 20_000
+    params = [p for p in settings for _ in range(draws)]
+    tokens, _ = sample(row.expand(len(params), 16), params, [make_generator(mixed_seed(7, i)) for i in
+                                                             range(len(params))])
+    for k, p in enumerate(settings):
+        counts = torch.bincount(tokens[k * draws:(k + 1) * draws], minlength=16).double()
+        probs = reference_probs(row, p)
+        expected = torch.zeros(16, dtype=torch.float64)
+        expected[list(probs)] = torch.tensor(list(probs.values()), dtype=torch.float64) * draws
+        assert counts[expected == 0].sum() == 0, p  # nothing outside the filter, no padded id
+        kept = expected > 0
+        chi2 = ((counts[kept] - expected[kept]) ** 2 / expected[kept]).sum()
+        p_value = torch.special.gammaincc(torch.tensor((kept.sum().item() - 1) / 2.0, dtype=torch.float64), chi2 / 2)
+        assert p_value > 1e-4, (p, chi2.item(), counts.tolist(), expected.tolist())
+
 
 def test_logprob_modes_tempered_raw_and_sampling():
     """tempered = log_softmax(logits / T) of the drawn token, top-k/top-p ignored (verl, OpenRLHF, TRL); raw = T 1;
@@ -50,7 +173,7 @@ def test_logprob_modes_tempered_raw_and_sampling():
     tokens, lps = sample(logits, params, [make_generator(3) for _ in range(4)])
     assert len(set(tokens[:3].tolist())) == 1  # the same draw from the same logits and seed in each mode
     expected = [torch.log_softmax(logits[0] / 0.7, -1), torch.log_softmax(logits[1], -1),
-                torch.log_softmax(filter_logits(logits[2], params[2]), -1), torch.log_softmax(logits[3], -1)]
+                torch.log_softmax(filter_logits(logits[2:3], params[2:3])[0], -1), torch.log_softmax(logits[3], -1)]
     for row, logp in enumerate(expected):
         assert lps[row].item() == pytest.approx(logp[tokens[row]].item(), abs=1e-6), modes[row % 3]
     assert lps[2] > lps[0]  # renormalised over the kept tokens

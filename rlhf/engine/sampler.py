@@ -2,8 +2,11 @@
 
 Every TP rank holds the same full logits and the same generators, so every
 rank draws the same tokens without communication. Sampling a row consumes
-exactly one draw of that sample's generator, so results do not depend on
-which other sequences share the batch (or on preemption and migration).
+exactly one draw of that sample's generator (a uniform u in [0, 1)), so
+results do not depend on which other sequences share the batch (or on
+preemption and migration). The tokens of all sampled rows are then picked at
+once by inverting their filtered distributions' cumulative sums at u: no
+Python loop over rows touches the vocabulary.
 Seeds are mixed with splitmix64 (`mixed_seed`), so the seeds of different
 (run, iteration, prompt, sample) tuples do not repeat as sums of them would.
 """
@@ -43,19 +46,62 @@ def mixed_seed(*parts: int) -> int:
     return state >> 1  # 63 bits: non-negative as manual_seed accepts
 
 
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature-scaled logits [V] with tokens outside top-k / top-p set to -inf."""
-    x = logits / params.temperature
-    if params.top_k and params.top_k < x.shape[-1]:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # drop a token when the mass *before* it already reaches top_p (keeps at least one)
-        drop = probs.cumsum(-1) - probs >= params.top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))  # back to vocab order
-    return x
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row host values as a tensor on ``device``, copied without waiting for the queued kernels: the
+    step's only host-device sync stays the engine's read of the sampled tokens."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _top_k_drop(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Where x [R, V] lies below its row's k-th largest value (each k in [1, V))."""
+    k = _on_device(ks, torch.int64, x.device)
+    kth = torch.topk(x, max(ks)).values.gather(-1, k[:, None] - 1)
+    return x < kth
+
+
+def _top_p_drop(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Where a token of x [R, V] falls outside its row's nucleus: the tokens before it in descending order
+    already hold mass >= p (so at least one token is kept)."""
+    sorted_x, order = torch.sort(x, descending=True)
+    probs = sorted_x.softmax(-1)
+    drop = probs.cumsum(-1) - probs >= _on_device(ps, x.dtype, x.device)[:, None]
+    return torch.zeros_like(drop).scatter(-1, order, drop)  # back to vocab order
+
+
+def _drop_rows(x: torch.Tensor, settings: dict[int, float], drop) -> torch.Tensor:
+    """x with -inf where ``drop(rows, values)`` says, for the rows in ``settings`` (row -> its k or p) only."""
+    if not settings:
+        return x
+    if len(settings) == x.shape[0]:  # every row filters: no gather / scatter of rows
+        return x.masked_fill(drop(x, list(settings.values())), float("-inf"))
+    index = _on_device(list(settings), torch.int64, x.device)
+    rows = x[index]
+    return x.index_copy(0, index, rows.masked_fill(drop(rows, list(settings.values())), float("-inf")))
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Logits [S, V] divided by each row's temperature, with the tokens outside that row's top-k, then top-p,
+    set to -inf; all rows at once (rows with different settings share one batch). Temperatures must be > 0."""
+    temperatures = _on_device([p.temperature for p in params], logits.dtype, logits.device)
+    x = logits / temperatures[:, None]
+    x = _drop_rows(x, {row: p.top_k for row, p in enumerate(params) if 0 < p.top_k < x.shape[-1]}, _top_k_drop)
+    return _drop_rows(x, {row: p.top_p for row, p in enumerate(params) if p.top_p < 1.0}, _top_p_drop)
+
+
+def inverse_cdf(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of ``filtered`` [R, V] (logits, -inf where excluded), the token whose interval of the row's
+    cumulative probability holds u [R] (in [0, 1], dtype of ``filtered``): token i with probability p_i.
+
+    u is scaled by the cumulative sum's last value (float sums do not reach exactly 1), and a u that rounds up
+    to that value picks the last token that raises the sum. A token of probability 0 is never picked: the
+    first cumulative value above u * total belongs to a token that raises it. (A token's share is its step
+    of the float32 sum, so one far below the sum's resolution, ~6e-8, may get a step of 0 or of one ulp.)
+    """
+    cdf = filtered.softmax(-1).cumsum(-1)
+    total = cdf[:, -1:].contiguous()  # searchsorted copies a strided input
+    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    last = torch.searchsorted(cdf, total)  # where the sum reaches its total: the last token raising it
+    return torch.minimum(picked, last).squeeze(-1)
 
 
 def _logprob_temperature(params: SamplingParams) -> float:
@@ -73,18 +119,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     raw logits (``"raw"``, T = 1) or of the filtered distribution that was sampled
     from (``"sampling"``); greedy rows report raw log-probs in every mode. Every id
     of the model's vocabulary can be drawn; padded ids arrive as -inf and never are
-    (see docs/engine.md on vocabulary padding).
+    (see docs/engine.md on vocabulary padding). Each sampled row takes one uniform
+    from its own generator (on the CPU, so that its state is portable for migration);
+    the uniforms go to the device in one copy and `inverse_cdf` picks every row's token.
     """
-    temperatures = torch.tensor([_logprob_temperature(p) for p in params], dtype=logits.dtype, device=logits.device)
+    temperatures = _on_device([_logprob_temperature(p) for p in params], logits.dtype, logits.device)
     logp = torch.log_softmax(logits / temperatures[:, None], dim=-1)  # x / 1.0 is exact: raw rows stay raw
-    tokens = logp.argmax(dim=-1)  # the greedy rows' tokens (their temperature above is 1)
-    for row, (p, g) in enumerate(zip(params, generators)):
-        if p.greedy:
-            continue
-        filtered_logp = torch.log_softmax(filter_logits(logits[row], p), dim=-1)
-        # .cpu(): the generator lives on the CPU so that its state is portable (migration)
-        probs = filtered_logp.exp().cpu()
-        tokens[row] = torch.multinomial(probs, 1, generator=g).to(tokens.device)[0]
-        if p.logprobs_of == "sampling":
-            logp[row] = filtered_logp
+    rows = [row for row, p in enumerate(params) if not p.greedy]
+    # the greedy rows' tokens (their temperature above is 1); an argmax costs a pass over the vocabulary
+    tokens = logp.argmax(dim=-1) if len(rows) < len(params) else None
+    if rows:
+        u = [torch.rand((), dtype=torch.float64, generator=generators[row]).item() for row in rows]
+        index = _on_device(rows, torch.int64, logits.device)
+        filtered = filter_logits(logits if len(rows) == len(params) else logits[index], [params[r] for r in rows])
+        drawn = inverse_cdf(filtered, _on_device(u, logits.dtype, logits.device))
+        tokens = drawn if tokens is None else tokens.index_copy(0, index, drawn)
+        exact = [j for j, row in enumerate(rows) if params[row].logprobs_of == "sampling"]
+        if exact:
+            within = _on_device(exact, torch.int64, logits.device)
+            logp = logp.index_copy(0, index[within], torch.log_softmax(filtered[within], dim=-1))
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
