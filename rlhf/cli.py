@@ -180,6 +180,7 @@ def run_program(program: str, parse, run, argv=None) -> int:
     from rlhf.parallel import collectives
 
     global _ran_distributed
+    platform.flush_denormals()  # before the first parallel CPU op, so that torch's thread pool inherits it
     platform.init_distributed(collectives.set_timeout(config.run.distributed_timeout_minutes).total_seconds())
     _ran_distributed = True
     try:

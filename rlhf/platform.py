@@ -169,6 +169,19 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def flush_denormals() -> None:
+    """Treat CPU floats below 2**-126 (denormals) as zero, in this thread and in every thread it starts later.
+
+    x86 CPUs take a slow microcode path for each denormal operand. An LLM's forward makes many: attention
+    probabilities of far-away keys and silu of very negative gates (measured on SmolLM2-135M decoding: the
+    attention's probs @ V took 5.8 ms per layer with them, 1.0 ms without; the step 1.24 s against 0.91 s).
+    A GPU's fast paths flush them too. The setting lives in each thread's float control register and a new
+    thread copies its parent's, so call this before torch's first parallel CPU op: threads of its pool
+    that exist already keep theirs. No effect on accelerator kernels.
+    """
+    torch.set_flush_denormal(True)
+
+
 def setup_megatron() -> None:
     """Process-wide megatron-core setup; adapts it to CPU when needed.
 

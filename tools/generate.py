@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from rlhf import platform
     from rlhf.engine.completions import generate_completions  # after the flags: --help needs no torch
 
+    platform.flush_denormals()
     try:
         return generate_completions(args)
     except UsageError as e:
