@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhf.engine.sampler import filter_logits, inverse_cdf, mixed_seed, sample
+from rlhf.engine.sampler import CDF_CHUNK, filter_logits, inverse_cdf, mixed_seed, sample
 from rlhf.engine.sequence import make_generator
 from rlhf.engine.types import EngineConfigError, SamplingParams
 
@@ -92,28 +92,33 @@ def test_seeded_draws_are_a_per_row_inverse_cdf_of_one_uniform():
     """Each sampled row's token is what a plain inverse CDF of its filtered distribution gives at the one
     uniform its generator draws; greedy rows between them take no draw."""
     torch.manual_seed(3)
-    logits = torch.randn(40, 64) * 2
     kinds = [dict(temperature=1.0), dict(temperature=0.6, top_k=8), dict(temperature=1.4, top_p=0.7),
-             dict(temperature=0.8, top_k=16, top_p=0.9), dict()]
-    params = [SamplingParams(seed=row, **kinds[row % len(kinds)]) for row in range(40)]
-    generators = [make_generator(row) for row in range(40)]
-    tokens, _ = sample(logits, params, generators)
-    for row, p in enumerate(params):
-        expected = logits[row].argmax().item() if p.greedy else reference_token(logits[row], p, row)
-        assert tokens[row].item() == expected, (row, p)
-        fresh = make_generator(row)
-        if not p.greedy:
-            torch.rand((), dtype=torch.float64, generator=fresh)
-        assert torch.equal(generators[row].get_state(), fresh.get_state())  # exactly one draw, or none
+             dict(temperature=0.8, top_k=16, top_p=0.9), dict(), dict(temperature=0.7, logprobs_of="sampling"),
+             dict(temperature=1.0, logprobs_of="raw")]
+    for vocab in (64, 4 * CDF_CHUNK):  # one level, and chunks
+        logits = torch.randn(42, vocab) * 2
+        params = [SamplingParams(seed=row, **kinds[row % len(kinds)]) for row in range(42)]
+        for chosen in (range(42), range(0, 42, 7)):  # mixed rows, and only temperature-1 rows
+            generators = [make_generator(row) for row in chosen]
+            tokens, _ = sample(logits[list(chosen)], [params[row] for row in chosen], generators)
+            for j, row in enumerate(chosen):
+                p = params[row]
+                expected = logits[row].argmax().item() if p.greedy else reference_token(logits[row], p, row)
+                assert tokens[j].item() == expected, (vocab, row, p)
+                fresh = make_generator(row)
+                if not p.greedy:
+                    torch.rand((), dtype=torch.float64, generator=fresh)
+                assert torch.equal(generators[j].get_state(), fresh.get_state())  # exactly one draw, or none
 
 
 def test_inverse_cdf_float_edges_never_pick_a_zero_probability_token():
     """u = 0 and u rounding to 1, padded -inf ids at both ends and inside, probabilities that underflow to 0
-    and sums that miss 1: the token always has nonzero probability, and u = 1 takes the last one."""
+    and sums that miss 1, with one level (7 ids) and two (49,152 ids in chunks of CDF_CHUNK, whole chunks of
+    zeros among them): the token always has nonzero probability, and u = 1 takes the last one."""
     rows = torch.tensor([[NEG, NEG, 0.0, NEG, 1.0, -200.0, NEG],
                          [NEG, 2.0, -150.0, 2.0, NEG, 1e-3, NEG],
-                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
-    positive = rows.softmax(-1) > 0
+                         [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]).softmax(-1)
+    positive = rows > 0
     one_below = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()
     for u in (0.0, 1e-30, 0.5, one_below, 1.0):
         tokens = inverse_cdf(rows, torch.full((3,), u))
@@ -121,19 +126,22 @@ def test_inverse_cdf_float_edges_never_pick_a_zero_probability_token():
     assert inverse_cdf(rows, torch.zeros(3)).tolist() == [2, 1, 0]
     assert inverse_cdf(rows, torch.ones(3)).tolist() == [4, 5, 6]
     # every u on the boundaries of the cumulative sums, and between them
-    cdf = rows.softmax(-1).cumsum(-1)
+    cdf = rows.cumsum(-1)
     grid = torch.cat([cdf / cdf[:, -1:], torch.linspace(0, 1, 1001).expand(3, 1001)], dim=1)
     for column in grid.T:
         assert positive.gather(1, inverse_cdf(rows, column)[:, None]).all()
     many = torch.randn(4, 49152) * 8
     many[:, -100:] = NEG
-    assert (many.softmax(-1).cumsum(-1)[:, -1] != 1).any()  # 49,152 float32 terms: the sum misses 1
-    positive, cdf = many.softmax(-1) > 0, many.softmax(-1).cumsum(-1)
-    for u in (one_below, 1.0):
-        tokens = inverse_cdf(many, torch.full((4,), u))[:, None]
-        assert positive.gather(1, tokens).all()
-    # u = 1: the last token that raises the float sum (later ones are below its resolution)
-    assert torch.equal(cdf.gather(1, tokens), cdf[:, -1:]) and (cdf.gather(1, tokens - 1) < cdf[:, -1:]).all()
+    many[:, :CDF_CHUNK] = NEG  # the first chunk holds nothing
+    many[1, 5 * CDF_CHUNK:9 * CDF_CHUNK] = NEG
+    many = many.softmax(-1)
+    assert (many.cumsum(-1)[:, -1] != 1).any()  # 49,152 float32 terms: the sum misses 1
+    chunk_sums = many.view(4, -1, CDF_CHUNK).sum(-1).cumsum(-1)
+    edges = torch.cat([chunk_sums / chunk_sums[:, -1:], chunk_sums.roll(1, 1) / chunk_sums[:, -1:]], dim=1)
+    for column in torch.cat([edges, torch.tensor([[0.0, 1e-30, one_below, 1.0]]).expand(4, 4)], dim=1).T:
+        assert (many.gather(1, inverse_cdf(many, column.contiguous())[:, None]) > 0).all()
+    last = inverse_cdf(many, torch.ones(4))  # u = 1: in the last chunk that raises the sum of chunks
+    assert torch.equal(last // CDF_CHUNK, (chunk_sums == chunk_sums[:, -1:]).int().argmax(-1))
 
 
 def test_token_frequencies_match_the_filtered_distribution():

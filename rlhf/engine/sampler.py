@@ -18,6 +18,7 @@ import torch
 from rlhf.engine.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+CDF_CHUNK = 128  # ids per chunk of the two-level inverse CDF (see inverse_cdf)
 
 
 def _splitmix64(x: int) -> int:
@@ -52,6 +53,14 @@ def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+def _divided(logits: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
+    """logits [S, V] divided by each row's temperature; the logits themselves when every one is 1 (x / 1.0 is
+    exact, and a pass over the vocabulary is saved)."""
+    if all(t == 1.0 for t in temperatures):
+        return logits
+    return logits / _on_device(temperatures, logits.dtype, logits.device)[:, None]
+
+
 def _top_k_drop(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Where x [R, V] lies below its row's k-th largest value (each k in [1, V))."""
     k = _on_device(ks, torch.int64, x.device)
@@ -82,26 +91,45 @@ def _drop_rows(x: torch.Tensor, settings: dict[int, float], drop) -> torch.Tenso
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Logits [S, V] divided by each row's temperature, with the tokens outside that row's top-k, then top-p,
     set to -inf; all rows at once (rows with different settings share one batch). Temperatures must be > 0."""
-    temperatures = _on_device([p.temperature for p in params], logits.dtype, logits.device)
-    x = logits / temperatures[:, None]
+    x = _divided(logits, [p.temperature for p in params])
     x = _drop_rows(x, {row: p.top_k for row, p in enumerate(params) if 0 < p.top_k < x.shape[-1]}, _top_k_drop)
     return _drop_rows(x, {row: p.top_p for row, p in enumerate(params) if p.top_p < 1.0}, _top_p_drop)
 
 
-def inverse_cdf(filtered: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """For each row of ``filtered`` [R, V] (logits, -inf where excluded), the token whose interval of the row's
-    cumulative probability holds u [R] (in [0, 1], dtype of ``filtered``): token i with probability p_i.
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """For each row of ``weights`` [R, V] (probabilities, or any non-negative weights), the token whose
+    interval of the row's cumulative sum holds u [R] (in [0, 1], dtype of ``weights``) times the row's total:
+    token i with probability weight_i / total.
 
-    u is scaled by the cumulative sum's last value (float sums do not reach exactly 1), and a u that rounds up
-    to that value picks the last token that raises the sum. A token of probability 0 is never picked: the
-    first cumulative value above u * total belongs to a token that raises it. (A token's share is its step
-    of the float32 sum, so one far below the sum's resolution, ~6e-8, may get a step of 0 or of one ulp.)
+    Two levels, because a cumulative sum over the whole vocabulary is a slow serial pass: the sums of chunks
+    of ``CDF_CHUNK`` ids (when that divides V) and their cumulative sum pick the chunk, and the cumulative sum
+    of that chunk alone picks the token. At each level a target that rounds up to the sum takes the last
+    entry that raises it, so a token of weight 0 is never picked: the first cumulative value above the
+    target belongs to an entry that raises it. (A token's share is its step of the float32 sums, so one far
+    below their resolution may get a step of 0 or of one ulp.)
     """
-    cdf = filtered.softmax(-1).cumsum(-1)
+    rows, vocab = weights.shape
+    chunk = CDF_CHUNK if vocab % CDF_CHUNK == 0 else vocab
+    chunks = weights.view(rows, vocab // chunk, chunk)
+    coarse = chunks.sum(-1).cumsum(-1)
+    target = u[:, None] * coarse[:, -1:]
+    which = _last_raising(coarse, target)  # [R, 1]
+    before = torch.where(which > 0, coarse.gather(1, (which - 1).clamp(min=0)), 0.0)
+    fine = chunks[torch.arange(rows, device=weights.device), which[:, 0]].cumsum(-1)
+    return (which * chunk + _last_raising(fine, target - before)).squeeze(-1)
+
+
+def _last_raising(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[R, 1] index of the first entry of ``cdf`` [R, n] above ``target`` [R, 1], or, where none is (the target
+    rounded up to the sum), the first that reaches the sum: the last entry that raises it."""
     total = cdf[:, -1:].contiguous()  # searchsorted copies a strided input
-    picked = torch.searchsorted(cdf, u[:, None] * total, right=True)
-    last = torch.searchsorted(cdf, total)  # where the sum reaches its total: the last token raising it
-    return torch.minimum(picked, last).squeeze(-1)
+    return torch.minimum(torch.searchsorted(cdf, target, right=True), torch.searchsorted(cdf, total))
+
+
+def _samples_its_logprobs(params: SamplingParams) -> bool:
+    """True when the row's reported log-probs are of the very distribution it samples from (no top-k or
+    top-p, and the log-probs at the sampling temperature), so that their exp can be sampled directly."""
+    return params.top_k == 0 and params.top_p >= 1.0 and _logprob_temperature(params) == params.temperature
 
 
 def _logprob_temperature(params: SamplingParams) -> float:
@@ -123,19 +151,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     from its own generator (on the CPU, so that its state is portable for migration);
     the uniforms go to the device in one copy and `inverse_cdf` picks every row's token.
     """
-    temperatures = _on_device([_logprob_temperature(p) for p in params], logits.dtype, logits.device)
-    logp = torch.log_softmax(logits / temperatures[:, None], dim=-1)  # x / 1.0 is exact: raw rows stay raw
+    logp = torch.log_softmax(_divided(logits, [_logprob_temperature(p) for p in params]), dim=-1)
     rows = [row for row, p in enumerate(params) if not p.greedy]
     # the greedy rows' tokens (their temperature above is 1); an argmax costs a pass over the vocabulary
     tokens = logp.argmax(dim=-1) if len(rows) < len(params) else None
     if rows:
-        u = [torch.rand((), dtype=torch.float64, generator=generators[row]).item() for row in rows]
+        u = _on_device([torch.rand((), dtype=torch.float64, generator=generators[row]).item() for row in rows],
+                       logits.dtype, logits.device)
         index = _on_device(rows, torch.int64, logits.device)
-        filtered = filter_logits(logits if len(rows) == len(params) else logits[index], [params[r] for r in rows])
-        drawn = inverse_cdf(filtered, _on_device(u, logits.dtype, logits.device))
+        chosen, every = [params[r] for r in rows], len(rows) == len(params)
+        if all(_samples_its_logprobs(p) for p in chosen):  # the reported distribution is the sampled one
+            drawn = inverse_cdf((logp if every else logp[index]).exp(), u)
+        else:
+            filtered = filter_logits(logits if every else logits[index], chosen)
+            drawn = inverse_cdf(filtered.softmax(-1), u)
+            exact = [j for j, p in enumerate(chosen) if p.logprobs_of == "sampling"]
+            if exact:
+                within = _on_device(exact, torch.int64, logits.device)
+                logp = logp.index_copy(0, index[within], torch.log_softmax(filtered[within], dim=-1))
         tokens = drawn if tokens is None else tokens.index_copy(0, index, drawn)
-        exact = [j for j, row in enumerate(rows) if params[row].logprobs_of == "sampling"]
-        if exact:
-            within = _on_device(exact, torch.int64, logits.device)
-            logp = logp.index_copy(0, index[within], torch.log_softmax(filtered[within], dim=-1))
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
