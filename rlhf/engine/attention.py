@@ -10,19 +10,28 @@ cache positions ``[0, its position]`` of its own sequence::
     positions 0..3 -> block 7, 4..7 -> block 2, 8..9 -> block 9 (slots 36, 37)
 
 Interface: ``plan = attn.prepare(meta)`` once per step, then
-``attn(q, k_cache, v_cache, plan, scale)`` per layer. Two implementations:
-`TorchPagedAttention` (pure torch, any device, used on CPU and in tests) and
-`FlashPagedAttention` (flash-attn's ``flash_attn_with_kvcache`` with block
-tables, given a strided ``[num_blocks, block_size, kv_heads, head_dim]`` view
-of the same cache; needs flash-attn, a half-precision model and
-``block_size`` a multiple of 256; not exercised by the CPU tests). `make_attention` picks one.
+``attn(q, k_cache, v_cache, plan, scale)`` per layer. Three implementations:
+
+* `TorchPagedAttention`: pure torch, any device and dtype; gathers each
+  sequence's blocks into a new tensor, then batched matmuls (the reference
+  the others are tested against);
+* `CpuPagedAttention`: decode rows by a C++ kernel that reads the blocks in
+  place (rlhf/engine/native.py; CPU, float32), prefill chunks by the torch path;
+* `FlashPagedAttention`: flash-attn's ``flash_attn_with_kvcache`` with block
+  tables, given a strided ``[num_blocks, block_size, kv_heads, head_dim]`` view
+  of the same cache; needs flash-attn, a half-precision model and
+  ``block_size`` a multiple of 256; not exercised by the CPU tests.
+
+`make_attention` picks one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from rlhf.engine.native import paged_decode_kernel
 
 
 @dataclass
@@ -114,6 +123,41 @@ class TorchPagedAttention:
         return out
 
 
+@dataclass
+class _CpuPlan:
+    """A step's decode rows for the kernel (their block tables, context lengths and flat query indices) and
+    the torch path's plan of its prefill chunks."""
+
+    tables: torch.Tensor
+    ctx: torch.Tensor
+    tokens: torch.Tensor
+    prefill: list[_Group]
+
+
+class CpuPagedAttention:
+    """Decode rows by the C++ kernel of rlhf/engine/csrc/paged_attention.cpp, which reads each sequence's
+    keys and values in its blocks (no gathered copy, no per-matrix overhead); prefill chunks, whose queries
+    share their keys, by `TorchPagedAttention`'s batched matmuls. float32 on the CPU. The kernel's softmax
+    is in float32, as the torch path's is."""
+
+    name = "cpu"
+
+    def __init__(self, kernel, block_size: int, kv_heads: int, q_per_kv: int):
+        self.kernel = kernel
+        self.prefill = TorchPagedAttention(block_size, kv_heads, q_per_kv, torch.float32)
+
+    def prepare(self, meta: AttentionMeta) -> _CpuPlan:
+        return _CpuPlan(meta.block_tables[meta.decode_rows].int(), meta.decode_ctx.int(), meta.decode_tokens,
+                        self.prefill.prepare(replace(meta, decode_rows=[])))
+
+    def __call__(self, q, k_cache, v_cache, plan: _CpuPlan, scale: float) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+        out = self.prefill(q, k_cache, v_cache, plan.prefill, scale)
+        if len(plan.tokens):
+            out[plan.tokens] = self.kernel(q[plan.tokens], k_cache, v_cache, plan.tables, plan.ctx, scale)
+        return out
+
+
 class FlashPagedAttention:
     """flash-attn's paged kernel; decodes in one call, each prefill chunk in its own."""
 
@@ -154,12 +198,23 @@ def flash_available() -> bool:
 
 
 def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int,
-                   dtype: torch.dtype = torch.float32):
-    """``"torch"``, ``"flash"`` (error if unavailable) or ``"auto"`` (flash when usable)."""
+                   dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")):
+    """``"torch"``, ``"cpu"`` or ``"flash"`` (an error if it cannot run here), or ``"auto"``: flash when
+    usable, else the C++ kernel for a float32 model on the CPU when it builds, else torch."""
     usable = dtype in (torch.float16, torch.bfloat16) and block_size % 256 == 0 and flash_available()
     if backend == "flash" and not usable:
         raise RuntimeError("attention_backend='flash' needs flash-attn installed, a float16/bfloat16 model and "
                            f"block_size % 256 == 0 (got {dtype}, block_size={block_size}); use 'torch' or 'auto'")
     if backend == "flash" or (backend == "auto" and usable):
         return FlashPagedAttention()
+    cpu_float = dtype == torch.float32 and device.type == "cpu"
+    if backend == "cpu" and not cpu_float:
+        raise RuntimeError(f"attention_backend='cpu' needs a float32 model on the CPU (got {dtype} on {device}); "
+                           "use 'torch' or 'auto'")
+    kernel = paged_decode_kernel() if backend == "cpu" or (backend == "auto" and cpu_float) else None
+    if backend == "cpu" and kernel is None:
+        raise RuntimeError("attention_backend='cpu': the C++ kernel did not build (the line above says why); "
+                           "use 'torch' or 'auto'")
+    if kernel is not None:
+        return CpuPagedAttention(kernel, block_size, kv_heads, q_per_kv)
     return TorchPagedAttention(block_size, kv_heads, q_per_kv, dtype)

@@ -85,7 +85,7 @@ class TPDecoder:
         with torch.no_grad():
             emb = model.rotary_pos_emb.get_emb(max_len).reshape(max_len, -1).to(dev)  # megatron's own freqs
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype)
+        self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype, dev)
         self.scale = cfg.head_dim ** -0.5
 
     @property

@@ -56,16 +56,18 @@ class EngineConfig:
     max_model_len: int | None = None
     continuous_batching: bool = True
     prefix_sharing: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "flash"
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" (rlhf/engine/attention.py)
 
     @classmethod
     def for_batch(cls, prompts: int, samples_per_prompt: int, max_model_len: int, **fields) -> EngineConfig:
         """An engine whose KV cache holds ``prompts`` x ``samples_per_prompt`` sequences of up to
-        ``max_model_len`` tokens at once: each sequence's full blocks, a partly filled one and a spare
+        ``max_model_len`` tokens at once (each sequence's full blocks, a partly filled one and a spare) and
+        which runs them all in one batch: a decode step's matmuls are most efficient with the most rows
         (``fields``: any other settings, ``block_size`` included)."""
         block_size = fields.get("block_size", cls.block_size)
-        blocks = prompts * samples_per_prompt * (max_model_len // block_size + 2)
-        return cls(num_blocks=blocks, max_model_len=max_model_len, **fields)
+        sequences = prompts * samples_per_prompt
+        fields.setdefault("max_num_seqs", max(cls.max_num_seqs, sequences))
+        return cls(num_blocks=sequences * (max_model_len // block_size + 2), max_model_len=max_model_len, **fields)
 
     def __post_init__(self):
         _check(self.num_blocks >= 1, "num_blocks", self.num_blocks, ">= 1")
@@ -74,11 +76,12 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                ">= 2 or None (use the model's max_seq_len)")
-        _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
-               self.attention_backend, "one of 'auto', 'torch', 'flash'")
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+               f"one of {ATTENTION_BACKENDS}")
 
 
 LOGPROB_MODES = ("tempered", "raw", "sampling")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flash")
 """What `SampleResult.logprobs` holds (see `SamplingParams`)."""
 
 

@@ -1,0 +1,59 @@
+"""The engine's C++ CPU kernel (csrc/paged_attention.cpp), compiled on first use and cached.
+
+`paged_decode_kernel()` returns the compiled ``paged_decode`` function, or None when it cannot be built
+here (no C++ compiler, no ninja), after one line on stderr saying why; the engine then runs the pure
+torch path, which computes the same attention. The build takes about 30 s once per machine and is
+cached under ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``) in a directory named after a
+hash of the source, the compiler flags, torch's version and this CPU's instruction set (the code is
+compiled for the CPU it runs on, so a home directory shared by different machines keeps one build per
+kind of CPU). Ranks that start together wait for one build (torch's file lock).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+CACHE_ENV = "RLHF_KERNEL_CACHE"
+# reassociation lets the compiler vectorise the dot products' sums; no other fast-math liberties
+CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
+
+
+def _cpu_signature() -> str:
+    """The CPU's instruction-set flags (Linux), or the machine name elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def paged_decode_kernel():
+    """The compiled ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)``, or None (see the module doc)."""
+    from torch.utils.cpp_extension import load
+
+    text = SOURCE.read_text()
+    key = hashlib.sha256("\n".join([text, " ".join(CFLAGS), torch.__version__, _cpu_signature()]).encode())
+    name = f"rlhf_paged_attention_{key.hexdigest()[:16]}"
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlhf" / "kernels")
+    build = root / name
+    try:
+        build.mkdir(parents=True, exist_ok=True)
+        module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                      build_directory=str(build), verbose=False)
+    except Exception as exc:  # a missing compiler or ninja: the torch path computes the same attention
+        reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        print(f"rlhf.engine: the C++ paged-attention kernel did not build in {build} ({reason}); "
+              "decoding uses the torch path", file=sys.stderr, flush=True)
+        return None
+    return module.paged_decode
