@@ -169,7 +169,7 @@ def main() -> None:
     loaded = load_unsharded_lm(path)
     rows = args.prompts * args.n
     longest = max(map(len, prompts)) + max(limits)
-    engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=rows * (-(-longest // 16) + 1)))
+    engine = Engine(loaded.model, None, loaded.config, EngineConfig.for_batch(args.prompts, args.n, longest))
     flops = matmul_flops_per_token(loaded.config)
     eos = tok.eos_token_id
     print(f"machine: {host.machine()}, {os.cpu_count()} CPUs, torch threads {args.threads}; {args.prompts} prompts "
