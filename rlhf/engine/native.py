@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,6 +38,17 @@ def _cpu_signature() -> str:
     return platform.machine()
 
 
+def _ninja_on_path() -> None:
+    """torch builds with the ``ninja`` it finds on PATH; the pip package's lies in the venv's bin directory,
+    which is not on PATH when the venv's python is run without activating it."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.lru_cache(maxsize=None)
 def paged_decode_kernel():
     """The compiled ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)``, or None (see the module doc)."""
@@ -47,6 +59,7 @@ def paged_decode_kernel():
     name = f"rlhf_paged_attention_{key.hexdigest()[:16]}"
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlhf" / "kernels")
     build = root / name
+    _ninja_on_path()
     try:
         build.mkdir(parents=True, exist_ok=True)
         module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
