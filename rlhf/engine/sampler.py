@@ -151,23 +151,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     from its own generator (on the CPU, so that its state is portable for migration);
     the uniforms go to the device in one copy and `inverse_cdf` picks every row's token.
     """
-    logp = torch.log_softmax(_divided(logits, [_logprob_temperature(p) for p in params]), dim=-1)
+    x = _divided(logits, [_logprob_temperature(p) for p in params])  # the reported distribution's logits
+    top = x.max(-1, keepdim=True).values
+    weights = (x - top).exp_()  # its probabilities, times a constant per row: no [S, V] log-probs are kept
+    log_total = weights.sum(-1, keepdim=True).log_()
     rows = [row for row, p in enumerate(params) if not p.greedy]
     # the greedy rows' tokens (their temperature above is 1); an argmax costs a pass over the vocabulary
-    tokens = logp.argmax(dim=-1) if len(rows) < len(params) else None
+    tokens = x.argmax(dim=-1) if len(rows) < len(params) else None
+    exact = None
     if rows:
         u = _on_device([torch.rand((), dtype=torch.float64, generator=generators[row]).item() for row in rows],
                        logits.dtype, logits.device)
         index = _on_device(rows, torch.int64, logits.device)
         chosen, every = [params[r] for r in rows], len(rows) == len(params)
         if all(_samples_its_logprobs(p) for p in chosen):  # the reported distribution is the sampled one
-            drawn = inverse_cdf((logp if every else logp[index]).exp(), u)
+            drawn = inverse_cdf(weights if every else weights[index], u)
         else:
             filtered = filter_logits(logits if every else logits[index], chosen)
             drawn = inverse_cdf(filtered.softmax(-1), u)
-            exact = [j for j, p in enumerate(chosen) if p.logprobs_of == "sampling"]
-            if exact:
-                within = _on_device(exact, torch.int64, logits.device)
-                logp = logp.index_copy(0, index[within], torch.log_softmax(filtered[within], dim=-1))
+            within = [j for j, p in enumerate(chosen) if p.logprobs_of == "sampling"]
+            if within:
+                within = _on_device(within, torch.int64, logits.device)
+                picked = filtered[within].gather(-1, drawn[within, None])
+                exact = index[within], (picked - filtered[within].logsumexp(-1, keepdim=True)).squeeze(-1)
         tokens = drawn if tokens is None else tokens.index_copy(0, index, drawn)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = ((x.gather(-1, tokens[:, None]) - top) - log_total).squeeze(-1)  # as log_softmax rounds it
+    return tokens, logprobs if exact is None else logprobs.index_copy(0, *exact)
