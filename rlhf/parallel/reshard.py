@@ -206,13 +206,18 @@ def _tag(name: str) -> int:
 
 
 @torch.no_grad()
-def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str, torch.Tensor]) -> None:
+def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str, torch.Tensor],
+                      names=None) -> None:
     """Fill this stage's shards from a full (unsharded) state dict keyed by global name.
 
     Vocabulary parameters may come without the model's padded rows (rlhf.models.vocab): they get zeros.
+    ``names``: fill only the parameters whose global name it holds (default: every parameter of the stage;
+    LoRA adapters are loaded apart from their base).
     """
     tp = groups.mesh.strategy.tp
     for name, param in named_global_parameters(model).items():
+        if names is not None and name not in names:
+            continue
         if name not in full:
             raise KeyError(f"full state dict has no tensor {name!r} needed by this stage")
         spec = ShardSpec.of(param, tp)
