@@ -105,3 +105,57 @@ def test_only_adapters_are_trained(parity, layout):
         assert out["trained"] and all(".lora." in n for n in out["trained"])
         assert len(out["trained"]) == out["adapters_here"]
         assert out["optimized"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "8", "--lora-target-modules", "q_proj,qkv_proj"],
+     "--lora-target-modules: target module 'qkv_proj' does not exist; the projections are q_proj, k_proj, v_proj, "
+     "o_proj, gate_proj, up_proj, down_proj"),
+    (["--lora-rank", "65"], "--lora-rank: the actor's rank 65 is larger than q_proj's smaller dimension 64"),
+    (["--critic-lora-rank", "8", "--critic-lora-target-modules", "down_proj,lm_head"],
+     "--critic-lora-target-modules: target module 'lm_head' does not exist"),
+    (["--critic-lora-rank", "49"], "--critic-lora-rank: the critic's rank 49 is larger than q_proj's smaller "
+                                   "dimension 48"),
+    (["--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout: dropout must be in [0, 1), got 1.0"),
+])
+def test_bad_lora_flags_name_their_flag(argv, message):
+    from rlhf.cli import UsageError
+    from rlhf.ppo.arguments import parse_args
+
+    with pytest.raises(UsageError) as exc:
+        parse_args(argv)
+    assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_lora_on_a_quantized_model_names_the_flag(tmp_path):
+    """A GGUF file, or an HF directory that declares a quantization, cannot take adapters: dequantize first."""
+    from rlhf.cli import UsageError
+    from rlhf.ppo.arguments import parse_args
+
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(UsageError) as exc:
+        parse_args(["--actor-model", str(gguf), "--lora-rank", "8"])
+    assert str(exc.value).startswith(f"--lora-rank: LoRA adapts the actor's float weights, but --actor-model {gguf} "
+                                     "is a GGUF quantized file; dequantize it first: tools/convert_checkpoint.py "
+                                     "gguf-to-hf")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "quantization_config": '
+                                    '{"quant_method": "gguf"}}')
+    with pytest.raises(UsageError) as exc:
+        parse_args(["--critic-model", str(hf), "--critic-lora-rank", "8"])
+    assert str(exc.value).startswith(f"--critic-lora-rank: LoRA adapts the critic's float weights, but --critic-model "
+                                     f"{hf} is quantized (gguf)")
+
+
+def test_lora_flags_reach_the_config():
+    from rlhf.models.config import LoRAConfig
+    from rlhf.ppo.arguments import parse_args
+
+    cfg = parse_args(["--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "q_proj,v_proj",
+                      "--critic-lora-rank", "4", "--critic-lora-target-modules", "all-linear"])
+    assert cfg.lora.for_model("actor") == LoRAConfig(8, 16.0, 0.0, ("q_proj", "v_proj"))
+    assert cfg.lora.for_model("actor").scaling == 2.0
+    assert cfg.lora.for_model("critic") == LoRAConfig(4)
+    assert parse_args([]).lora.for_model("actor") is None  # rank 0: full fine-tuning

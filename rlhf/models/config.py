@@ -13,7 +13,11 @@ layers in the backward (only each chunk's input is kept), ``selective`` only the
 
 
 class ModelConfigError(ValueError):
-    """An invalid model configuration; the message names the field."""
+    """An invalid model configuration; the message names the field (``field``, when given, too)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -117,20 +121,22 @@ class LoRAConfig:
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
-            raise ModelConfigError(f"rank must be an integer >= 0 (0: no adapters), got {self.rank!r}")
+            raise ModelConfigError(f"rank must be an integer >= 0 (0: no adapters), got {self.rank!r}", "rank")
         if self.alpha is not None and not (isinstance(self.alpha, (int, float)) and 0 < self.alpha < math.inf):
-            raise ModelConfigError(f"alpha must be a finite number > 0 (or None: the rank), got {self.alpha!r}")
+            raise ModelConfigError(f"alpha must be a finite number > 0 (or None: the rank), got {self.alpha!r}",
+                                   "alpha")
         if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
-            raise ModelConfigError(f"dropout must be in [0, 1), got {self.dropout!r}")
+            raise ModelConfigError(f"dropout must be in [0, 1), got {self.dropout!r}", "dropout")
         if not isinstance(self.target_modules, tuple) or not self.target_modules:
             raise ModelConfigError(f"target_modules must name at least one of {', '.join(LORA_TARGET_MODULES)}, "
-                                   f"got {self.target_modules!r}")
+                                   f"got {self.target_modules!r}", "target_modules")
         unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
         if unknown:
             raise ModelConfigError(f"target module {unknown[0]!r} does not exist; the projections are "
-                                   f"{', '.join(LORA_TARGET_MODULES)}")
+                                   f"{', '.join(LORA_TARGET_MODULES)}", "target_modules")
         if len(set(self.target_modules)) != len(self.target_modules):
-            raise ModelConfigError(f"target_modules {self.target_modules!r} names a projection twice")
+            raise ModelConfigError(f"target_modules {self.target_modules!r} names a projection twice",
+                                   "target_modules")
 
     @property
     def enabled(self) -> bool:
@@ -146,8 +152,9 @@ class LoRAConfig:
         for name in self.target_modules:
             n_in, n_out = projection_shape(model, name)
             if self.rank > min(n_in, n_out):
-                raise ModelConfigError(f"rank {self.rank} is larger than {name}'s smaller dimension "
-                                       f"{min(n_in, n_out)} ([{n_out}, {n_in}]); give a rank <= {min(n_in, n_out)}")
+                small = min(n_in, n_out)
+                raise ModelConfigError(f"rank {self.rank} is larger than {name}'s smaller dimension {small} "
+                                       f"([{n_out}, {n_in}]); give a rank <= {small}", "rank")
 
 
 def projection_shape(model: ModelConfig, name: str) -> tuple[int, int]:
