@@ -23,6 +23,7 @@ from rlhf.models.naming import named_global_parameters
 from rlhf.optim import ModelOptimizer, OptimizerConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
+from rlhf.ppo.config import AdaptersConfig
 from rlhf.parallel.reshard import ShardSpec, gather_tp_full, load_full_weights
 from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
 
@@ -85,7 +86,47 @@ def _train(groups, base_dir: str, adapter_dir: str, batches: list, lr: float, di
     return out
 
 
-def run(base_dir: str, adapter_dir: str, batches: list, lr: float) -> dict:
+LORA = AdaptersConfig(lora_rank=4, lora_alpha=8.0, critic_lora_rank=4, critic_lora_target_modules=("q_proj", "v_proj"))
+
+
+def _max_diff(a: dict, b: dict, names) -> float:
+    return max((a[m][k] - b[m][k]).abs().max().item() for m, k in names)
+
+
+def _trainer_runs(root: str) -> dict:
+    """The PPO trainer with LoRA on the actor (all projections) and the critic (q, v; its value head trains),
+    every task in scenario_trainer's layout (actor_train TP2xPP2, critic_train PP2xDP2 reversed, the engine
+    TP2xDP2), the old log-probs recomputed so the engine's can be compared: 4 iterations straight, and 2,
+    save, load into a fresh trainer, 2 more."""
+    from scenario_trainer import PLAN as TRAINER_PLAN, synthetic_trainer, synthetic_weights, trained_weights
+
+    placement = Placement.from_plan(TRAINER_PLAN, dist.get_world_size())
+    full = synthetic_weights(11)
+    options = dict(lora=LORA, recompute_logprobs=True, use_distributed_optimizer=True, lr=1e-2)
+    straight = synthetic_trainer(placement, full, mini_batch=4, **options)
+    metrics = [straight.step().metrics for _ in range(4)]
+    first = synthetic_trainer(placement, full, mini_batch=4, **options)
+    for _ in range(2):
+        first.step()
+    first.save(root)
+    resumed = synthetic_trainer(placement, full, mini_batch=4, **options)
+    resumed.load(root)
+    resumed_metrics = [resumed.step().metrics for _ in range(2)]
+    a, b = trained_weights(straight), trained_weights(resumed)
+    names = [(m, k) for m in a for k in a[m]]
+    adapters = [(m, k) for m, k in names if is_adapter(k)]
+    frozen = [(m, k) for m, k in names if not is_adapter(k) and (m, k) != ("critic", "output_layer.weight")]
+    return {"mismatch": [m["mismatch_logprob_abs_max"] for m in metrics],
+            "straight_metrics": metrics[2:], "resumed_metrics": resumed_metrics,
+            "resume_param_diff": _max_diff(a, b, names), "adapters": len(adapters),
+            "b_moved": max(a[m][k].abs().max().item() for m, k in adapters if k.endswith(".B")),  # B starts at 0
+            "frozen_moved": _max_diff(a, full, frozen),
+            "head_moved": _max_diff(a, full, [("critic", "output_layer.weight")])}
+
+
+def run(base_dir: str, adapter_dir: str, batches: list, lr: float, root: str) -> dict:
     groups = build_task_groups(Placement.from_plan(PLAN, dist.get_world_size()))
-    return {name: _train(groups[task], base_dir, adapter_dir, batches, lr, distributed)
-            for name, (task, distributed) in LAYOUTS.items()}
+    out = {name: _train(groups[task], base_dir, adapter_dir, batches, lr, distributed)
+           for name, (task, distributed) in LAYOUTS.items()}
+    out["trainer"] = _trainer_runs(root)
+    return out

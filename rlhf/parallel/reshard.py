@@ -163,7 +163,8 @@ def _recvs(lay: _Layouts, params: dict, local_src: dict, my_tp: int, me: int) ->
 
 
 @torch.no_grad()
-def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> dict[str, int]:
+def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int,
+            src_params: dict | None = None) -> dict[str, int]:
     """Copy weights of the model laid out on ``src_mesh`` into the one on ``dst_mesh``.
 
     ``src`` / ``dst`` are this rank's ``(TaskGroups, model)`` in each layout, or
@@ -175,13 +176,17 @@ def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> dict
     them in one batch, so the exchange cannot deadlock even where messages are
     matched by order rather than tag (NCCL).
 
+    ``src_params``: what the source sends instead of its model's parameters, by global name (tensors with
+    the parameters' TP attributes; a LoRA model's merged weights, rlhf.models.lora.merged_parameters).
+
     Returns the bytes this rank received from other ranks, by global parameter
     name (local copies are free; rlhf.planner.reshard_bytes predicts them).
     """
     me = dist.get_rank()
     lay = _Layouts(src_mesh, dst_mesh, num_layers)
     (src_groups, src_model), (dst_groups, dst_model) = src, dst
-    src_params = named_global_parameters(src_model) if src_model is not None else {}
+    if src_params is None:
+        src_params = named_global_parameters(src_model) if src_model is not None else {}
     ops = _sends(lay, src_params, src_groups.tp_rank, me) if src_model is not None else []
     unpack = []
     if dst_model is not None:

@@ -605,6 +605,10 @@ class JobConfig:
     def __post_init__(self):
         check_field_types("job", self)
         self.lora.check_shapes(self.models, self.trained_tasks())
+        if self.checkpoint.save_format == "torch_dist" and self.lora.for_model("actor") is not None:
+            raise ConfigError("torch_dist writes the actor as a Megatron-LM checkpoint, which has no place for LoRA "
+                              "adapters yet; save 'ours' (tools/convert_checkpoint.py exports the adapters)",
+                              "checkpoint.save_format")
         self.logging.check_traced_iteration(self.run)
         overlong = self.ppo.overlong_punishment
         if overlong is not None and overlong[0] > self.generation.max_response_len:
