@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.models.config import LoRAConfig, projection_shape
-from rlhf.models.naming import global_name
+from rlhf.models.naming import global_name, named_global_parameters
 
 LAYERS = {
     "self_attention.linear_qkv": ("column", ("q_proj", "k_proj", "v_proj")),
@@ -246,8 +246,6 @@ def merged_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This stage's base parameters by global name, each adapted weight replaced by a new tensor
     W + scaling B A (same shard, same TP attributes); the adapters left out. What another layout
     without adapters (the engine's actor_gen, an inference task) receives by resharding."""
-    from rlhf.models.naming import named_global_parameters
-
     layers = adapted_layers(model)
     out = {}
     for name, param in named_global_parameters(model).items():
