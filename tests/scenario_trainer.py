@@ -28,8 +28,8 @@ from rlhf import platform
 from rlhf.batch import Batch
 from rlhf.checkpoint.storage import list_checkpoints
 from rlhf.config import CheckpointConfig, ConfigError, RunConfig
-from rlhf.ppo.config import (FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig, PPOConfig,
-                             RewardConfig)
+from rlhf.ppo.config import (AdaptersConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
+                             PPOConfig, RewardConfig)
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
 from rlhf.engine.types import SampleResult
@@ -348,13 +348,13 @@ def synthetic_weights(seed: int) -> dict:
 def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
                       checkpoint: CheckpointConfig = CheckpointConfig(), temperature: float = 1.0,
                       memory: MemoryConfig = MemoryConfig(), precision: PrecisionConfig = PrecisionConfig(),
-                      **optimizer) -> Trainer:
+                      lora: AdaptersConfig = AdaptersConfig(), **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights."""
     config = JobConfig(models=ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL), run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
-                       fusion=fusion, checkpoint=checkpoint, memory=memory, precision=precision)
+                       fusion=fusion, checkpoint=checkpoint, memory=memory, precision=precision, lora=lora)
     prompts = PromptBatchIterator(SyntheticPromptDataset(SyntheticPromptConfig(seed=5, max_length=8)), 4, seed=5)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=full, reward_fn=gold_reward)
 

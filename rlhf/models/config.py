@@ -13,7 +13,11 @@ layers in the backward (only each chunk's input is kept), ``selective`` only the
 
 
 class ModelConfigError(ValueError):
-    """An invalid model configuration; the message names the field."""
+    """An invalid model configuration; the message names the field (``field``, when given, too)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -97,3 +101,65 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tps: Iterable[int]) ->
         raise ValueError(f"make_vocab_size_divisible_by must be >= 1, got {divisible_by}")
     multiple = divisible_by * math.lcm(1, *tps)
     return -(-vocab_size // multiple) * multiple
+
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections LoRA can adapt, as PEFT names them on an HF Llama (rlhf/models/lora.py maps them onto
+megatron's fused linear_qkv and linear_fc1 and its linear_proj and linear_fc2)."""
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters of one model, as PEFT's ``LoraConfig``: ``rank`` r (0: no adapters), ``alpha`` (the
+    adapter's output is scaled by alpha / r, PEFT's default, not rsLoRA; None: alpha = r, scale 1),
+    ``dropout`` on the adapter's input in training, and the ``target_modules`` adapted (PEFT's names)."""
+
+    rank: int = 0
+    alpha: float | None = None
+    dropout: float = 0.0
+    target_modules: tuple = LORA_TARGET_MODULES
+
+    def __post_init__(self):
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ModelConfigError(f"rank must be an integer >= 0 (0: no adapters), got {self.rank!r}", "rank")
+        if self.alpha is not None and not (isinstance(self.alpha, (int, float)) and 0 < self.alpha < math.inf):
+            raise ModelConfigError(f"alpha must be a finite number > 0 (or None: the rank), got {self.alpha!r}",
+                                   "alpha")
+        if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ModelConfigError(f"dropout must be in [0, 1), got {self.dropout!r}", "dropout")
+        if not isinstance(self.target_modules, tuple) or not self.target_modules:
+            raise ModelConfigError(f"target_modules must name at least one of {', '.join(LORA_TARGET_MODULES)}, "
+                                   f"got {self.target_modules!r}", "target_modules")
+        unknown = [m for m in self.target_modules if m not in LORA_TARGET_MODULES]
+        if unknown:
+            raise ModelConfigError(f"target module {unknown[0]!r} does not exist; the projections are "
+                                   f"{', '.join(LORA_TARGET_MODULES)}", "target_modules")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ModelConfigError(f"target_modules {self.target_modules!r} names a projection twice",
+                                   "target_modules")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        """What the adapter's output B A x is multiplied by: alpha / r."""
+        return (self.rank if self.alpha is None else self.alpha) / self.rank
+
+    def check_shape(self, model: ModelConfig) -> None:
+        """ModelConfigError when the rank exceeds the smaller dimension of a targeted projection of ``model``."""
+        for name in self.target_modules:
+            n_in, n_out = projection_shape(model, name)
+            if self.rank > min(n_in, n_out):
+                small = min(n_in, n_out)
+                raise ModelConfigError(f"rank {self.rank} is larger than {name}'s smaller dimension {small} "
+                                       f"([{n_out}, {n_in}]); give a rank <= {small}", "rank")
+
+
+def projection_shape(model: ModelConfig, name: str) -> tuple[int, int]:
+    """(input, output) features of the PEFT projection ``name`` of ``model`` (unsharded)."""
+    h, ffn = model.hidden_size, model.ffn_hidden_size
+    q, kv = model.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}[name]

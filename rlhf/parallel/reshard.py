@@ -163,7 +163,8 @@ def _recvs(lay: _Layouts, params: dict, local_src: dict, my_tp: int, me: int) ->
 
 
 @torch.no_grad()
-def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> dict[str, int]:
+def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int,
+            src_params: dict | None = None) -> dict[str, int]:
     """Copy weights of the model laid out on ``src_mesh`` into the one on ``dst_mesh``.
 
     ``src`` / ``dst`` are this rank's ``(TaskGroups, model)`` in each layout, or
@@ -175,13 +176,17 @@ def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int) -> dict
     them in one batch, so the exchange cannot deadlock even where messages are
     matched by order rather than tag (NCCL).
 
+    ``src_params``: what the source sends instead of its model's parameters, by global name (tensors with
+    the parameters' TP attributes; a LoRA model's merged weights, rlhf.models.lora.merged_parameters).
+
     Returns the bytes this rank received from other ranks, by global parameter
     name (local copies are free; rlhf.planner.reshard_bytes predicts them).
     """
     me = dist.get_rank()
     lay = _Layouts(src_mesh, dst_mesh, num_layers)
     (src_groups, src_model), (dst_groups, dst_model) = src, dst
-    src_params = named_global_parameters(src_model) if src_model is not None else {}
+    if src_params is None:
+        src_params = named_global_parameters(src_model) if src_model is not None else {}
     ops = _sends(lay, src_params, src_groups.tp_rank, me) if src_model is not None else []
     unpack = []
     if dst_model is not None:
@@ -206,13 +211,18 @@ def _tag(name: str) -> int:
 
 
 @torch.no_grad()
-def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str, torch.Tensor]) -> None:
+def load_full_weights(model: torch.nn.Module, groups: TaskGroups, full: dict[str, torch.Tensor],
+                      names=None) -> None:
     """Fill this stage's shards from a full (unsharded) state dict keyed by global name.
 
     Vocabulary parameters may come without the model's padded rows (rlhf.models.vocab): they get zeros.
+    ``names``: fill only the parameters whose global name it holds (default: every parameter of the stage;
+    LoRA adapters are loaded apart from their base).
     """
     tp = groups.mesh.strategy.tp
     for name, param in named_global_parameters(model).items():
+        if names is not None and name not in names:
+            continue
         if name not in full:
             raise KeyError(f"full state dict has no tensor {name!r} needed by this stage")
         spec = ShardSpec.of(param, tp)

@@ -10,6 +10,7 @@ flag. The placement and model flags are built here.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
@@ -17,9 +18,9 @@ from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, 
                       fraction_or_auto, load_model_config, optional_float, parse_task_spec, section_configs,
                       section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
-from rlhf.models.config import MODEL_PRESETS
-from rlhf.ppo.config import (DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig, ModelsConfig,
-                             PPOConfig, RewardConfig)
+from rlhf.models.config import LORA_TARGET_MODULES, MODEL_PRESETS
+from rlhf.ppo.config import (AdaptersConfig, DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig,
+                             ModelsConfig, PPOConfig, RewardConfig)
 from rlhf.tasks import MODELS, TASKS
 
 
@@ -34,6 +35,29 @@ def _token_ids(text: str) -> tuple:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+
+
+def _projections(text: str) -> tuple:
+    """'q_proj,v_proj' -> ('q_proj', 'v_proj'); PEFT's 'all-linear' -> every projection (checked by the config)."""
+    if text.strip().lower() == "all-linear":
+        return LORA_TARGET_MODULES
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _lora_flags(model: str, prefix: str) -> list:
+    """The flag table rows of one model's LoRA fields (``prefix``: ``lora_`` or ``critic_lora_``)."""
+    return [
+        (prefix + "rank", int, f"LoRA rank r of the {model}'s adapters: only they are trained (megatron's DDP and "
+                               f"optimizer see nothing else{', bar the value head' if model == 'critic' else ''}); "
+                               "0: full fine-tuning (docs/lora.md)"),
+        (prefix + "alpha", optional_float, f"LoRA alpha of the {model}: the adapters' output is scaled by alpha / r "
+                                           "as PEFT ('none': the rank, scale 1)"),
+        (prefix + "dropout", float, f"dropout on the input of the {model}'s adapters in training (PEFT's "
+                                    "lora_dropout)"),
+        (prefix + "target_modules", _projections, f"the {model}'s projections that get adapters, PEFT's names "
+                                                  f"comma-separated: {','.join(LORA_TARGET_MODULES)} (or "
+                                                  "all-linear)"),
+    ]
 
 
 def _auto_switch(text: str):
@@ -216,6 +240,8 @@ SECTIONS = {
                                          "its score the reward metrics; nonfinite_samples_dropped counts them"),
     ]),
     "precision": PRECISION_FLAGS,
+    "lora": (AdaptersConfig, "LoRA adapters (docs/lora.md)", _lora_flags("actor", "lora_") +
+             _lora_flags("critic", "critic_lora_")),
     "memory": (MemoryConfig, "memory between stages", [
         ("offload_ref_reward", bool, "keep the reference and reward weights in host memory (pinned on a GPU "
                                      "host) between their inference passes: each pass copies them to the device "
@@ -310,6 +336,7 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
             value, flag = megatron, f"--{model}-load-megatron"
         if value is None:
             continue
+        _refuse_quantized(args, model, value, flag)
         if megatron is not None or (Path(value).is_dir() and value not in MODEL_PRESETS):
             try:
                 shapes[model], weights[model] = open_source(value, model, megatron=megatron is not None).config, value
@@ -320,6 +347,34 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
         else:
             raise UsageError(f"{flag} {value}: not a directory; give an HF model directory or our checkpoint root")
     return ModelsConfig(**shapes, weights=weights, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+
+
+def _refuse_quantized(args: argparse.Namespace, model: str, value: str, flag: str) -> None:
+    """UsageError for a GGUF file given as a model (its weights must be dequantized into an HF directory first),
+    naming the model's --lora-rank when it is to get adapters: LoRA trains on the base's float weights."""
+    lora = {"actor": "lora_rank", "critic": "critic_lora_rank"}.get(model)
+    rank = getattr(args, lora, 0) if lora else 0
+    gguf = Path(value).is_file() and value.lower().endswith(".gguf")
+    quantized = gguf or (Path(value).is_dir() and _hf_quantization(value) is not None)
+    if not quantized or (not gguf and not rank):
+        return
+    fix = (f"dequantize it first: tools/convert_checkpoint.py gguf-to-hf --gguf {value} --out DIR, then {flag} DIR"
+           if gguf else "give the float model (tools/convert_checkpoint.py gguf-to-hf dequantizes a GGUF file)")
+    what = "a GGUF quantized file" if gguf else f"quantized ({_hf_quantization(value)})"
+    if rank:
+        raise UsageError(f"{flag_name(lora)}: LoRA adapts the {model}'s float weights, but {flag} {value} is {what}; "
+                         f"{fix}")
+    raise UsageError(f"{flag} {value}: {what}; {fix}")
+
+
+def _hf_quantization(path: str) -> str | None:
+    """The quantization method an HF directory's config.json declares (None: a float model, or no HF config)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+    return None if not quant else str(quant.get("quant_method", "unknown method") if isinstance(quant, dict) else quant)
 
 
 def flag_of(field_name: str) -> str:

@@ -21,7 +21,7 @@ from rlhf.checks import is_int
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
                          check_positive_ints, check_range, check_recompute, check_recompute_stage)
 from rlhf.data import PromptDatasetConfig
-from rlhf.models.config import ModelConfig, preset
+from rlhf.models.config import LORA_TARGET_MODULES, LoRAConfig, ModelConfig, ModelConfigError, preset
 from rlhf.models.precision import PrecisionConfig
 from rlhf.optim import OptimizerConfig
 from rlhf.tasks import MODELS, TASK_MODEL, TASKS, TRAIN_TASK
@@ -382,6 +382,59 @@ class ModelsConfig:
                 "reward": self.reward or self.critic}[model]
 
 
+LORA_MODELS = {"actor": "lora_", "critic": "critic_lora_"}
+"""The models LoRA can train -> the prefix of their fields in AdaptersConfig (and of their flags)."""
+
+
+@dataclass(frozen=True)
+class AdaptersConfig:
+    """LoRA adapters of the trained models (rlhf/models/lora.py, docs/lora.md): ``lora_*`` the actor's,
+    ``critic_lora_*`` the critic's (as ``lr`` and ``critic_lr``), each a rlhf.models.config.LoRAConfig's
+    rank (0: off, full fine-tuning), alpha (None: the rank), dropout and target modules."""
+
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_target_modules: tuple = LORA_TARGET_MODULES
+    critic_lora_rank: int = 0
+    critic_lora_alpha: float | None = None
+    critic_lora_dropout: float = 0.0
+    critic_lora_target_modules: tuple = LORA_TARGET_MODULES
+
+    def __post_init__(self):
+        check_field_types("lora", self)
+        for model in LORA_MODELS:
+            self.for_model(model)
+
+    def for_model(self, model: str) -> LoRAConfig | None:
+        """``model``'s LoRAConfig, or None without adapters (a ConfigError names the field of a bad value)."""
+        if model not in LORA_MODELS:
+            return None
+        prefix = LORA_MODELS[model]
+        try:
+            config = LoRAConfig(rank=getattr(self, prefix + "rank"), alpha=getattr(self, prefix + "alpha"),
+                                dropout=getattr(self, prefix + "dropout"),
+                                target_modules=getattr(self, prefix + "target_modules"))
+        except ModelConfigError as exc:
+            raise ConfigError(str(exc), f"lora.{prefix}{exc.field}") from None
+        return config if config.enabled else None
+
+    def check_shapes(self, models: "ModelsConfig", trained: dict) -> None:
+        """Refuse a rank larger than a targeted projection of its model, and adapters for a model the
+        job does not train (``trained``: JobConfig.trained_tasks())."""
+        for model, prefix in LORA_MODELS.items():
+            config = self.for_model(model)
+            if config is None:
+                continue
+            if model not in trained:
+                raise ConfigError(f"{prefix}rank {config.rank} adapts the {model}, which this job does not train "
+                                  "(the advantage estimator has no critic); drop it", f"lora.{prefix}rank")
+            try:
+                config.check_shape(models[model])
+            except ModelConfigError as exc:
+                raise ConfigError(f"the {model}'s {exc}", f"lora.{prefix}rank") from None
+
+
 PROMPT_DATASET_FIELDS = {"paths": "data.prompt_data", "prompt_field": "data.prompt_field",
                          "messages_field": "data.messages_field", "chat_template_for_text": "data.chat_template",
                          "add_generation_prompt": "data.add_generation_prompt",
@@ -547,9 +600,15 @@ class JobConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    lora: AdaptersConfig = field(default_factory=AdaptersConfig)
 
     def __post_init__(self):
         check_field_types("job", self)
+        self.lora.check_shapes(self.models, self.trained_tasks())
+        if self.checkpoint.save_format == "torch_dist" and self.lora.for_model("actor") is not None:
+            raise ConfigError("torch_dist writes the actor as a Megatron-LM checkpoint, which has no place for LoRA "
+                              "adapters yet; save 'ours' (tools/convert_checkpoint.py exports the adapters)",
+                              "checkpoint.save_format")
         self.logging.check_traced_iteration(self.run)
         overlong = self.ppo.overlong_punishment
         if overlong is not None and overlong[0] > self.generation.max_response_len:

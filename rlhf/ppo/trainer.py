@@ -52,6 +52,7 @@ from rlhf.fusion.runtime import FusedGeneration
 from rlhf.memory import StageMemory
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
+from rlhf.models.lora import apply_lora, has_adapters, merged_parameters
 from rlhf.models.naming import named_global_parameters
 from rlhf.optim import ModelOptimizer
 from rlhf.parallel.dealing import shares
@@ -117,6 +118,7 @@ class Trainer:
         self.models = {t: self._build(t) for t in self.tasks if self.groups[t] is not None}
         initial_weights = initial_weights or {}
         self._load_initial(initial_weights)
+        self._attach_adapters()  # after the base weights, before DDP: only adapters require grad
         self.optimizers = self._build_optimizers()
         self.timer = StageTimer(trace_iteration=config.logging.trace_iteration)
         self.ppo_update = PPOUpdate(config, placement, self.groups, self.models, self.optimizers, self.timer,
@@ -405,9 +407,11 @@ class Trainer:
             return
         if self.groups[src] is None and self.groups[dst] is None:
             return
-        reshard(self.placement[src], (self.groups[src], self.models.get(src)),
+        source = self.models.get(src)
+        merged = merged_parameters(source) if has_adapters(source) else None  # W + s B A: dst has no adapters
+        reshard(self.placement[src], (self.groups[src], source),
                 self.placement[dst], (self.groups[dst], self.models.get(dst)),
-                self.config.models[TASK_MODEL[src]].num_layers)
+                self.config.models[TASK_MODEL[src]].num_layers, src_params=merged)
 
     # ---- checkpoints -----------------------------------------------------------------
 
@@ -486,6 +490,17 @@ class Trainer:
                 if callable(full):
                     full = full(list(named_global_parameters(stage)))
                 load_full_weights(stage, self.groups[task], full)
+
+    def _attach_adapters(self) -> None:
+        """LoRA adapters on each trained model that the flags give them (rlhf/models/lora.py): its training
+        task's copy gets them and everything else is frozen, but a critic's value head, which is new."""
+        for model, task in self.config.trained_tasks().items():
+            lora = self.config.lora.for_model(model)
+            if lora is None or task not in self.models:
+                continue
+            head = ("output_layer.weight",) if task_kind(task) == "value" else ()
+            apply_lora(self.models[task], lora, self.config.models[model],
+                       seed=self.config.run.seed + MODEL_SEEDS[model], trainable=head)
 
     def _episode_driver(self):
         """What answers the model between turns (an environment's or an agent's driver), on the first TP rank

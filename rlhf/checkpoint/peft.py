@@ -1,0 +1,113 @@
+"""PEFT LoRA adapters <-> ours: names, the adapter config, and PEFT's two files.
+
+PEFT saves an adapter of an HF Llama as ``adapter_config.json`` and
+``adapter_model.safetensors`` with, per layer ``i`` and projection ``p``
+(rlhf.models.config.LORA_TARGET_MODULES)::
+
+    base_model.model.model.layers.i.self_attn.p.lora_A.weight   [r, in]   (p: q, k, v, o_proj)
+    base_model.model.model.layers.i.mlp.p.lora_B.weight         [out, r]  (p: gate, up, down_proj)
+
+and ours holds the same full tensors as ``decoder.layers.i.<megatron layer>.lora.p.A`` / ``.B``
+(rlhf/models/lora.py): no reordering, since each projection has its own adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from rlhf.models.config import LoRAConfig, ModelConfigError
+from rlhf.models.lora import LAYERS
+
+HF_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+"""PEFT projection -> its parent module in an HF Llama layer."""
+OUR_LAYERS = {proj: path for path, (_, projections) in LAYERS.items() for proj in projections}
+"""PEFT projection -> the megatron layer holding its adapter."""
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+_PEFT = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_OURS = re.compile(r"^decoder\.layers\.(\d+)\.([\w.]+)\.lora\.(\w+)\.([AB])$")
+
+
+class PeftConversionError(ValueError):
+    """Adapter files or tensors that do not map; the message names what and why."""
+
+
+def ours_to_peft(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our full adapter tensors (global names; other names are ignored) under PEFT's saved names."""
+    out = {}
+    for name, tensor in state.items():
+        m = _OURS.match(name)
+        if m:
+            layer, _, proj, factor = m.groups()
+            out[f"base_model.model.model.layers.{layer}.{HF_MODULES[proj]}.{proj}.lora_{factor}.weight"] = tensor
+    return out
+
+
+def peft_to_ours(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """PEFT's saved adapter tensors under our global names (PeftConversionError for any other tensor)."""
+    out = {}
+    for name, tensor in state.items():
+        key = name.replace(".default.", ".")  # a live PeftModel's state_dict names the adapter
+        m = _PEFT.match(key)
+        if not m or m.group(3) not in OUR_LAYERS:
+            raise PeftConversionError(f"{name}: not a LoRA factor of a Llama projection "
+                                      f"({', '.join(OUR_LAYERS)}); modules_to_save and other adapters are "
+                                      "not supported")
+        layer, _, proj, factor = m.groups()
+        out[f"decoder.layers.{layer}.{OUR_LAYERS[proj]}.lora.{proj}.{factor}"] = tensor
+    return out
+
+
+def adapter_config(config: LoRAConfig, base_model: str | None = None) -> dict:
+    """PEFT's adapter_config.json fields for ``config`` (plain LoRA, not rsLoRA, no bias)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.rank,
+            "lora_alpha": config.rank if config.alpha is None else config.alpha,
+            "lora_dropout": config.dropout, "target_modules": sorted(config.target_modules),
+            "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "init_lora_weights": True,
+            "modules_to_save": None, "base_model_name_or_path": base_model, "inference_mode": True}
+
+
+def save_peft(out: str, state: dict[str, torch.Tensor], config: LoRAConfig, base_model: str | None = None) -> str:
+    """Write our full adapter tensors ``state`` as PEFT's two files in directory ``out``; returns ``out``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float32).contiguous() for k, v in ours_to_peft(state).items()}
+    if not tensors:
+        raise PeftConversionError("no adapter tensors to export: the model has no LoRA adapters")
+    save_file(tensors, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(out, CONFIG_FILE), "w") as f:
+        json.dump(adapter_config(config, base_model), f, indent=2)
+    return out
+
+
+def load_peft(path: str) -> tuple[LoRAConfig, dict[str, torch.Tensor]]:
+    """(the LoRAConfig, our full adapter tensors) of PEFT's files in directory ``path``."""
+    from safetensors.torch import load_file
+
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            raw = json.load(f)
+        state = load_file(os.path.join(path, WEIGHTS_FILE))
+    except (OSError, ValueError) as exc:
+        raise PeftConversionError(f"{path}: cannot read PEFT adapter files ({exc})") from None
+    if raw.get("peft_type") != "LORA" or raw.get("use_rslora") or raw.get("use_dora"):
+        raise PeftConversionError(f"{path}: only plain LoRA adapters are supported (peft_type LORA, no rsLoRA, "
+                                  "no DoRA)")
+    targets = raw.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    try:
+        config = LoRAConfig(rank=raw["r"], alpha=float(raw["lora_alpha"]), dropout=float(raw.get("lora_dropout", 0.0)),
+                            target_modules=tuple(t for t in OUR_LAYERS if t in targets) or tuple(targets))
+    except (KeyError, ModelConfigError) as exc:
+        raise PeftConversionError(f"{path}/{CONFIG_FILE}: {exc}") from None
+    unknown = sorted(set(targets) - set(config.target_modules))
+    if unknown:
+        raise PeftConversionError(f"{path}/{CONFIG_FILE}: target module(s) {unknown} are not Llama projections "
+                                  f"({', '.join(OUR_LAYERS)})")
+    return config, peft_to_ours(state)

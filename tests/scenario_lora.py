@@ -1,0 +1,132 @@
+"""4-rank scenario of the LoRA tests: a PEFT-adapted HF Llama loaded into ours, trained 3 Adam steps.
+
+Two layouts of the same 4 ranks: TP2xPP2 (megatron's DDP and optimizer over
+the adapters only) and TP2xDP2 with the distributed optimizer (each replica
+takes half of every batch). Each loads the HF base with ``load_hf_weights``,
+adds adapters (rlhf.models.lora.apply_lora) and fills them from PEFT's files
+(rlhf.checkpoint.peft.load_peft), then per batch runs forward and backward
+through its pipeline (token-mean cross-entropy), reduces the gradients and
+steps. Returns, per layout, the full logits and adapter gradients of the first
+batch and the full adapters after the last step (rank 0 of each stage reports),
+plus what the optimizer holds.
+"""
+
+import torch
+import torch.distributed as dist
+
+from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
+from rlhf.checkpoint.peft import load_peft
+from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.models.lora import apply_lora, is_adapter
+from rlhf.models.naming import named_global_parameters
+from rlhf.optim import ModelOptimizer, OptimizerConfig
+from rlhf.parallel import Placement
+from rlhf.parallel.groups import build_task_groups
+from rlhf.ppo.config import AdaptersConfig
+from rlhf.parallel.reshard import ShardSpec, gather_tp_full, load_full_weights
+from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
+
+PLAN = {"actor_train": {"ranks": "0-3", "tp": 2, "pp": 2}, "critic_train": {"ranks": "0-3", "tp": 2, "dp": 2}}
+LAYOUTS = {"tp2pp2": ("actor_train", False), "tp2dp2": ("critic_train", True)}
+
+
+def _full(model, groups, grads: bool = False) -> dict:
+    """Full adapter tensors (or their gradients) of this stage, gathered over TP."""
+    tp = groups.mesh.strategy.tp
+    return {name: gather_tp_full(p.main_grad if grads else p.data, ShardSpec.of(p, tp), groups.tp).numpy()
+            for name, p in named_global_parameters(model).items() if is_adapter(name)}
+
+
+def _gathered_logits(logits: torch.Tensor, groups) -> torch.Tensor:
+    parts = [torch.empty_like(logits) for _ in range(groups.mesh.strategy.tp)]
+    dist.all_gather(parts, logits.detach().contiguous(), group=groups.tp)
+    return torch.cat(parts, dim=-1).numpy()  # numpy: a tensor's shared memory dies with its worker
+
+
+def _forward_backward(model, groups, ids: torch.Tensor, hidden: int):
+    """One batch through this replica's pipeline: token-mean cross-entropy, backward. The last stage
+    returns the full logits, the others None."""
+    x = None
+    if not groups.is_first_stage:
+        x = recv_forward((ids.shape[1], ids.shape[0], hidden), torch.float32, "cpu", groups.peer(-1))
+    out = stage_forward(model, ids, x)
+    if not groups.is_last_stage:
+        send_forward(out, groups.peer(+1))
+        out.backward(recv_backward(out, groups.peer(+1)))
+        return None
+    loss = -vocab_parallel_log_probs(out[:, :-1], ids[:, 1:], groups.tp).mean()
+    loss.backward()
+    if x is not None:
+        send_backward(x.grad, groups.peer(-1))
+    return _gathered_logits(out, groups)
+
+
+def _train(groups, base_dir: str, adapter_dir: str, batches: list, lr: float, distributed: bool) -> dict:
+    cfg = read_hf_config(base_dir).config
+    lora, adapters = load_peft(adapter_dir)
+    model = build_model(cfg, "lm", groups.pg_collection, groups.stage, seed=5)
+    load_hf_weights(model, groups, base_dir)
+    apply_lora(model, lora, cfg, seed=5)
+    load_full_weights(model, groups, adapters, names=adapters)
+    opt = ModelOptimizer(model, groups, OptimizerConfig(lr=lr, clip_grad=0.0, use_distributed_optimizer=distributed))
+    trained = [n for n, p in named_global_parameters(model).items() if p.requires_grad]
+    out = {"trained": sorted(trained), "optimized": sum(len(g["params"]) for g in opt.param_groups),
+           "adapters_here": sum(map(is_adapter, named_global_parameters(model)))}
+    dp, dp_rank = groups.mesh.strategy.dp, groups.coord.dp
+    for step, ids in enumerate(batches):
+        logits = _forward_backward(model, groups, ids.chunk(dp)[dp_rank], cfg.hidden_size)
+        opt.reduce_grads()
+        if step == 0:
+            out["logits"] = logits
+            out["grads"] = _full(model, groups, grads=True)
+        opt.step()
+    out["adapters"] = _full(model, groups)
+    out["report"], out["dp_rank"] = groups.tp_rank == 0 and dp_rank == 0, dp_rank
+    return out
+
+
+LORA = AdaptersConfig(lora_rank=4, lora_alpha=8.0, critic_lora_rank=4, critic_lora_target_modules=("q_proj", "v_proj"))
+
+
+def _max_diff(a: dict, b: dict, names) -> float:
+    return max((a[m][k] - b[m][k]).abs().max().item() for m, k in names)
+
+
+def _trainer_runs(root: str) -> dict:
+    """The PPO trainer with LoRA on the actor (all projections) and the critic (q, v; its value head trains),
+    every task in scenario_trainer's layout (actor_train TP2xPP2, critic_train PP2xDP2 reversed, the engine
+    TP2xDP2), the old log-probs recomputed so the engine's can be compared: 4 iterations straight, and 2,
+    save, load into a fresh trainer, 2 more."""
+    from scenario_trainer import PLAN as TRAINER_PLAN, synthetic_trainer, synthetic_weights, trained_weights
+
+    placement = Placement.from_plan(TRAINER_PLAN, dist.get_world_size())
+    full = synthetic_weights(11)
+    options = dict(lora=LORA, recompute_logprobs=True, use_distributed_optimizer=True, lr=1e-2)
+    straight = synthetic_trainer(placement, full, mini_batch=4, **options)
+    metrics = [straight.step().metrics for _ in range(4)]
+    first = synthetic_trainer(placement, full, mini_batch=4, **options)
+    for _ in range(2):
+        first.step()
+    first.save(root)
+    resumed = synthetic_trainer(placement, full, mini_batch=4, **options)
+    resumed.load(root)
+    resumed_metrics = [resumed.step().metrics for _ in range(2)]
+    a, b = trained_weights(straight), trained_weights(resumed)
+    names = [(m, k) for m in a for k in a[m]]
+    adapters = [(m, k) for m, k in names if is_adapter(k)]
+    frozen = [(m, k) for m, k in names if not is_adapter(k) and (m, k) != ("critic", "output_layer.weight")]
+    return {"mismatch": [m["mismatch_logprob_abs_max"] for m in metrics],
+            "straight_metrics": metrics[2:], "resumed_metrics": resumed_metrics,
+            "resume_param_diff": _max_diff(a, b, names), "adapters": len(adapters),
+            "b_moved": max(a[m][k].abs().max().item() for m, k in adapters if k.endswith(".B")),  # B starts at 0
+            "frozen_moved": _max_diff(a, full, frozen),
+            "head_moved": _max_diff(a, full, [("critic", "output_layer.weight")])}
+
+
+def run(base_dir: str, adapter_dir: str, batches: list, lr: float, root: str) -> dict:
+    groups = build_task_groups(Placement.from_plan(PLAN, dist.get_world_size()))
+    out = {name: _train(groups[task], base_dir, adapter_dir, batches, lr, distributed)
+           for name, (task, distributed) in LAYOUTS.items()}
+    out["trainer"] = _trainer_runs(root)
+    return out

@@ -1,0 +1,185 @@
+"""LoRA: ours at TP2xPP2 (and TP2xDP2 with the distributed optimizer) against an HF Llama with PEFT's LoRA.
+
+The PEFT model's adapters are made non-zero (random B and A) and saved with
+``save_pretrained``; ours loads the HF base and PEFT's files, so both start
+equal. Then the same logits and adapter gradients on the first batch, and the
+same adapters after 3 AdamW steps on the same 3 batches, within 1e-5
+(tests/scenario_lora.py runs ours on 4 gloo ranks).
+"""
+
+import pytest
+import torch
+
+from rlhf.checkpoint.peft import peft_to_ours
+from rlhf.testing.distributed import launch
+
+TOL = 1e-5
+LR = 1e-2
+SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=128)  # 2 KV groups per TP rank: q/k/v interleave
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy of next-token prediction (as the scenario's)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _peft_reference(root) -> dict:
+    """HF base + PEFT LoRA (random non-zero factors) saved under ``root``; its logits and adapter gradients on
+    the first batch and its adapters after one AdamW step per batch."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **SHAPE))
+    with torch.no_grad():  # larger weights than the default init, so mismatches show
+        for p in base.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    base.save_pretrained(root / "base")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for p in lora.values():
+            p.copy_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(root / "adapter")
+    batches = [torch.randint(0, SHAPE["vocab_size"], (2, 12)) for _ in range(3)]
+    opt = torch.optim.AdamW(lora.values(), lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    out = {"batches": batches}
+    for step, ids in enumerate(batches):
+        logits = model(ids).logits
+        _loss(logits, ids).backward()
+        if step == 0:
+            out["logits"] = logits.detach()
+            out["grads"] = peft_to_ours({n: p.grad.clone() for n, p in lora.items()})
+        opt.step()
+        opt.zero_grad()
+    out["adapters"] = peft_to_ours(get_peft_model_state_dict(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    reference = _peft_reference(root)
+    results = launch(4, "scenario_lora:run", base_dir=str(root / "base"), adapter_dir=str(root / "adapter"),
+                     batches=reference["batches"], lr=LR, root=str(root / "ckpt"))
+    return reference, results
+
+
+def test_trainer_trains_adapters_only_and_the_engine_runs_them(parity):
+    """PPO with LoRA on actor and critic: B moves from zero, the frozen base does not (the critic's new value head
+    trains), and the engine's log-probs equal the trainer's at every iteration, so actor_gen got the merged
+    weights W + s B A after each update."""
+    _, results = parity
+    out = results[0]["trainer"]
+    assert out["adapters"] == 2 * 7 * 2 + 2 * 2 * 2  # actor: 2 layers x 7 projections x (A, B); critic: q, v
+    assert out["b_moved"] > 1e-3 and out["head_moved"] > 1e-4
+    assert out["frozen_moved"] == 0.0
+    assert max(out["mismatch"]) < 1e-4, out["mismatch"]
+
+
+def test_lora_run_resumes_exactly(parity):
+    """2 iterations, save, load into a fresh trainer, 2 more: the same weights (base and adapters) and metrics as
+    4 straight."""
+    _, results = parity
+    out = results[0]["trainer"]
+    assert out["resume_param_diff"] == 0.0
+    for straight, resumed in zip(out["straight_metrics"], out["resumed_metrics"]):
+        for key, value in straight.items():  # timings differ run to run
+            if not key.startswith("time_") and not key.endswith("_per_s") and key != "training_bubble_fraction":
+                assert resumed[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def _max_diff(ours: dict, theirs: dict) -> float:
+    return max((torch.as_tensor(ours[n]) - theirs[n]).abs().max().item() for n in ours)
+
+
+def _reports(results, layout):
+    return [r[layout] for r in results if r[layout]["report"]]
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp2dp2"])
+def test_logits_match_peft(parity, layout):
+    reference, results = parity
+    outs = [r[layout] for r in results if r[layout]["logits"] is not None]
+    assert len(outs) == (2 if layout == "tp2pp2" else 4)
+    for out in outs:
+        expected = reference["logits"].chunk(2 if layout == "tp2dp2" else 1)[out["dp_rank"]]
+        assert (torch.as_tensor(out["logits"])[..., :SHAPE["vocab_size"]] - expected).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp2dp2"])
+def test_adapter_gradients_and_three_steps_match_peft(parity, layout):
+    reference, results = parity
+    reports = _reports(results, layout)
+    grads = {n: g for r in reports for n, g in r["grads"].items()}
+    adapters = {n: a for r in reports for n, a in r["adapters"].items()}
+    assert sorted(adapters) == sorted(reference["adapters"])  # every PEFT factor, once, whatever the stage
+    if layout == "tp2pp2":  # the distributed optimizer's reduce-scatter leaves each rank its part of the grads
+        assert _max_diff(grads, reference["grads"]) < TOL
+    assert _max_diff(adapters, reference["adapters"]) < TOL
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp2dp2"])
+def test_only_adapters_are_trained(parity, layout):
+    _, results = parity
+    for r in results:
+        out = r[layout]
+        assert out["trained"] and all(".lora." in n for n in out["trained"])
+        assert len(out["trained"]) == out["adapters_here"]
+        assert out["optimized"] >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora-rank", "8", "--lora-target-modules", "q_proj,qkv_proj"],
+     "--lora-target-modules: target module 'qkv_proj' does not exist; the projections are q_proj, k_proj, v_proj, "
+     "o_proj, gate_proj, up_proj, down_proj"),
+    (["--lora-rank", "65"], "--lora-rank: the actor's rank 65 is larger than q_proj's smaller dimension 64"),
+    (["--critic-lora-rank", "8", "--critic-lora-target-modules", "down_proj,lm_head"],
+     "--critic-lora-target-modules: target module 'lm_head' does not exist"),
+    (["--critic-lora-rank", "49"], "--critic-lora-rank: the critic's rank 49 is larger than q_proj's smaller "
+                                   "dimension 48"),
+    (["--lora-rank", "8", "--lora-dropout", "1"], "--lora-dropout: dropout must be in [0, 1), got 1.0"),
+])
+def test_bad_lora_flags_name_their_flag(argv, message):
+    from rlhf.cli import UsageError
+    from rlhf.ppo.arguments import parse_args
+
+    with pytest.raises(UsageError) as exc:
+        parse_args(argv)
+    assert str(exc.value).startswith(message) and "\n" not in str(exc.value)
+
+
+def test_lora_on_a_quantized_model_names_the_flag(tmp_path):
+    """A GGUF file, or an HF directory that declares a quantization, cannot take adapters: dequantize first."""
+    from rlhf.cli import UsageError
+    from rlhf.ppo.arguments import parse_args
+
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(UsageError) as exc:
+        parse_args(["--actor-model", str(gguf), "--lora-rank", "8"])
+    assert str(exc.value).startswith(f"--lora-rank: LoRA adapts the actor's float weights, but --actor-model {gguf} "
+                                     "is a GGUF quantized file; dequantize it first: tools/convert_checkpoint.py "
+                                     "gguf-to-hf")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "quantization_config": '
+                                    '{"quant_method": "gguf"}}')
+    with pytest.raises(UsageError) as exc:
+        parse_args(["--critic-model", str(hf), "--critic-lora-rank", "8"])
+    assert str(exc.value).startswith(f"--critic-lora-rank: LoRA adapts the critic's float weights, but --critic-model "
+                                     f"{hf} is quantized (gguf)")
+
+
+def test_lora_flags_reach_the_config():
+    from rlhf.models.config import LoRAConfig
+    from rlhf.ppo.arguments import parse_args
+
+    cfg = parse_args(["--lora-rank", "8", "--lora-alpha", "16", "--lora-target-modules", "q_proj,v_proj",
+                      "--critic-lora-rank", "4", "--critic-lora-target-modules", "all-linear"])
+    assert cfg.lora.for_model("actor") == LoRAConfig(8, 16.0, 0.0, ("q_proj", "v_proj"))
+    assert cfg.lora.for_model("actor").scaling == 2.0
+    assert cfg.lora.for_model("critic") == LoRAConfig(4)
+    assert parse_args([]).lora.for_model("actor") is None  # rank 0: full fine-tuning
