@@ -19,8 +19,9 @@ The matmul limit: the fastest of several 2048 x 2048 x 2048 fp32 matmuls on the 
 in the same run (before and after the systems, the best kept), divided by the FLOPs a token costs in
 the model's weight matmuls (2 x the weights of the Q/K/V, output, MLP and LM-head projections). It
 leaves out attention's own FLOPs, so ``limit_fraction`` understates how close a system is to the
-machine. Denormal floats are flushed in the whole process (rlhf.platform.flush_denormals), for both
-systems alike.
+machine. For scale, it also times those matmuls alone on a full decode batch (``--prompts`` x ``--n``
+rows, torch's F.linear): no decode step of that batch can be faster. Denormal floats are flushed in the
+whole process (rlhf.platform.flush_denormals), for both systems alike.
 
     python benchmarks/engine_workload.py [--prompts 16] [--n 8] [--max-new-tokens 96,512]
         [--lengths natural,drawn] [--threads 2] [--repeats 1] [--seed 0]
@@ -93,6 +94,21 @@ def matmul_flops_per_token(cfg) -> int:
     mlp = 3 * cfg.hidden_size * cfg.ffn_hidden_size  # SwiGLU: gate, up and down
     per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + mlp
     return 2 * (cfg.num_layers * per_layer + cfg.vocab_size * cfg.hidden_size)
+
+
+def matmul_ceiling(cfg, rows: int, threads: int, tries: int = 5) -> float:
+    """Tokens/s of the model's weight matmuls alone on ``rows`` rows (a full decode batch), as torch runs
+    them (F.linear, fp32), with nothing else: what a decode step of that batch could reach at best."""
+    torch.set_num_threads(threads)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    shapes = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)]
+    seconds = 0.0
+    for (out, inp), count in [(s, cfg.num_layers) for s in shapes] + [((cfg.vocab_size, h), 1)]:
+        x, w = torch.randn(rows, inp), torch.randn(out, inp)
+        torch.nn.functional.linear(x, w)
+        seconds += count * min(timed(lambda: torch.nn.functional.linear(x, w))[1] for _ in range(tries))
+    return rows / seconds
 
 
 def timed(fn):
@@ -189,7 +205,9 @@ def main() -> None:
                 print(f"  <= {limit} new tokens, {kind} lengths: " + ", ".join(
                     f"{k} {t} tokens in {s:.1f} s ({t / s:.1f} tokens/s)" for k, (t, s) in best.items()), flush=True)
     limit_rate = peak * 1e9 / flops
-    print(f"matmul limit: {peak:.1f} GFLOP/s -> {limit_rate:.0f} tokens/s")
+    ceiling = matmul_ceiling(loaded.config, rows, args.threads)
+    print(f"matmul limit: {peak:.1f} GFLOP/s -> {limit_rate:.0f} tokens/s; the weight matmuls alone on {rows} rows "
+          f"(F.linear): {ceiling:.0f} tokens/s = {ceiling / limit_rate:.2f} of the limit")
     print("| case | engine tokens/s | hf tokens/s | engine / hf | engine / limit |")
     print("|---|---|---|---|---|")
     for case, rate, _ in results:
