@@ -169,6 +169,32 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def capture_graph(fn):
+    """``fn`` (no arguments, returning tensors) recorded once as a CUDA graph, returned as a function that
+    replays it and returns the same output tensors, overwritten; on the CPU ``fn`` itself.
+
+    ``fn`` must read only tensors that stay where they are (it is replayed on whatever they then hold) and
+    must not synchronise with the host. It runs twice on a side stream first, so that lazy set-up (library
+    handles, communicators, allocations) happens outside the graph.
+    """
+    if not has_accelerator():
+        return fn
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 def flush_denormals() -> None:
     """Treat CPU floats below 2**-126 (denormals) as zero, in this thread and in every thread it starts later.
 

@@ -2,7 +2,9 @@
 
 Per seed: a random workload, run once on an engine with an ample KV pool (the reference: every request at
 once, nothing preempted) and once under pressure: two engines whose pools only just hold the longest sample,
-with their own random token budgets, batch limits and prefix sharing on or off; requests arrive at random
+with their own random token budgets, batch limits and prefix sharing on or off, one of them running its decode
+steps at static shapes (``cuda_graphs``: padded to a power of two, eagerly here), with the torch attention
+path for half the seeds and the C++ kernel for the others; requests arrive at random
 steps on either engine, and random unfinished samples move (export, then import with or without K/V) to
 either engine, their own included, at random steps. Migration is plain data
 (`Engine.export_sequence` -> `Engine.import_sequence`), so both engines live in this process; carrying it
@@ -101,8 +103,11 @@ def _pressured(model, local, rng: random.Random, requests: list[Request], config
         for e in engines:
             finished += [((r.request_id, r.sample_index), _result(r)) for r in e.step()]
         step += 1
+    static = [e.decoder.static for e in engines if e.decoder.static is not None]
     return {"finished": finished, "migrations": dict(counts), "steps": step,
-            "preemptions": sum(e.stats.preemptions for e in engines), "end": [_end_state(e) for e in engines]}
+            "preemptions": sum(e.stats.preemptions for e in engines), "end": [_end_state(e) for e in engines],
+            "static_steps": sum(d.steps for d in static),
+            "static_buckets": sorted({size for d in static for size in d.buckets})}
 
 
 def fuzz(model, local, seed: int, count: int) -> dict:
@@ -116,7 +121,8 @@ def fuzz(model, local, seed: int, count: int) -> dict:
     need = max(blocks_for(min(len(r.prompt) + r.params.max_new_tokens, MAX_MODEL_LEN), BLOCK_SIZE) for r in requests)
     configs = [EngineConfig(num_blocks=need, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                             max_tokens_per_step=rng.choice([4, 8, 16, 64]), max_num_seqs=rng.choice([4, 64]),
-                            prefix_sharing=rng.random() < 0.7) for _ in range(2)]
+                            prefix_sharing=rng.random() < 0.7, cuda_graphs=(seed + k) % 2 == 1,
+                            attention_backend="torch" if seed % 4 < 2 else "auto") for k in range(2)]
     out = _pressured(model, local, rng, requests, configs)
     out.update(reference=reference, reference_preemptions=ample.stats.preemptions, num_blocks=need,
                stops={r.request_id: r.params.stop_token_ids for r in requests},

@@ -65,6 +65,8 @@ def test_cpu_kernel_matches_dense_and_the_torch_path():
     torch_path = TorchPagedAttention(BS, KVH, QPG)
     ours = attn(q, k_cache, v_cache, attn.prepare(meta), 0.125)
     assert torch.allclose(ours, torch_path(q, k_cache, v_cache, torch_path.prepare(meta), 0.125), atol=2e-6)
+    decodes = step_meta([1] * len(ctx_lens), ctx_lens, tables)  # a step of decodes only: the kernel alone
+    check_against_dense(attn, k_cache, v_cache, q[:len(ctx_lens)], decodes, atol=2e-6)
 
 
 def test_backend_choice_and_clear_refusals():

@@ -8,7 +8,10 @@ runs them twice on one random tiny model (scenario_engine_fuzz.py):
 * pressured: two engines whose pools hold only the longest sample (so the newest samples are preempted and
   prefilled again), each with its own random token budget (chunked prefill), batch limit and prefix sharing
   on or off; requests arrive at random steps on either engine; about half of them get a stop id (a token the
-  reference generated), so samples end by "stop", "length" and "context"; at random steps a random
+  reference generated), so samples end by "stop", "length" and "context"; one of the two runs its decode
+  steps padded to static shapes (``EngineConfig.cuda_graphs``, what a GPU records as CUDA graphs; eager
+  here), so its samples also check the static step against the unpadded one; the torch attention path for
+  half the seeds, the C++ kernel for the others; at random steps a random
   unfinished sample is exported and imported into either engine (its own included), with its K/V or to
   prefill again (also when the destination has no room for the K/V now: `OutOfBlocksError`).
 
@@ -74,6 +77,13 @@ def test_every_block_is_free_and_no_sequence_is_left(runs, seed):
         assert end["num_free"] == end["num_blocks"] == runs[seed]["num_blocks"]
         assert end["refs"] == end["tables"] == end["registered"] == 0
         assert end["running"] == end["waiting"] == 0 and not end["unfinished"]
+
+
+def test_static_decode_steps_ran_in_several_buckets(runs):
+    """The padded static-shape decode steps whose samples the first test compares did run, at several sizes
+    (the tiny pools hold a few sequences at a time)."""
+    assert all(run["static_steps"] > 0 for run in runs.values())
+    assert {1, 2, 4} <= {b for run in runs.values() for b in run["static_buckets"]}
 
 
 def test_the_workloads_cover_every_way_to_end_and_to_move(runs):

@@ -53,6 +53,13 @@ class AttentionMeta:
     decode_ctx: torch.Tensor  # [len(decode_rows)] int32 context lengths
     decode_tokens: torch.Tensor  # [len(decode_rows)] flat query index
 
+    def decode_tables(self) -> torch.Tensor:
+        """The decode rows' block tables; the tensor itself when every row decodes (no index from a host
+        list, which a CUDA graph could not record: rlhf/engine/static_decode.py)."""
+        if len(self.decode_rows) == len(self.q_lens):
+            return self.block_tables
+        return self.block_tables[self.decode_rows]
+
 
 @dataclass
 class _Group:
@@ -87,7 +94,7 @@ class TorchPagedAttention:
         """Block indices and masks of this step, shared by all layers."""
         groups = []
         if meta.decode_rows:
-            groups.append(self._group(meta.block_tables[meta.decode_rows], meta.decode_tokens, 1,
+            groups.append(self._group(meta.decode_tables(), meta.decode_tokens, 1,
                                       meta.decode_ctx[:, None, None], max(meta.ctx_lens[r] for r in meta.decode_rows)))
         for row in meta.prefill_rows:
             s, n, ctx = meta.q_starts[row], meta.q_lens[row], meta.ctx_lens[row]
@@ -147,11 +154,13 @@ class CpuPagedAttention:
         self.prefill = TorchPagedAttention(block_size, kv_heads, q_per_kv, torch.float32)
 
     def prepare(self, meta: AttentionMeta) -> _CpuPlan:
-        return _CpuPlan(meta.block_tables[meta.decode_rows].int(), meta.decode_ctx.int(), meta.decode_tokens,
+        return _CpuPlan(meta.decode_tables().int(), meta.decode_ctx.int(), meta.decode_tokens,
                         self.prefill.prepare(replace(meta, decode_rows=[])))
 
     def __call__(self, q, k_cache, v_cache, plan: _CpuPlan, scale: float) -> torch.Tensor:
         """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+        if not plan.prefill:  # every row decodes, in order: no gather of queries, no scatter of outputs
+            return self.kernel(q, k_cache, v_cache, plan.tables, plan.ctx, scale)
         out = self.prefill(q, k_cache, v_cache, plan.prefill, scale)
         if len(plan.tokens):
             out[plan.tokens] = self.kernel(q[plan.tokens], k_cache, v_cache, plan.tables, plan.ctx, scale)
@@ -175,7 +184,7 @@ class FlashPagedAttention:
         out = torch.empty_like(q)
         k_cache, v_cache = k_cache.permute(1, 2, 0, 3), v_cache.permute(1, 2, 0, 3)  # [blocks, bs, kvh, D] views
         if meta.decode_rows:
-            tables = meta.block_tables[meta.decode_rows]
+            tables = meta.decode_tables()
             out[meta.decode_tokens] = self._kernel(
                 q[meta.decode_tokens][:, None], k_cache, v_cache, cache_seqlens=meta.decode_ctx,
                 block_table=tables, softmax_scale=scale, causal=True)[:, 0]

@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.engine.attention import AttentionMeta, make_attention
+from rlhf.engine.static_decode import StaticDecode
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters
 from rlhf.models.vocab import mask_vocab_padding
@@ -66,7 +67,7 @@ class TPDecoder:
     """This TP rank's share of the decoder plus its slice of the KV cache."""
 
     def __init__(self, model: torch.nn.Module, tp_group, cfg: ModelConfig, num_blocks: int,
-                 block_size: int, max_len: int, attention_backend: str = "auto"):
+                 block_size: int, max_len: int, attention_backend: str = "auto", static_decode: bool = False):
         if not (model.pre_process and model.post_process):
             raise ValueError("the generation decoder needs a whole model (pp=1); got a pipeline stage")
         self.cfg, self.group = cfg, tp_group
@@ -79,14 +80,16 @@ class TPDecoder:
         self.kv_heads = cfg.num_kv_heads // self.tp
         self.q_per_kv = cfg.num_attention_heads // cfg.num_kv_heads
         dev, dtype = self.embed.device, self.embed.dtype
-        # [layers, k/v, local kv heads, blocks, block_size, head_dim] (see attention.py)
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.kv_heads, num_blocks, block_size, cfg.head_dim,
-                                    device=dev, dtype=dtype)
+        # [layers, k/v, local kv heads, blocks, block_size, head_dim] (see attention.py); static decode steps
+        # write their padded rows into one more block, which the pool does not hand out
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.kv_heads, num_blocks + static_decode, block_size,
+                                    cfg.head_dim, device=dev, dtype=dtype)
         with torch.no_grad():
             emb = model.rotary_pos_emb.get_emb(max_len).reshape(max_len, -1).to(dev)  # megatron's own freqs
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype, dev)
         self.scale = cfg.head_dim ** -0.5
+        self.static = StaticDecode(self, num_blocks, block_size, -(-max_len // block_size)) if static_decode else None
 
     @property
     def device(self) -> torch.device:
@@ -132,8 +135,16 @@ class TPDecoder:
     @torch.no_grad()
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Full-vocabulary logits [S, V] (float32; V padded, padded ids -inf) for ``inp.logits_rows``;
-        fills the KV cache."""
+        fills the KV cache (copy-on-write copies first). A decode step runs at its bucket's static shapes
+        when the decoder was made with ``static_decode`` (rlhf/engine/static_decode.py)."""
         self.copy_blocks(inp.copies)
+        if self.static is not None and StaticDecode.applies(inp):
+            return self.static.run(inp)
+        return self.logits(inp)
+
+    @torch.no_grad()
+    def logits(self, inp: StepInputs) -> torch.Tensor:
+        """`forward` without its block copies: the model on ``inp``'s tokens."""
         eps = self.cfg.norm_eps
         x = self._embed(inp.input_ids)
         rope = (self.cos[inp.positions][:, None, None], self.sin[inp.positions][:, None, None])
@@ -149,6 +160,7 @@ class TPDecoder:
             logits = torch.cat(parts, dim=-1)
         return mask_vocab_padding(logits, self.cfg.vocab_size)
 
+    @torch.no_grad()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks src -> dst in every layer (copy on write)."""
         for src, dst in copies:

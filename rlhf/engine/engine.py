@@ -69,7 +69,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_tokens_per_step, config.max_num_seqs,
                                    config.continuous_batching, config.prefix_sharing)
         self.decoder = TPDecoder(model, groups.tp if groups is not None else None, model_cfg, config.num_blocks,
-                                 config.block_size, self.max_len, config.attention_backend)
+                                 config.block_size, self.max_len, config.attention_backend, config.cuda_graphs)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}

@@ -45,6 +45,9 @@ class EngineConfig:
     ``max_seq_len``. ``continuous_batching=False`` admits new sequences only
     when the running batch is empty (static batching, for comparison).
     ``prefix_sharing=False`` makes every sample prefill its own prompt.
+    ``cuda_graphs=True`` runs decode steps padded to static shapes, which a GPU
+    records once per batch-size bucket and replays (rlhf/engine/static_decode.py);
+    without a GPU the padded steps run eagerly (callers turn it on only with one).
     The n-1 samples forked off a prompt join the running batch at once, so it
     may exceed ``max_num_seqs`` by up to n-1 until they finish.
     """
@@ -57,6 +60,7 @@ class EngineConfig:
     continuous_batching: bool = True
     prefix_sharing: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" (rlhf/engine/attention.py)
+    cuda_graphs: bool = False  # decode steps at static shapes, replayed as CUDA graphs on a GPU (static_decode.py)
 
     @classmethod
     def for_batch(cls, prompts: int, samples_per_prompt: int, max_model_len: int, **fields) -> EngineConfig:
