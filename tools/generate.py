@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's (and KV cache's) dtype; log-probs stay fp32 (default: fp32)")
     p.add_argument("--kv-blocks", type=int, default=256, help="KV cache blocks of 16 tokens; "
                    "fewer blocks only means more preemption, never lost samples")
+    p.add_argument("--cuda-graphs", action="store_true", help="on a GPU, replay decode steps (padded to static "
+                   "shapes) as CUDA graphs; no effect on the CPU (docs/engine.md)")
     return p
 
 

@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's (and KV cache's) dtype")
     p.add_argument("--kv-blocks", type=int, default=512, help="KV cache blocks of 16 tokens (fewer: more "
                    "preemption, never a lost request)")
+    p.add_argument("--cuda-graphs", action="store_true", help="on a GPU, replay decode steps (padded to static "
+                   "shapes) as CUDA graphs; no effect on the CPU (docs/engine.md)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
     return p
 
@@ -58,6 +60,7 @@ def serve(args) -> int:
 
     import uvicorn
 
+    from rlhf import platform
     from rlhf.engine import Engine, EngineConfig
     from rlhf.engine.completions import load_model_and_tokenizer
     from rlhf.engine.types import EngineConfigError
@@ -65,7 +68,8 @@ def serve(args) -> int:
     from rlhf.serving.openai_api import OpenAIEndpoint, openai_app
 
     try:
-        engine_cfg = EngineConfig(num_blocks=args.kv_blocks, max_num_seqs=args.max_num_seqs)
+        engine_cfg = EngineConfig(num_blocks=args.kv_blocks, max_num_seqs=args.max_num_seqs,
+                                  cuda_graphs=args.cuda_graphs and platform.has_accelerator())
     except EngineConfigError as e:
         flag = {"num_blocks": "--kv-blocks", "max_num_seqs": "--max-num-seqs"}[e.field_name]
         raise UsageError(f"{flag}: {e}") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
+from rlhf import platform
 from rlhf.checkpoint.hf import HFConversionError
 from rlhf.checkpoint.loading import load_unsharded_lm
 from rlhf.checkpoint.megatron import MegatronCheckpointError
@@ -82,7 +83,7 @@ def engine_config(args) -> EngineConfig:
     check_range("--seed", args.seed, 0, MAX_SEED)
     try:
         sampling_params(args, 0, stop_token_ids=())
-        return EngineConfig(num_blocks=args.kv_blocks)
+        return EngineConfig(num_blocks=args.kv_blocks, cuda_graphs=args.cuda_graphs and platform.has_accelerator())
     except EngineConfigError as e:
         flag = FLAGS.get(e.field_name)
         raise UsageError(f"{flag + ': ' if flag else ''}{e}") from None

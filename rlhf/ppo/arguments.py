@@ -101,6 +101,8 @@ SECTIONS = {
                            "bounds the episode's turns and observations together)"),
         ("max_turn_tokens", int, "with --environment or --agent: tokens per model turn at most (0: no limit but "
                                  "--max-response-len)"),
+        ("cuda_graphs", bool, "on a GPU, run the engine's decode steps at static shapes (batch padded to a power "
+                              "of two) and replay each as a CUDA graph; no effect on the CPU (docs/engine.md)"),
     ]),
     "ppo": (PPOConfig, "PPO", [
         ("rollout_batch_size", int, "prompts per iteration"),

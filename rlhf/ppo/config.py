@@ -50,7 +50,8 @@ class GenerationConfig:
     observations). ``agent`` ("module:function") instead runs a program
     written against the ``openai`` client per sample, its requests the
     turns, its return value the reward (rlhf/envs/agents.py).
-    docs/agents.md."""
+    docs/agents.md. ``cuda_graphs``: on a GPU, the engine replays its decode
+    steps as CUDA graphs (docs/engine.md); ignored on the CPU."""
 
     max_prompt_len: int = 16
     max_response_len: int = 16
@@ -63,6 +64,7 @@ class GenerationConfig:
     agent: str | None = None
     max_turns: int = 4
     max_turn_tokens: int = 0
+    cuda_graphs: bool = False
 
     @property
     def multi_turn(self) -> str | None:

@@ -11,6 +11,7 @@ it).
 
 from __future__ import annotations
 
+from rlhf import platform
 from rlhf.config import ConfigError
 from rlhf.engine.types import EngineConfig
 from rlhf.models.config import padded_vocab_size as padded_size
@@ -108,7 +109,8 @@ def engine_config(config: JobConfig, placement: Placement) -> EngineConfig:
     gen, ppo = config.generation, config.ppo
     return EngineConfig.for_batch(prompts=ppo.rollout_batch_size // placement["actor_gen"].strategy.dp + 1,
                                   samples_per_prompt=ppo.n_samples_per_prompt,
-                                  max_model_len=gen.max_prompt_len + gen.max_response_len)
+                                  max_model_len=gen.max_prompt_len + gen.max_response_len,
+                                  cuda_graphs=gen.cuda_graphs and platform.has_accelerator())
 
 
 def microbatches(config: JobConfig, placement: Placement, task: str) -> int:
