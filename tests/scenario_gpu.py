@@ -11,6 +11,7 @@ from rlhf.memory import module_tensors, storage_bytes
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.tasks import FROZEN_TASKS, TASKS
+from scenario_engine import CFG, SEED
 from scenario_trainer import learn_fixed_samples, synthetic_trainer, synthetic_weights, trained_weights
 
 FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logprobs")
@@ -42,6 +43,29 @@ def run() -> dict:
             "offloaded_bytes": {d.type: n for d, n in storage_bytes(offloaded).items()},  # between their uses
             "offloaded_pinned": all(t.is_pinned() for t in offloaded),
             "peak_memory_bytes": platform.peak_memory_bytes()}
+
+
+def cuda_graphs() -> dict:
+    """One tiny model's engine with and without static decode steps (``cuda_graphs``: captured on the GPU):
+    greedy and seeded samples of 12 prompts of 3-14 tokens, n = 3, the decode batch shrinking as they end."""
+    from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+    from rlhf.models.gpt import build_model
+    from rlhf.parallel.groups import local_groups
+
+    build_task_groups(Placement.from_plan({}, 1))
+    local = local_groups()
+    model = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED)
+    requests = [Request(f"q{i}", [(7 * i + j) % CFG.vocab_size for j in range(3 + i)],
+                        SamplingParams(max_new_tokens=4 + 2 * i, temperature=float(i % 2), n=3, seed=i))
+                for i in range(12)]
+    out = {}
+    for graphs in (False, True):
+        engine = Engine(model, local, CFG, EngineConfig(num_blocks=128, block_size=16, cuda_graphs=graphs))
+        results = engine.generate(requests)
+        out[graphs] = {"tokens": [list(r.tokens) for r in results], "logprobs": [list(r.logprobs) for r in results],
+                       "static_steps": engine.decoder.static.steps if graphs else 0,
+                       "buckets": sorted(engine.decoder.static.buckets) if graphs else []}
+    return {"device": platform.device().type, "eager": out[False], "graphs": out[True]}
 
 
 def _arrays(weights: dict) -> dict:
