@@ -41,13 +41,17 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96, help="tokens at most per sample (default %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     args = ap.parse_args()
+    from rlhf import platform
+
+    platform.flush_denormals()  # as the programs do, before torch's first parallel op
     torch.set_num_threads(args.threads)
     from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 
     path, tok, prompts = smollm2_chat_prompts(args.prompts)
     loaded = load_unsharded_lm(path)
-    engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=4096))
+    engine = Engine(loaded.model, None, loaded.config,
+                    EngineConfig.for_batch(args.prompts, args.n, max(map(len, prompts)) + args.max_new_tokens))
     seconds: Counter = Counter()
     rows = [("schedule", engine.scheduler, "schedule"), ("host inputs", engine, "_prepare"),
             ("decoder", engine.decoder, "forward"), ("  mlp", engine.decoder, "_mlp"),
@@ -55,7 +59,7 @@ def main() -> None:
             ("bookkeeping", engine, "_record")]
     for name, owner, attr in rows:
         setattr(owner, attr, timed(seconds, name, getattr(owner, attr)))
-    core = type(engine.decoder.attention)
+    core = type(engine.decoder.attention)  # CpuPagedAttention: the C++ kernel for decodes (rlhf/engine/attention.py)
     core.__call__ = timed(seconds, "    paged attention core", core.__call__)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop_token_ids=(tok.eos_token_id,),
                             n=args.n, seed=1)
