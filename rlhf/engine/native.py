@@ -71,7 +71,3 @@ def paged_decode_kernel():
         return None
     return module.paged_decode
 
-
-if __name__ == "__main__":  # `python -m rlhf.engine.native`: build now (the Makefile's set-up does)
-    if paged_decode_kernel() is not None:  # else a line has said why; the torch path serves, so no failure
-        print("rlhf.engine: the C++ paged-attention kernel is built")
