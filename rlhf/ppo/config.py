@@ -390,16 +390,19 @@ LORA_MODELS = {"actor": "lora_", "critic": "critic_lora_"}
 class AdaptersConfig:
     """LoRA adapters of the trained models (rlhf/models/lora.py, docs/lora.md): ``lora_*`` the actor's,
     ``critic_lora_*`` the critic's (as ``lr`` and ``critic_lr``), each a rlhf.models.config.LoRAConfig's
-    rank (0: off, full fine-tuning), alpha (None: the rank), dropout and target modules."""
+    rank (0: off, full fine-tuning), alpha (None: the rank), dropout, target modules and modules to save
+    (trained in full; the critic's value head always is)."""
 
     lora_rank: int = 0
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_target_modules: tuple = LORA_TARGET_MODULES
+    lora_modules_to_save: tuple = ()
     critic_lora_rank: int = 0
     critic_lora_alpha: float | None = None
     critic_lora_dropout: float = 0.0
     critic_lora_target_modules: tuple = LORA_TARGET_MODULES
+    critic_lora_modules_to_save: tuple = ()
 
     def __post_init__(self):
         check_field_types("lora", self)
@@ -414,9 +417,13 @@ class AdaptersConfig:
         try:
             config = LoRAConfig(rank=getattr(self, prefix + "rank"), alpha=getattr(self, prefix + "alpha"),
                                 dropout=getattr(self, prefix + "dropout"),
-                                target_modules=getattr(self, prefix + "target_modules"))
+                                target_modules=getattr(self, prefix + "target_modules"),
+                                modules_to_save=getattr(self, prefix + "modules_to_save"))
         except ModelConfigError as exc:
             raise ConfigError(str(exc), f"lora.{prefix}{exc.field}") from None
+        if model == "critic" and "lm_head" in config.modules_to_save:
+            raise ConfigError("the critic has no lm_head: its value head (PEFT's score) is trained already; "
+                              "drop lm_head", "lora.critic_lora_modules_to_save")
         return config if config.enabled else None
 
     def check_shapes(self, models: "ModelsConfig", trained: dict) -> None:
