@@ -183,3 +183,74 @@ def test_lora_flags_reach_the_config():
     assert cfg.lora.for_model("actor").scaling == 2.0
     assert cfg.lora.for_model("critic") == LoRAConfig(4)
     assert parse_args([]).lora.for_model("actor") is None  # rank 0: full fine-tuning
+
+
+def _convert(*argv) -> None:
+    from rlhf.testing.tools import load_tool
+
+    assert load_tool("convert_checkpoint").main([str(a) for a in argv]) == 0
+
+
+def _peft_with_saved_modules(root):
+    """An HF base and PEFT LoRA on q, v and down with modules_to_save lm_head and norm (every RMSNorm), all of
+    them changed from their start, saved under ``root``; returns the live PeftModel."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    base = LlamaForCausalLM(LlamaConfig(rms_norm_eps=1e-5, **SHAPE))
+    base.save_pretrained(root / "base")
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                            modules_to_save=["lm_head", "norm"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(root / "adapter")
+    return model.eval()
+
+
+def test_peft_adapters_with_modules_to_save_round_trip_through_ours(tmp_path):
+    """peft-to-ours, then ours-to-peft and ours-to-hf: PeftModel.from_pretrained on the exported base and
+    adapter gives PEFT's own logits, and the exported tensors are PEFT's, bit for bit."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    original = _peft_with_saved_modules(tmp_path)
+    _convert("peft-to-ours", "--peft", tmp_path / "adapter", "--hf", tmp_path / "base", "--out", tmp_path / "ours")
+    _convert("ours-to-peft", "--load", tmp_path / "ours", "--out", tmp_path / "peft")
+    _convert("ours-to-hf", "--load", tmp_path / "ours", "--out", tmp_path / "hf")
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    exported = load_file(tmp_path / "peft" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(saved) and any("lm_head" in n for n in saved)
+    assert all(torch.equal(exported[n], saved[n]) for n in saved)
+    loaded = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "hf"), tmp_path / "peft").eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 12))
+    with torch.no_grad():
+        assert (loaded(ids).logits - original(ids).logits).abs().max().item() < 1e-6
+
+
+def test_a_peft_adapter_that_does_not_fit_the_model_is_one_line(tmp_path, capsys):
+    """A rank in adapter_config.json that its tensors do not have, and adapters for another model's shape."""
+    import json
+
+    from rlhf.testing.tools import load_tool
+
+    _peft_with_saved_modules(tmp_path)
+    config = tmp_path / "adapter" / "adapter_config.json"
+    raw = json.loads(config.read_text())
+    config.write_text(json.dumps(dict(raw, r=8)))
+    capsys.readouterr()  # save_pretrained's progress bars
+    argv = ["peft-to-ours", "--peft", str(tmp_path / "adapter"), "--hf", str(tmp_path / "base"), "--out"]
+    assert load_tool("convert_checkpoint").main(argv + [str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"convert_checkpoint.py: --peft {tmp_path / 'adapter'} on --hf {tmp_path / 'base'}: "
+                          "adapter decoder.layers.0.mlp.linear_fc2.lora.down_proj.A is (4, 96), the model "
+                          "(rank 8, targets q_proj,v_proj,down_proj, 2 layers) needs (8, 96)") and "\n" not in err
+    config.write_text(json.dumps(raw))
+    cfg = json.loads((tmp_path / "base" / "config.json").read_text())
+    (tmp_path / "base" / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=128)))
+    assert load_tool("convert_checkpoint").main(argv + [str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "down_proj.A is (4, 96), the model" in err and "needs (4, 128)" in err and "\n" not in err
