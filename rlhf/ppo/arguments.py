@@ -250,7 +250,10 @@ SECTIONS = {
     ]),
     "precision": PRECISION_FLAGS,
     "lora": (AdaptersConfig, "LoRA adapters (docs/lora.md)", _lora_flags("actor", "lora_") +
-             _lora_flags("critic", "critic_lora_")),
+             _lora_flags("critic", "critic_lora_") +
+             [("reference_from_actor_base", bool, "the reference log-probs come from actor_train with the actor's "
+                                                  "LoRA adapters disabled: no reference model is built or placed "
+                                                  "(ref_inf is dropped from the plan); needs --lora-rank")]),
     "memory": (MemoryConfig, "memory between stages", [
         ("offload_ref_reward", bool, "keep the reference and reward weights in host memory (pinned on a GPU "
                                      "host) between their inference passes: each pass copies them to the device "
