@@ -25,7 +25,7 @@ from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_prob
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import reshard
-from rlhf.pipeline.p2p import recv_forward, send_forward
+from rlhf.testing.pipeline import stage_pass
 
 PLAN = {"actor_train": {"ranks": "0-1", "tp": 2}, "critic_train": {"ranks": "0-1", "pp": 2}}
 LAYOUTS = {"tp2": "actor_train", "pp2": "critic_train"}
@@ -33,12 +33,8 @@ LAYOUTS = {"tp2": "actor_train", "pp2": "critic_train"}
 
 def _forward(model, groups, ids, hidden_size):
     """Full logits / values on the last stage (gathered over TP), None elsewhere."""
-    x = None
-    if not groups.is_first_stage:
-        x = recv_forward((ids.shape[1], ids.shape[0], hidden_size), torch.float32, "cpu", groups.peer(-1))
-    out = stage_forward(model, ids, x)
+    _, out = stage_pass(model, groups, ids, hidden_size)
     if not groups.is_last_stage:
-        send_forward(out, groups.peer(+1))
         return None
     tp = groups.mesh.strategy.tp
     if out.dim() == 3 and tp > 1:

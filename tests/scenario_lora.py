@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
 from rlhf.checkpoint.peft import load_peft
-from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.gpt import build_model
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.models.lora import apply_lora, is_adapter
 from rlhf.models.naming import named_global_parameters
@@ -25,7 +25,8 @@ from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.ppo.config import AdaptersConfig
 from rlhf.parallel.reshard import ShardSpec, gather_tp_full, load_full_weights
-from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
+from rlhf.pipeline.p2p import recv_backward, send_backward
+from rlhf.testing.pipeline import stage_pass
 
 PLAN = {"actor_train": {"ranks": "0-3", "tp": 2, "pp": 2}, "critic_train": {"ranks": "0-3", "tp": 2, "dp": 2}}
 LAYOUTS = {"tp2pp2": ("actor_train", False), "tp2dp2": ("critic_train", True)}
@@ -47,12 +48,8 @@ def _gathered_logits(logits: torch.Tensor, groups) -> torch.Tensor:
 def _forward_backward(model, groups, ids: torch.Tensor, hidden: int):
     """One batch through this replica's pipeline: token-mean cross-entropy, backward. The last stage
     returns the full logits, the others None."""
-    x = None
-    if not groups.is_first_stage:
-        x = recv_forward((ids.shape[1], ids.shape[0], hidden), torch.float32, "cpu", groups.peer(-1))
-    out = stage_forward(model, ids, x)
+    x, out = stage_pass(model, groups, ids, hidden)
     if not groups.is_last_stage:
-        send_forward(out, groups.peer(+1))
         out.backward(recv_backward(out, groups.peer(+1)))
         return None
     loss = -vocab_parallel_log_probs(out[:, :-1], ids[:, 1:], groups.tp).mean()
@@ -124,9 +121,45 @@ def _trainer_runs(root: str) -> dict:
             "head_moved": _max_diff(a, full, [("critic", "output_layer.weight")])}
 
 
-def run(base_dir: str, adapter_dir: str, batches: list, lr: float, root: str) -> dict:
+def _reference_from_base() -> dict:
+    """--reference-from-actor-base on the trainer's layout without ref_inf: after 2 iterations (the adapters
+    trained), its batch's reference log-probs against those a separately built reference (ref_inf holding a
+    copy of the initial actor, in a trainer without the flag) gives the same batch, and what was built."""
+    import dataclasses
+
+    from scenario_trainer import PLAN as TRAINER_PLAN, synthetic_trainer, synthetic_weights
+
+    world, full = dist.get_world_size(), synthetic_weights(11)
+    placement = Placement.from_plan({t: m for t, m in TRAINER_PLAN.items() if t != "ref_inf"}, world)
+    lora = dataclasses.replace(LORA, reference_from_actor_base=True)
+    trainer = synthetic_trainer(placement, full, mini_batch=4, lora=lora, lr=1e-2)
+    batch = [trainer.step() for _ in range(2)][-1].batch
+    separate = synthetic_trainer(Placement.from_plan(TRAINER_PLAN, world), full, mini_batch=4, lr=1e-2)
+    ref = separate.infer(batch).ref_logprobs
+    mask = batch.response_mask.bool()
+    return {"ref_diff": (batch.ref_logprobs - ref)[mask].abs().max().item(),
+            "policy_vs_ref": (batch.old_logprobs - batch.ref_logprobs)[mask].abs().max().item(),
+            "models": sorted(trainer.models), "separate_models": sorted(separate.models)}
+
+
+def tiny_default_rewards(flags: list, iterations: int) -> list:
+    """The tiny default job (its default placement, the random tiny actor and critic) with ``flags``, rewarded by
+    the synthetic task's gold rule (no reward model to train first): the mean reward of each iteration."""
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.job import build_trainer
+    from rlhf.ppo.layout import build_placement
+
+    config = parse_args(flags + ["--reward-fn", "rlhf.data.synthetic:gold_reward", "--iterations", str(iterations)])
+    trainer = build_trainer(config, build_placement(config, dist.get_world_size()))
+    return [trainer.step().metrics["reward_mean"] for _ in range(iterations)]
+
+
+def run(base_dir: str, adapter_dir: str, batches: list, lr: float, root: str, learn_flags: list,
+        learn_iterations: int) -> dict:
     groups = build_task_groups(Placement.from_plan(PLAN, dist.get_world_size()))
     out = {name: _train(groups[task], base_dir, adapter_dir, batches, lr, distributed)
            for name, (task, distributed) in LAYOUTS.items()}
     out["trainer"] = _trainer_runs(root)
+    out["reference_from_base"] = _reference_from_base()
+    out["learns"] = tiny_default_rewards(learn_flags, learn_iterations)
     return out

@@ -12,6 +12,10 @@
   ours-to-megatron
               one model of our checkpoint -> a Megatron-LM torch_dist checkpoint directory that
               megatron-core's dist_checkpointing.load reads (docs/megatron_checkpoints.md)
+  ours-to-peft  the LoRA adapters (and modules_to_save) of one model of our checkpoint -> PEFT's
+              adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained on the
+              base that ours-to-hf exports (docs/lora.md)
+  peft-to-ours  PEFT's adapter directory on its HF base -> our checkpoint root (base + adapters)
   gguf-to-hf, gguf-to-ours
               a llama.cpp GGUF file (Llama; any tensor type the gguf package dequantizes; needs
               pip install -e ".[gguf]") -> a float32 HF directory with its tokenizer / our
@@ -26,7 +30,7 @@ import argparse
 import os
 import sys
 
-from rlhf.checkpoint import gguf, megatron, storage
+from rlhf.checkpoint import gguf, megatron, peft, storage
 from rlhf.checkpoint.convert import check_new_iteration, gguf_to_ours, hf_to_ours
 from rlhf.checkpoint.hf import HFConversionError, export_saved_model
 from rlhf.cli import HelpFormatter, report
@@ -58,9 +62,36 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="the exported weights' dtype (default: as saved; a --bf16 run saves its trained models' "
                         "fp32 main weights)")
+    b.add_argument("--merge-adapters", action="store_true",
+                   help="a model with LoRA adapters: export W + (alpha / r) B A (default: its base alone)")
+    add_peft_parsers(sub)
     add_megatron_parsers(sub)
     add_gguf_parsers(sub)
     return p
+
+
+PEFT_COMMANDS = {
+    "ours-to-peft": lambda a: peft.export_peft(a.load, a.out, a.model_name, a.iteration),
+    "peft-to-ours": lambda a: peft.import_peft(a.peft, a.hf, a.out, a.model_name, a.iteration),
+}
+
+
+def add_peft_parsers(sub) -> None:
+    """The subcommands of PEFT_COMMANDS (rlhf/checkpoint/peft.py)."""
+    a = sub.add_parser("ours-to-peft", help="our checkpoint's LoRA adapters -> PEFT adapter directory",
+                       formatter_class=HelpFormatter)
+    a.add_argument("--load", required=True, help="our checkpoint root (the directory holding 'latest')")
+    a.add_argument("--out", required=True, help="output PEFT adapter directory (created; files overwritten)")
+    a.add_argument("--model-name", default="actor", help="which model of the checkpoint (trained with LoRA)")
+    a.add_argument("--iteration", type=int, default=None, help="iteration to export (default: 'latest')")
+    b = sub.add_parser("peft-to-ours", help="PEFT adapter directory + its HF base -> our checkpoint root",
+                       formatter_class=HelpFormatter)
+    b.add_argument("--peft", required=True, help="PEFT adapter directory (adapter_config.json, "
+                   "adapter_model.safetensors; plain LoRA on a Llama's projections)")
+    b.add_argument("--hf", required=True, help="the HF causal LM directory the adapters were trained on")
+    b.add_argument("--out", required=True, help="our checkpoint root; written as <out>/iter_<N>, <out>/latest")
+    b.add_argument("--model-name", default="actor", help="name of the model inside our checkpoint")
+    b.add_argument("--iteration", type=int, default=0, help="iteration number of the new checkpoint")
 
 
 MEGATRON_DIR_HELP = ("the directory Megatron-LM saved into with --ckpt-format torch_dist (its --save: "
@@ -126,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise HFConversionError(f"--hf {args.hf}: not a directory")
             check_new_iteration(args.out, args.iteration)
             print(hf_to_ours(args.hf, args.out, args.model_name, args.role, args.iteration, args.seed))
+        elif args.direction in PEFT_COMMANDS:
+            if args.direction == "peft-to-ours":
+                check_new_iteration(args.out, args.iteration)
+            print(PEFT_COMMANDS[args.direction](args))
         elif args.direction in MEGATRON_COMMANDS:
             print(MEGATRON_COMMANDS[args.direction](args))
         elif args.direction in GGUF_COMMANDS:
@@ -134,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             print(GGUF_COMMANDS[args.direction](args))
         else:
             dtype = DTYPES[args.dtype] if args.dtype else None
-            print(export_saved_model(args.load, args.out, args.model_name, args.iteration, args.family, dtype))
-    except (HFConversionError, storage.CheckpointError, megatron.MegatronCheckpointError) as e:
+            print(export_saved_model(args.load, args.out, args.model_name, args.iteration, args.family, dtype,
+                                     args.merge_adapters))
+    except (HFConversionError, storage.CheckpointError, megatron.MegatronCheckpointError,
+            peft.PeftConversionError) as e:
         return report("convert_checkpoint.py", e)
     return 0
 

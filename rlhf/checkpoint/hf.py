@@ -376,7 +376,7 @@ def to_hf_state(full: dict[str, torch.Tensor], cfg: ModelConfig, kind: str = "ca
 
 
 def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kind: str = "causal_lm",
-              family: str | None = None, dtype: torch.dtype | None = None) -> str:
+              family: str | None = None, dtype: torch.dtype | None = None, deltas: dict | None = None) -> str:
     """Write ``config.json`` + ``model.safetensors`` loadable by transformers; returns ``out_dir``.
 
     ``dtype``: the weights' dtype in the files (None: as ``full`` holds them; a bf16 run's checkpoint holds
@@ -394,6 +394,8 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
                        "tie_word_embeddings=false with an lm_head")
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
     tensors = to_hf_state(full, cfg, kind)
+    for name, delta in (deltas or {}).items():
+        tensors[name] = tensors[name] + delta.to(tensors[name].dtype)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     dtype = next(iter(tensors.values())).dtype
@@ -405,15 +407,22 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
 
 
 def export_saved_model(root: str, out: str, model_name: str = "actor", iteration: int | None = None,
-                       family: str | None = None, dtype: torch.dtype | None = None) -> str:
+                       family: str | None = None, dtype: torch.dtype | None = None,
+                       merge_adapters: bool = False) -> str:
     """Export model ``model_name`` of our checkpoint root ``root`` (``latest`` unless ``iteration``) as an
     HF directory: value models as ``*ForSequenceClassification``, with the checkpoint's tokenizer files
-    (``<root>/tokenizer``), its weights in ``dtype`` (None: as saved); returns ``out``."""
-    from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state
+    (``<root>/tokenizer``), its weights in ``dtype`` (None: as saved); returns ``out``. A model with LoRA
+    adapters is exported as its base (its trained modules_to_save included), or with ``merge_adapters`` as
+    W + (alpha / r) B A."""
+    from rlhf.checkpoint.peft import merged_deltas
+    from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state, saved_lora_config
     from rlhf.data.tokenizer import copy_tokenizer_files
 
     cfg, role, full = read_full_state(root, model_name, iteration)
+    lora = saved_lora_config(root, model_name, iteration) if merge_adapters else None
+    if merge_adapters and lora is None:
+        raise HFConversionError(f"--merge-adapters: model {model_name!r} of {root} has no LoRA adapters")
     export_hf(out, cfg, full, kind="sequence_classification" if role == "value" else "causal_lm", family=family,
-              dtype=dtype)
+              dtype=dtype, deltas=merged_deltas(full, lora) if lora else None)
     copy_tokenizer_files(os.path.join(root, TOKENIZER_DIR), out)
     return out

@@ -34,6 +34,7 @@ single process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ class ModelSlot:
     groups: Any = None  # TaskGroups, or None for an unsharded single-process model
     optimizer: Any = None  # a rlhf.optim.ModelOptimizer or a torch optimizer
     scheduler: Any = None  # anything with state_dict() / load_state_dict() (ModelOptimizer.scheduler)
+    lora: Any = None  # the LoRAConfig of adapters in ``full`` without a model (else the model's lora_config)
 
 
 @dataclass
@@ -164,8 +166,10 @@ def _meta(slot: ModelSlot, pp: int) -> dict:
     groups = []
     if slot.optimizer is not None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in slot.optimizer.param_groups]
+    lora = slot.lora if slot.lora is not None else getattr(slot.model, "lora_config", None)
     return {"config": slot.config.to_dict(), "role": slot.role, "pp": pp, "param_groups": groups,
-            "scheduler": slot.scheduler.state_dict() if slot.scheduler is not None else None}
+            "scheduler": slot.scheduler.state_dict() if slot.scheduler is not None else None,
+            "lora": None if lora is None else dataclasses.asdict(lora)}
 
 
 def stage_files(model_name: str, slot: ModelSlot, tensors: dict, stage: int = 0, pp: int = 1):
@@ -175,10 +179,11 @@ def stage_files(model_name: str, slot: ModelSlot, tensors: dict, stage: int = 0,
 
 
 def save_model(root: str, iteration: int, model_name: str, config: ModelConfig, role: str,
-               full: dict[str, torch.Tensor], extra: Optional[dict] = None) -> str:
-    """Write one model's full weights (global names) as checkpoint ``iteration`` of a root, in this
-    process alone (a converted model: no optimizer, no data position); returns its directory."""
-    shards, json_files = stage_files(model_name, ModelSlot(config, role), full)
+               full: dict[str, torch.Tensor], extra: Optional[dict] = None, lora=None) -> str:
+    """Write one model's full weights (global names; with ``lora``, a LoRAConfig, its adapters too) as
+    checkpoint ``iteration`` of a root, in this process alone (a converted model: no optimizer, no data
+    position); returns its directory."""
+    shards, json_files = stage_files(model_name, ModelSlot(config, role, lora=lora), full)
     return storage.save_checkpoint(root, iteration, shards=shards, json_files=json_files,
                                    state={"data_position": {}, "extra": dict(extra or {})})
 
@@ -262,6 +267,15 @@ def saved_model_config(root: str, model_name: str, iteration: Optional[int] = No
     """(config, role) of a model in a checkpoint (``latest`` by default), without reading tensors."""
     _, meta = _resolve_model(root, model_name, iteration)
     return ModelConfig.from_dict(meta["config"]), meta["role"]
+
+
+def saved_lora_config(root: str, model_name: str, iteration: Optional[int] = None):
+    """The LoRAConfig of a saved model's adapters (``latest`` by default), None when it has none."""
+    from rlhf.models.config import LoRAConfig
+
+    lora = _resolve_model(root, model_name, iteration)[1].get("lora")
+    return None if lora is None else LoRAConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                                   for k, v in lora.items()})
 
 
 def _resolve_model(root: str, model_name: str, iteration: Optional[int]) -> tuple[str, dict]:

@@ -38,7 +38,8 @@ import torch
 from rlhf.checkpoint import storage
 from rlhf.checkpoint.hf import HFConversionError, is_hf_dir, read_hf_config, read_hf_state
 from rlhf.checkpoint.megatron import MegatronCheckpointError, is_megatron_dir, open_megatron, read_megatron_state
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state, saved_model_config, saved_models
+from rlhf.checkpoint.rlhf_state import (TOKENIZER_DIR, read_full_state, saved_lora_config, saved_model_config,
+                                        saved_models)
 from rlhf.data.tokenizer import is_tokenizer_dir
 from rlhf.models.config import ModelConfig
 from rlhf.tasks import MODEL_KIND, TRAIN_TASK
@@ -175,8 +176,13 @@ def _checkpoint_source(root: str, part: str, trained: bool, model_name: str | No
                                    f"{' or '.join(map(repr, names))} to start the {part} from "
                                    "(tools/convert_checkpoint.py --model-name sets the name)")
         config, role = saved_model_config(root, name, iteration)
+        lora = saved_lora_config(root, name, iteration)
     except storage.CheckpointError as exc:
         raise ModelSourceError(str(exc)) from None
+    if lora is not None:  # its adapters would be left out: the model would silently be its base
+        raise ModelSourceError(f"model {name!r} of checkpoint {path} has LoRA adapters; export it merged first: "
+                               f"tools/convert_checkpoint.py ours-to-hf --load {root} --model-name {name} "
+                               "--merge-adapters --out DIR, and give DIR (to resume the run, --load it instead)")
     what = f"model {name!r} of checkpoint {path} (role {role!r})"
     return ModelSource(root, part, config, "checkpoint", _new_head(what, part, role, trained), name, iteration)
 

@@ -106,18 +106,23 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tps: Iterable[int]) ->
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections LoRA can adapt, as PEFT names them on an HF Llama (rlhf/models/lora.py maps them onto
 megatron's fused linear_qkv and linear_fc1 and its linear_proj and linear_fc2)."""
+LORA_MODULES_TO_SAVE = ("lm_head", "embed_tokens", "norm")
+"""PEFT's ``modules_to_save`` names LoRA can train in full beside the adapters: the output layer, the input
+embedding, and (PEFT matches a name as a suffix of the module's) every RMSNorm."""
 
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """LoRA adapters of one model, as PEFT's ``LoraConfig``: ``rank`` r (0: no adapters), ``alpha`` (the
     adapter's output is scaled by alpha / r, PEFT's default, not rsLoRA; None: alpha = r, scale 1),
-    ``dropout`` on the adapter's input in training, and the ``target_modules`` adapted (PEFT's names)."""
+    ``dropout`` on the adapter's input in training, the ``target_modules`` adapted (PEFT's names), and the
+    ``modules_to_save`` trained in full beside them (PEFT's names, LORA_MODULES_TO_SAVE)."""
 
     rank: int = 0
     alpha: float | None = None
     dropout: float = 0.0
     target_modules: tuple = LORA_TARGET_MODULES
+    modules_to_save: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
@@ -137,6 +142,11 @@ class LoRAConfig:
         if len(set(self.target_modules)) != len(self.target_modules):
             raise ModelConfigError(f"target_modules {self.target_modules!r} names a projection twice",
                                    "target_modules")
+        saved = self.modules_to_save
+        if (not isinstance(saved, tuple) or len(set(saved)) != len(saved)
+                or any(m not in LORA_MODULES_TO_SAVE for m in saved)):
+            raise ModelConfigError(f"modules_to_save {saved!r}: name each of {', '.join(LORA_MODULES_TO_SAVE)} "
+                                   "at most once", "modules_to_save")
 
     @property
     def enabled(self) -> bool:

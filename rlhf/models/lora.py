@@ -62,9 +62,20 @@ ADAPTER_MARK = ".lora."
 """In a parameter's name: it belongs to an adapter (and is what LoRA trains)."""
 
 
+SAVED_MODULES = {"lm_head": "output_layer.weight", "embed_tokens": "embedding.word_embeddings.weight",
+                 "norm": "layernorm.weight"}
+"""PEFT's ``modules_to_save`` name -> how our global parameter names it ends (PEFT matches the module name's
+end: ``norm`` is every RMSNorm, input_layernorm, pre_mlp_layernorm and final_layernorm)."""
+
+
 def is_adapter(name: str) -> bool:
     """Whether parameter ``name`` (any naming) is a LoRA factor."""
     return ADAPTER_MARK in name
+
+
+def is_saved_module(name: str, modules_to_save: tuple) -> bool:
+    """Whether global parameter ``name`` belongs to one of PEFT's ``modules_to_save`` (trained in full)."""
+    return any(name.endswith(SAVED_MODULES[m]) if m == "norm" else name == SAVED_MODULES[m] for m in modules_to_save)
 
 
 class LoRAFactors(torch.nn.Module):
@@ -185,15 +196,17 @@ def _check_layer(layer, path: str) -> None:
 def apply_lora(model: torch.nn.Module, config: LoRAConfig, model_config, seed: int,
                trainable: tuple = ()) -> torch.nn.Module:
     """Add ``config``'s adapters to a pipeline stage built by rlhf.models.gpt.build_model and freeze
-    everything else but the parameters named in ``trainable`` (global names, e.g. a value head's
-    ``output_layer.weight``). ``model_config``: its rlhf ModelConfig (shapes are checked against the rank).
+    everything else but ``config.modules_to_save`` and the parameters named in ``trainable`` (global names,
+    e.g. a value head's ``output_layer.weight``). ``model_config``: its rlhf ModelConfig (shapes are checked
+    against the rank).
     Returns ``model``, modified in place; ``model.lora_config`` records ``config``."""
     config.check_shape(model_config)
     tp_group = model.pg_collection.tp
     tp, tp_rank = tp_group.size(), tp_group.rank()
     dtype = next(model.parameters()).dtype
     for param_name, param in model.named_parameters():
-        param.requires_grad_(global_name(model, param_name) in trainable)
+        name = global_name(model, param_name)
+        param.requires_grad_(name in trainable or is_saved_module(name, config.modules_to_save))
     for layer in model.decoder.layers:
         index = layer.layer_number - 1
         for path, (kind, projections) in LAYERS.items():

@@ -64,10 +64,10 @@ class InferenceRunner:
         self.models, self.groups, self.memory, self.micro_batch_size = models, groups, memory, micro_batch_size
         self.temperature, self.max_tokens = temperature, max_tokens
 
-    def infer(self, task: str, part: Batch) -> Batch | None:
+    def infer(self, task: str, part: Batch, field: str | None = None) -> Batch | None:
         """``task``'s outputs for the samples of ``part``, which this rank's replica runs (collective over
-        it): on the last stage's TP rank 0, ``part`` on the host with ``INFERENCE_FIELDS[task]`` set and
-        no other optional field; None on the replica's other ranks."""
+        it): on the last stage's TP rank 0, ``part`` on the host with ``field`` (None:
+        ``INFERENCE_FIELDS[task]``) set and no other optional field; None on the replica's other ranks."""
         g, model = self.groups[task], self.models[task]
         outputs = []
         with self.memory.on_device(task):
@@ -80,4 +80,4 @@ class InferenceRunner:
         if not outputs or g.tp_rank != 0:
             return None
         bare = part.with_fields(**dict.fromkeys(OPTIONAL_FIELDS)).to("cpu")  # the samples' identity and tokens
-        return bare.with_fields(**{INFERENCE_FIELDS[task]: torch.cat(outputs)})
+        return bare.with_fields(**{field or INFERENCE_FIELDS[task]: torch.cat(outputs)})

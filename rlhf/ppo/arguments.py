@@ -18,7 +18,7 @@ from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, 
                       fraction_or_auto, load_model_config, optional_float, parse_task_spec, section_configs,
                       section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
-from rlhf.models.config import LORA_TARGET_MODULES, MODEL_PRESETS
+from rlhf.models.config import LORA_MODULES_TO_SAVE, LORA_TARGET_MODULES, MODEL_PRESETS
 from rlhf.ppo.config import (AdaptersConfig, DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig,
                              ModelsConfig, PPOConfig, RewardConfig)
 from rlhf.tasks import MODELS, TASKS
@@ -41,11 +41,17 @@ def _projections(text: str) -> tuple:
     """'q_proj,v_proj' -> ('q_proj', 'v_proj'); PEFT's 'all-linear' -> every projection (checked by the config)."""
     if text.strip().lower() == "all-linear":
         return LORA_TARGET_MODULES
+    return _names(text)
+
+
+def _names(text: str) -> tuple:
+    """'lm_head,norm' -> ('lm_head', 'norm') (checked by the config)."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
 def _lora_flags(model: str, prefix: str) -> list:
     """The flag table rows of one model's LoRA fields (``prefix``: ``lora_`` or ``critic_lora_``)."""
+    saved = ",".join(m for m in LORA_MODULES_TO_SAVE if model == "actor" or m != "lm_head")  # a critic's head trains
     return [
         (prefix + "rank", int, f"LoRA rank r of the {model}'s adapters: only they are trained (megatron's DDP and "
                                f"optimizer see nothing else{', bar the value head' if model == 'critic' else ''}); "
@@ -57,6 +63,9 @@ def _lora_flags(model: str, prefix: str) -> list:
         (prefix + "target_modules", _projections, f"the {model}'s projections that get adapters, PEFT's names "
                                                   f"comma-separated: {','.join(LORA_TARGET_MODULES)} (or "
                                                   "all-linear)"),
+        (prefix + "modules_to_save", _names, f"modules of the {model} trained in full beside its adapters, PEFT's "
+                                             f"modules_to_save names comma-separated: {saved} (lm_head: the output "
+                                             "layer; norm: every RMSNorm); default: none"),
     ]
 
 
@@ -243,7 +252,10 @@ SECTIONS = {
     ]),
     "precision": PRECISION_FLAGS,
     "lora": (AdaptersConfig, "LoRA adapters (docs/lora.md)", _lora_flags("actor", "lora_") +
-             _lora_flags("critic", "critic_lora_")),
+             _lora_flags("critic", "critic_lora_") +
+             [("reference_from_actor_base", bool, "the reference log-probs come from actor_train with the actor's "
+                                                  "LoRA adapters disabled: no reference model is built or placed "
+                                                  "(ref_inf is dropped from the plan); needs --lora-rank")]),
     "memory": (MemoryConfig, "memory between stages", [
         ("offload_ref_reward", bool, "keep the reference and reward weights in host memory (pinned on a GPU "
                                      "host) between their inference passes: each pass copies them to the device "

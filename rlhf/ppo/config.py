@@ -392,16 +392,21 @@ LORA_MODELS = {"actor": "lora_", "critic": "critic_lora_"}
 class AdaptersConfig:
     """LoRA adapters of the trained models (rlhf/models/lora.py, docs/lora.md): ``lora_*`` the actor's,
     ``critic_lora_*`` the critic's (as ``lr`` and ``critic_lr``), each a rlhf.models.config.LoRAConfig's
-    rank (0: off, full fine-tuning), alpha (None: the rank), dropout and target modules."""
+    rank (0: off, full fine-tuning), alpha (None: the rank), dropout, target modules and modules to save
+    (trained in full; the critic's value head always is). ``reference_from_actor_base``: the reference
+    log-probs come from actor_train with its adapters disabled, and no reference model is built or placed."""
 
     lora_rank: int = 0
     lora_alpha: float | None = None
     lora_dropout: float = 0.0
     lora_target_modules: tuple = LORA_TARGET_MODULES
+    lora_modules_to_save: tuple = ()
     critic_lora_rank: int = 0
     critic_lora_alpha: float | None = None
     critic_lora_dropout: float = 0.0
     critic_lora_target_modules: tuple = LORA_TARGET_MODULES
+    critic_lora_modules_to_save: tuple = ()
+    reference_from_actor_base: bool = False
 
     def __post_init__(self):
         check_field_types("lora", self)
@@ -416,10 +421,32 @@ class AdaptersConfig:
         try:
             config = LoRAConfig(rank=getattr(self, prefix + "rank"), alpha=getattr(self, prefix + "alpha"),
                                 dropout=getattr(self, prefix + "dropout"),
-                                target_modules=getattr(self, prefix + "target_modules"))
+                                target_modules=getattr(self, prefix + "target_modules"),
+                                modules_to_save=getattr(self, prefix + "modules_to_save"))
         except ModelConfigError as exc:
             raise ConfigError(str(exc), f"lora.{prefix}{exc.field}") from None
+        if model == "critic" and "lm_head" in config.modules_to_save:
+            raise ConfigError("the critic has no lm_head: its value head (PEFT's score) is trained already; "
+                              "drop lm_head", "lora.critic_lora_modules_to_save")
         return config if config.enabled else None
+
+    def check_reference_from_base(self, job: "JobConfig") -> None:
+        """Refuse ``reference_from_actor_base`` where the actor without adapters is not the reference."""
+        if not self.reference_from_actor_base:
+            return
+        actor, why = self.for_model("actor"), None
+        if actor is None:
+            why = "the actor has no LoRA adapters; give --lora-rank R"
+        elif actor.modules_to_save:
+            why = (f"the actor's modules_to_save ({','.join(actor.modules_to_save)}) are trained in full, so "
+                   "without its adapters it is no longer its base; drop --lora-modules-to-save")
+        elif job.models.reference is not None or "reference" in job.models.weights:
+            why = "a reference model of its own is given; drop --reference-model"
+        elif job.fusion.inter_stage_fusion or job.ppo.max_staleness:
+            why = "inter-stage fusion and max_staleness > 0 run ref_inf on ranks of their own; drop them"
+        if why:
+            raise ConfigError(f"reference_from_actor_base takes the reference log-probs from the actor's base (its "
+                              f"adapters disabled), but {why}", "lora.reference_from_actor_base")
 
     def check_shapes(self, models: "ModelsConfig", trained: dict) -> None:
         """Refuse a rank larger than a targeted projection of its model, and adapters for a model the
@@ -607,6 +634,7 @@ class JobConfig:
     def __post_init__(self):
         check_field_types("job", self)
         self.lora.check_shapes(self.models, self.trained_tasks())
+        self.lora.check_reference_from_base(self)
         if self.checkpoint.save_format == "torch_dist" and self.lora.for_model("actor") is not None:
             raise ConfigError("torch_dist writes the actor as a Megatron-LM checkpoint, which has no place for LoRA "
                               "adapters yet; save 'ours' (tools/convert_checkpoint.py exports the adapters)",
@@ -695,10 +723,12 @@ class JobConfig:
         self.prompt_dataset_config()
 
     def needed_tasks(self) -> tuple:
-        """The tasks this job runs: all six, without the critic's when the estimator needs none, and
-        without reward_inf when there is no reward model (``has_reward_model``)."""
+        """The tasks this job runs: all six, without the critic's when the estimator needs none,
+        without reward_inf when there is no reward model (``has_reward_model``), and without ref_inf when
+        actor_train gives the reference log-probs (``lora.reference_from_actor_base``)."""
         return tuple(t for t in TASKS if (self.ppo.uses_critic or t not in ("critic_inf", "critic_train"))
-                     and (self.has_reward_model or t != "reward_inf"))
+                     and (self.has_reward_model or t != "reward_inf")
+                     and not (self.lora.reference_from_actor_base and t == "ref_inf"))
 
     def trained_tasks(self) -> dict:
         """{model: its training task} of the models this job trains (no critic without a critic estimator)."""

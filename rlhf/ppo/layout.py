@@ -39,8 +39,12 @@ as examples/placement_4ranks.json); other world sizes run every task data parall
 
 def job_plan(config: JobConfig, world_size: int) -> dict:
     """The job's plan dict on ``world_size`` ranks: its plan file, else the built-in plan of that world
-    size (``DEFAULT_PLANS``), with the per-task flags merged in."""
-    return config.placement.plan(DEFAULT_PLANS.get(world_size))
+    size (``DEFAULT_PLANS``), with the per-task flags merged in; without the tasks the job does not run
+    that hold a model of their own (ref_inf under ``lora.reference_from_actor_base``)."""
+    plan = config.placement.plan(DEFAULT_PLANS.get(world_size))
+    if "ref_inf" not in config.needed_tasks():
+        plan = {task: layout for task, layout in plan.items() if task != "ref_inf"}
+    return plan
 
 
 def build_placement(config: JobConfig, world_size: int) -> Placement:

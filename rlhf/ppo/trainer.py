@@ -26,6 +26,7 @@ iterations (rlhf/ppo/partial_rollouts.py, on requests_here and the engine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from rlhf.fusion.runtime import FusedGeneration
 from rlhf.memory import StageMemory
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
 from rlhf.models.gpt import build_model
-from rlhf.models.lora import apply_lora, has_adapters, merged_parameters
+from rlhf.models.lora import adapters_disabled, apply_lora, has_adapters, merged_parameters
 from rlhf.models.naming import named_global_parameters
 from rlhf.optim import ModelOptimizer
 from rlhf.parallel.dealing import shares
@@ -335,7 +336,7 @@ class Trainer:
         outputs = [] if early is None else list(early.outputs)
         outputs += self.infer_here(batch, {} if early is None else early.done)
         self.memory.note("inference")
-        names = [INFERENCE_FIELDS[task] for task in self.inference_tasks()]
+        names = [name for _, name in self.inference_passes()]
         batch = batch.with_fields_from(gather_to_all(outputs, group=self.learners), names)
         skip = self.config.reward.skip_nonfinite_samples
         if "reward_inf" in self.inference_tasks() and not skip:
@@ -350,16 +351,28 @@ class Trainer:
         in ``done[task]`` (indices), and this rank infers its replica's share (collective over each task's
         ranks; the outputs are on a task's last stage, TP rank 0)."""
         outputs = []
-        for task in self.inference_tasks():
+        for task, name in self.inference_passes():
             if task in self.models:
                 remaining = [i for i in range(len(batch)) if i not in done.get(task, set())]
                 g = self.groups[task]
                 index = [remaining[k] for k in shares(len(remaining), g.mesh.strategy.dp)[g.coord.dp]]
-                if index:  # fewer samples left than replicas: the idle ones (all their ranks) skip
-                    out = self.inference.infer(task, batch.select(index))
-                    if out is not None:
-                        outputs.append(out)
+                if not index:  # fewer samples left than replicas: the idle ones (all their ranks) skip
+                    continue
+                base = name == "ref_logprobs" and task == "actor_train"
+                with adapters_disabled(self.models[task]) if base else contextlib.nullcontext():
+                    out = self.inference.infer(task, batch.select(index), name)
+                if out is not None:
+                    outputs.append(out)
         return outputs
+
+    def inference_passes(self) -> list[tuple[str, str]]:
+        """(task, the batch field it adds) of this run's inference passes, in order: each inference task's,
+        and with ``lora.reference_from_actor_base`` the reference log-probs from actor_train with the actor's
+        adapters disabled (its base, which the reference would copy), first, in ref_inf's place."""
+        passes = [(task, INFERENCE_FIELDS[task]) for task in self.inference_tasks()]
+        if self.config.lora.reference_from_actor_base:
+            passes.insert(0, ("actor_train", "ref_logprobs"))
+        return passes
 
     def inference_tasks(self) -> list[str]:
         """This run's inference tasks, in order (rlhf.tasks.INFERENCE_FIELDS: what each adds)."""
