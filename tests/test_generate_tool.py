@@ -37,6 +37,10 @@ def runs(tmp_path_factory):
             p.mul_(8.0)  # peaked distributions: no near-ties in the argmax
     hf_dir, ours = str(tmp / "hf"), str(tmp / "ours")
     model.save_pretrained(hf_dir)
+    wide = LlamaForCausalLM(LlamaConfig(**dict(cfg.to_dict(), vocab_size=320))).eval()
+    with torch.no_grad():
+        wide.lm_head.weight.zero_()  # every id equally likely: sampling draws ids >= 259 (no byte token)
+    wide.save_pretrained(str(tmp / "wide"))
     assert convert_checkpoint.main(["hf-to-ours", "--hf", hf_dir, "--out", ours]) == 0
     prompts = tmp / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
@@ -45,6 +49,7 @@ def runs(tmp_path_factory):
              "ours": ["--load", ours, "--out", str(tmp / "ours.jsonl"), "--greedy"] + common,
              "sampled": ["--load", ours, "--out", str(tmp / "s.jsonl"), "--top-k", "5", "--top-p", "0.9",
                          "--temperature", "0.7", "--seed", "1"] + common,
+             "wide": ["--load", str(tmp / "wide"), "--out", str(tmp / "wide.jsonl"), "--seed", "2"] + common,
              "add_bos": ["--load", ours, "--out", str(tmp / "add_bos.jsonl"), "--greedy", "--add-bos"] + common,
              "no_bos": ["--load", ours, "--out", str(tmp / "no_bos.jsonl"), "--greedy", "--no-bos"] + common}
     too_long = tmp / "too_long.jsonl"
@@ -60,6 +65,7 @@ def runs(tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = {k: [json.loads(line) for line in open(a[a.index("--out") + 1])] for k, a in argvs.items()}
     out["refusals"] = [line for line in proc.stderr.splitlines() if line.startswith("generate.py: ")]
+    out["notes"] = [line for line in proc.stdout.splitlines() if "outside the tokenizer's vocabulary" in line]
     return model, out
 
 
@@ -106,6 +112,30 @@ def test_prompt_longer_than_context_is_refused_with_its_line(runs):
 def test_invalid_sampling_flag_is_refused_naming_the_flag(runs):
     _, out = runs
     assert out["refusals"][1] == "generate.py: --top-k: top_k=-1 is invalid: must be >= 0 (0 disables)"
+
+
+def test_ids_beyond_the_byte_tokenizer_decode_as_placeholders(runs):
+    """A model of 320 ids with --tokenizer byte (259): ids >= 259 stay in completion_ids, their text is U+FFFD
+    (the bytes around them decoded as usual), and one line says how many there were; no crash."""
+    from rlhf.data import ByteTokenizer
+    from rlhf.engine.completions import UNKNOWN_ID, decode_completion
+
+    records = runs[1]["wide"]
+    wide_ids = [i for r in records for i in r["completion_ids"] if i >= 259]
+    assert wide_ids, "the uniform sampler drew no id >= 259"
+    for r in records:  # the byte runs between placeholders decoded alone, special tokens skipped
+        parts, run = [], bytearray()
+        for i in r["completion_ids"]:
+            if i < 256:
+                run.append(i)
+            elif i >= 259:
+                parts, run = parts + [run.decode("utf-8", errors="replace"), UNKNOWN_ID], bytearray()
+        assert r["completion"] == "".join(parts) + run.decode("utf-8", errors="replace")
+    assert runs[1]["notes"] == [f"generate: {len(wide_ids)} generated ids are outside the tokenizer's vocabulary "
+                                "(259 ids, the model's 320; --tokenizer byte): their text is '\ufffd', their ids "
+                                "are in completion_ids"]
+    assert decode_completion(ByteTokenizer(), [104, 300, 105, 258, 259]) == ("h\ufffdi\ufffd", 2)
+    assert decode_completion(ByteTokenizer(), [0xC3, 0xA9, 257]) == ("\u00e9", 0)
 
 
 def test_bos_flags_and_record_errors(tmp_path, capsys):

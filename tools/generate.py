@@ -2,7 +2,8 @@
 """Generate completions for a JSONL file of prompts with our model (one process, CPU or GPU).
 
 Each input line is {"prompt": "..."} (other fields are carried over); each output
-line adds "completion" (decoded, special tokens skipped) and "completion_ids"
+line adds "completion" (decoded, special tokens skipped; an id the tokenizer has no token for, as when
+the model's vocabulary is larger than --tokenizer byte's 259, shows as U+FFFD) and "completion_ids"
 (generated ids, the stop token included when reached: the tokenizer's EOS or an
 eos_token_id of its directory's generation_config.json). --load takes our checkpoint root
 or a Hugging Face model directory. Prompts are tokenized as the tokenizer's own

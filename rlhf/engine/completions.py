@@ -106,6 +106,29 @@ def load_model_and_tokenizer(path: str, flag: str, model_name: str = "actor", it
         raise UsageError(f"{'--tokenizer: ' if tokenizer else ''}{e}") from None
 
 
+UNKNOWN_ID = "\N{REPLACEMENT CHARACTER}"
+"""What a completion's text shows for a generated id the tokenizer has no token for (the id stays in
+``completion_ids``)."""
+
+
+def decode_completion(tokenizer, ids: list[int]) -> tuple[str, int]:
+    """(the text of generated ``ids``, how many of them the tokenizer cannot decode).
+
+    A model's vocabulary may be larger than its tokenizer's (padded, or the byte tokenizer on a model of
+    more ids): such an id decodes as :data:`UNKNOWN_ID`, the ids on each side of it as the tokenizer does.
+    """
+    limit = tokenizer.vocab_size
+    parts, run, unknown = [], [], 0
+    for i in ids:
+        if 0 <= i < limit:
+            run.append(i)
+            continue
+        parts += [tokenizer.decode(run, skip_special_tokens=True), UNKNOWN_ID]
+        run, unknown = [], unknown + 1
+    parts.append(tokenizer.decode(run, skip_special_tokens=True))
+    return "".join(parts), unknown
+
+
 def generate_completions(args) -> int:
     """Generate completions for ``args.prompts`` into ``args.out`` (exit status 0); bad input raises UsageError."""
     engine_cfg = engine_config(args)
@@ -123,11 +146,16 @@ def generate_completions(args) -> int:
         except NeverFitsError as e:
             raise UsageError(f"{args.prompts}:{prompt.line}: {e}") from None
     results = engine.generate(requests)
+    unknown = 0
     with open(args.out, "w", encoding="utf-8") as fout:
         for prompt, result in zip(prompts, results):
             ids = list(result.tokens)
-            record = dict(prompt.record, completion=tokenizer.decode(ids, skip_special_tokens=True),
-                          completion_ids=ids)
-            fout.write(json.dumps(record, ensure_ascii=False) + "\n")
+            text, n = decode_completion(tokenizer, ids)
+            unknown += n
+            fout.write(json.dumps(dict(prompt.record, completion=text, completion_ids=ids), ensure_ascii=False) + "\n")
+    if unknown:
+        print(f"generate: {unknown} generated ids are outside the tokenizer's vocabulary ({tokenizer.vocab_size} ids, "
+              f"the model's {cfg.vocab_size}; --tokenizer {args.tokenizer or loaded.tokenizer_dir}): their text is "
+              f"{UNKNOWN_ID!r}, their ids are in completion_ids")
     print(f"generate: {len(results)} completions -> {args.out} ({engine.stats.tokens_per_s:.0f} tokens/s)")
     return 0
