@@ -11,6 +11,8 @@ batch and the full adapters after the last step (rank 0 of each stage reports),
 plus what the optimizer holds.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -90,22 +92,62 @@ def _max_diff(a: dict, b: dict, names) -> float:
     return max((a[m][k] - b[m][k]).abs().max().item() for m, k in names)
 
 
+def _base_sources(root: str, full: dict) -> dict:
+    """The actor's and critic's starting weights written as our checkpoint roots beside ``root`` (rank 0), as a
+    run launched with --actor-model / --critic-model would have them: the LoRA checkpoint records them."""
+    from rlhf.checkpoint.rlhf_state import save_model
+    from scenario_trainer import RESUME_MODEL
+
+    sources = {m: os.path.join(os.path.dirname(root), f"base_{m}") for m in ("actor", "critic")}
+    if dist.get_rank() == 0:
+        for model, path in sources.items():
+            save_model(path, 0, model, RESUME_MODEL, "lm" if model == "actor" else "value", full[model])
+    dist.barrier()
+    return sources
+
+
+def _checkpoint_contents(root: str) -> dict:
+    """model -> (tensor names, bytes of its tensor files) of the latest checkpoint under ``root``."""
+    from safetensors import safe_open
+
+    from rlhf.checkpoint.storage import checkpoint_path, latest_iteration
+
+    path, out = checkpoint_path(root, latest_iteration(root)), {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            model = name.split("_stage")[0]
+            with safe_open(os.path.join(path, name), "pt") as f:
+                names = out.setdefault(model, ([], [0]))
+                names[0].extend(f.keys())
+            names[1][0] += os.path.getsize(os.path.join(path, name))
+    return {m: (sorted(names), size[0]) for m, (names, size) in out.items()}
+
+
 def _trainer_runs(root: str) -> dict:
     """The PPO trainer with LoRA on the actor (all projections) and the critic (q, v; its value head trains),
     every task in scenario_trainer's layout (actor_train TP2xPP2, critic_train PP2xDP2 reversed, the engine
     TP2xDP2), the old log-probs recomputed so the engine's can be compared: 4 iterations straight, and 2,
-    save, load into a fresh trainer, 2 more."""
+    save, load into a fresh trainer, 2 more; what the checkpoint holds, and a load onto another base."""
+    from rlhf.checkpoint.rlhf_state import BaseMismatchError
     from scenario_trainer import PLAN as TRAINER_PLAN, synthetic_trainer, synthetic_weights, trained_weights
 
     placement = Placement.from_plan(TRAINER_PLAN, dist.get_world_size())
     full = synthetic_weights(11)
-    options = dict(lora=LORA, recompute_logprobs=True, use_distributed_optimizer=True, lr=1e-2)
+    options = dict(lora=LORA, recompute_logprobs=True, use_distributed_optimizer=True, lr=1e-2,
+                   sources=_base_sources(root, full))
     straight = synthetic_trainer(placement, full, mini_batch=4, **options)
     metrics = [straight.step().metrics for _ in range(4)]
     first = synthetic_trainer(placement, full, mini_batch=4, **options)
     for _ in range(2):
         first.step()
     first.save(root)
+    contents = _checkpoint_contents(root) if dist.get_rank() == 0 else None
+    other = synthetic_trainer(placement, synthetic_weights(12), mini_batch=4, **options)
+    try:
+        other.load(root)
+        refusal = None
+    except BaseMismatchError as e:
+        refusal = str(e)
     resumed = synthetic_trainer(placement, full, mini_batch=4, **options)
     resumed.load(root)
     resumed_metrics = [resumed.step().metrics for _ in range(2)]
@@ -118,7 +160,9 @@ def _trainer_runs(root: str) -> dict:
             "resume_param_diff": _max_diff(a, b, names), "adapters": len(adapters),
             "b_moved": max(a[m][k].abs().max().item() for m, k in adapters if k.endswith(".B")),  # B starts at 0
             "frozen_moved": _max_diff(a, full, frozen),
-            "head_moved": _max_diff(a, full, [("critic", "output_layer.weight")])}
+            "head_moved": _max_diff(a, full, [("critic", "output_layer.weight")]),
+            "contents": contents, "refusal": refusal,
+            "base_bytes": {m: sum(4 * t.numel() for k, t in full[m].items() if (m, k) in frozen) for m in a}}
 
 
 def _reference_from_base() -> dict:

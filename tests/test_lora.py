@@ -96,6 +96,29 @@ def test_lora_run_resumes_exactly(parity):
                 assert resumed[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
+def test_lora_checkpoint_holds_only_what_trains_and_refuses_another_base(parity):
+    """The LoRA models' checkpoint files hold their adapters (and the critic's value head) with their optimizer
+    state, no frozen base tensor, in fewer bytes than the base alone; loading it onto another base is refused
+    in one line naming a tensor that differs."""
+    from rlhf.models.lora import is_adapter
+
+    _, results = parity
+    out = results[0]["trainer"]
+    sizes = {}
+    for model, trained in (("actor", is_adapter), ("critic", lambda n: is_adapter(n) or n == "output_layer.weight")):
+        names, size = out["contents"][model]
+        weights = [n for n in names if "/" not in n]
+        assert weights and all(trained(n) for n in weights), [n for n in weights if not trained(n)]
+        assert {n.split("/", 1)[1] for n in names if "/" in n} == set(weights)  # exp_avg, exp_avg_sq, step
+        assert size < out["base_bytes"][model] / 2, (model, size, out["base_bytes"][model])
+        sizes[model] = (size, out["base_bytes"][model])
+    print("checkpoint bytes (LoRA model files, frozen base left out):", sizes)
+    refusal = out["refusal"]
+    assert refusal is not None and "\n" not in refusal
+    assert "holds LoRA adapters trained on another base than the one loaded now" in refusal
+    assert "decoder.layers.0." in refusal or "embedding" in refusal, refusal
+
+
 def test_reference_from_actor_base_is_the_initial_actor(parity):
     """--reference-from-actor-base: after 2 iterations the reference log-probs (actor_train, adapters disabled)
     equal a separately built reference's (a copy of the initial actor on ref_inf) on the same batch, while the

@@ -198,7 +198,7 @@ def export_peft(root: str, out: str, model_name: str = "actor", iteration: int |
     if lora is None:
         raise PeftConversionError(f"--model-name {model_name}: the model in {root} has no LoRA adapters "
                                   "(trained without --lora-rank)")
-    cfg, _, full = read_full_state(root, model_name, iteration)
+    cfg, _, full = read_full_state(root, model_name, iteration, with_base=False)  # no base needed (nor read)
     return save_peft(out, full, lora, vocab_size=cfg.vocab_size)
 
 

@@ -30,11 +30,19 @@ its parameters' files with ``owning_stage(name, num_layers, saved pp)``, reads
 just those tensors (``safe_open``), slices them with ``full_to_shard`` and
 keeps its ``StateSlice`` range. ``groups=None`` means an unsharded model in a
 single process.
+
+A model with LoRA adapters (``model.lora_config``) saves only what it trains (adapters, modules_to_save, a
+critic's value head) and their optimizer state; its meta's ``"base"`` records where the frozen base came
+from (``ModelSlot.base_source``: the starting model's directory, None for weights given in memory or drawn
+at random) and the sha256 and shape of every frozen tensor (full, without vocabulary padding, as fp32), so
+that loading it into a model whose base differs is refused (:class:`BaseMismatchError`), and so that
+:func:`read_full_state` can fill the base in from the source for exports.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -66,6 +74,22 @@ class ModelSlot:
     optimizer: Any = None  # a rlhf.optim.ModelOptimizer or a torch optimizer
     scheduler: Any = None  # anything with state_dict() / load_state_dict() (ModelOptimizer.scheduler)
     lora: Any = None  # the LoRAConfig of adapters in ``full`` without a model (else the model's lora_config)
+    base_source: Optional[str] = None  # where a LoRA model's frozen base came from (recorded, not read)
+
+
+class BaseMismatchError(storage.CheckpointError):
+    """A checkpoint of adapters does not fit the frozen base it is loaded onto, or its base cannot be read."""
+
+
+def base_digest(full: torch.Tensor) -> dict:
+    """{"shape", "sha256"} of a full frozen tensor (its fp32 bytes): a LoRA checkpoint's record of its base."""
+    data = full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return {"shape": list(full.shape), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def saves_base(slot: ModelSlot) -> bool:
+    """Whether the slot's frozen weights go into its checkpoint files: all but a LoRA model's."""
+    return getattr(slot.model, "lora_config", None) is None
 
 
 @dataclass
@@ -142,40 +166,50 @@ def _local_state(slot: ModelSlot, slices: dict, group) -> dict[str, torch.Tensor
     return out
 
 
-def _stage_tensors(slot: ModelSlot, state: dict) -> dict[str, torch.Tensor]:
-    """Full params (the fp32 main weights where ``state`` has them) and optimizer ``state`` of this rank's
-    stage (TP ranks of one replica call together), without padded vocabulary rows."""
+def _stage_tensors(slot: ModelSlot, state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """(full params (the fp32 main weights where ``state`` has them) and optimizer ``state`` of this rank's
+    stage, without padded vocabulary rows; the digests of a LoRA model's frozen params, which are left out)
+    (TP ranks of one replica call together)."""
     tp = _layout(slot)[0]
     tp_group = slot.groups.tp if slot.groups is not None else None
     vocab = slot.config.vocab_size
-    out = {}
+    out, base = {}, {}
     for name, param in named_global_parameters(slot.model).items():
         spec = ShardSpec.of(param, tp)
         weights = state.get(f"main/{name}", param.data)
-        out[name] = drop_vocab_padding(name, gather_tp_full(weights, spec, tp_group), vocab)
+        full = drop_vocab_padding(name, gather_tp_full(weights, spec, tp_group), vocab)
+        if not saves_base(slot) and not param.requires_grad:
+            base[name] = base_digest(full)
+            continue
+        out[name] = full
         for key in MOMENTS:
             if f"{key}/{name}" in state:
                 out[f"{key}/{name}"] = drop_vocab_padding(name, gather_tp_full(state[f"{key}/{name}"], spec, tp_group),
                                                           vocab)
         if f"step/{name}" in state:
             out[f"step/{name}"] = state[f"step/{name}"]
-    return out
+    return out, base
 
 
-def _meta(slot: ModelSlot, pp: int) -> dict:
+def _meta(slot: ModelSlot, pp: int, base: Optional[dict] = None) -> dict:
     groups = []
     if slot.optimizer is not None:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in slot.optimizer.param_groups]
     lora = slot.lora if slot.lora is not None else getattr(slot.model, "lora_config", None)
-    return {"config": slot.config.to_dict(), "role": slot.role, "pp": pp, "param_groups": groups,
+    meta = {"config": slot.config.to_dict(), "role": slot.role, "pp": pp, "param_groups": groups,
             "scheduler": slot.scheduler.state_dict() if slot.scheduler is not None else None,
             "lora": None if lora is None else dataclasses.asdict(lora)}
+    if base is not None:
+        meta["base"] = {"source": slot.base_source, "tensors": base}
+    return meta
 
 
-def stage_files(model_name: str, slot: ModelSlot, tensors: dict, stage: int = 0, pp: int = 1):
-    """(shards, json_files) entries of one stage, as :func:`storage.save_checkpoint` takes them."""
+def stage_files(model_name: str, slot: ModelSlot, tensors: dict, stage: int = 0, pp: int = 1,
+                base: Optional[dict] = None):
+    """(shards, json_files) entries of one stage, as :func:`storage.save_checkpoint` takes them; ``base``:
+    the digests of the frozen tensors left out (a LoRA model's stage)."""
     name = shard_name(model_name, stage, pp)
-    return {name: tensors}, {name + "_meta": _meta(slot, pp)}
+    return {name: tensors}, {name + "_meta": _meta(slot, pp, base)}
 
 
 def save_model(root: str, iteration: int, model_name: str, config: ModelConfig, role: str,
@@ -207,9 +241,9 @@ def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *
         opt_state = _local_state(slot, slices, shard_group)
         if dp_rank != 0:
             continue
-        tensors = _stage_tensors(slot, opt_state)
+        tensors, base = _stage_tensors(slot, opt_state)
         if tp_rank == 0:
-            s, j = stage_files(model_name, slot, tensors, stage, pp)
+            s, j = stage_files(model_name, slot, tensors, stage, pp, None if saves_base(slot) else base)
             shards.update(s)
             json_files.update(j)
     rank = dist.get_rank(group) if group is not None else 0
@@ -249,18 +283,68 @@ def _read_stage_tensors(path: str, model_name: str, pp: int, num_layers: int,
     return out
 
 
-def read_full_state(root: str, model_name: str, iteration: Optional[int] = None,
-                    names=None) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
+def read_full_state(root: str, model_name: str, iteration: Optional[int] = None, names=None,
+                    with_base: bool = True) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
     """(config, role, full weights by global name) of one saved model, in this process alone.
 
-    ``names`` limits what is read (default: every weight of the model).
+    ``names`` limits what is read (default: every weight of the model). A LoRA model saved without its base
+    gets its frozen tensors from the recorded base source, checked against the recorded digests (unless
+    ``with_base`` is False: then only what the checkpoint holds); :class:`BaseMismatchError` when that
+    cannot be done.
     """
     path, meta = _resolve_model(root, model_name, iteration)
     cfg = ModelConfig.from_dict(meta["config"])
+    base = saved_base(path, model_name, meta)
+    stored = _all_names(path, model_name, meta["pp"])
     if names is None:
-        names = _all_names(path, model_name, meta["pp"])
-    full = _read_stage_tensors(path, model_name, meta["pp"], cfg.num_layers, [(n, n) for n in names])
+        names = stored + (sorted(base) if with_base else [])
+    full = _read_stage_tensors(path, model_name, meta["pp"], cfg.num_layers, [(n, n) for n in names if n in stored])
+    wanted = [n for n in names if n in base] if with_base else []
+    if wanted:
+        full.update(_read_base(path, model_name, meta["base"]["source"], base, wanted))
     return cfg, meta["role"], full
+
+
+def saved_base(path: str, model_name: str, meta: dict) -> dict:
+    """name -> {"shape", "sha256"} of the frozen tensors a LoRA model's checkpoint left out (every stage's);
+    empty for a checkpoint that holds its whole model."""
+    if "base" not in meta:
+        return {}
+    out = {}
+    for stage in range(meta["pp"]):
+        out.update(_read_json(path, shard_name(model_name, stage, meta["pp"]) + "_meta.json")["base"]["tensors"])
+    return out
+
+
+def _read_base(path: str, model_name: str, source: Optional[str], base: dict, names: list) -> dict:
+    """The frozen tensors ``names`` of a base-free LoRA checkpoint, read from its recorded ``source`` and
+    checked against the recorded digests ``base``."""
+    from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights  # sources imports this module
+
+    what = f"checkpoint {path}: model {model_name!r} holds its LoRA adapters, not its frozen base"
+    if source is None:
+        raise BaseMismatchError(f"{what}, and the run that saved it was given its base in memory (no model "
+                                "directory recorded); nothing to read the base from")
+    try:
+        full = read_weights(open_source(source, model_name if model_name in MODEL_PARTS else "actor"), names, 0)
+    except ModelSourceError as e:
+        raise BaseMismatchError(f"{what}; reading it from the recorded base {source} failed: {e}") from None
+    for name in names:
+        problem = _base_differs(name, base_digest(full[name]), base[name])
+        if problem:
+            raise BaseMismatchError(f"{what}; the recorded base {source} has changed since: {problem}")
+    return full
+
+
+MODEL_PARTS = ("actor", "reference", "critic", "reward")
+
+
+def _base_differs(name: str, now: dict, saved: dict) -> Optional[str]:
+    """What differs between frozen tensor ``name``'s digest ``now`` and the checkpoint's, or None."""
+    if now == saved:
+        return None
+    return (f"{name} is {tuple(now['shape'])} with sha256 {now['sha256'][:12]}..., the adapters were trained on "
+            f"{tuple(saved['shape'])} with sha256 {saved['sha256'][:12]}...")
 
 
 def saved_model_config(root: str, model_name: str, iteration: Optional[int] = None) -> tuple[ModelConfig, str]:
@@ -310,15 +394,39 @@ def _all_names(path: str, model_name: str, pp: int) -> list[str]:
 
 
 @torch.no_grad()
-def _load_slot(path: str, model_name: str, slot: ModelSlot) -> None:
-    """Fill one slot's weights, optimizer moments and scheduler from checkpoint ``path``."""
+def _check_base(path: str, model_name: str, slot: ModelSlot, base: dict) -> Optional[str]:
+    """Why the slot's frozen weights are not the base its checkpoint's adapters were trained on (recorded as
+    ``base``), or None (TP ranks of the slot call together)."""
+    tp, tp_group = _layout(slot)[0], slot.groups.tp if slot.groups is not None else None
+    for name, param in named_global_parameters(slot.model).items():
+        if name not in base:
+            continue
+        full = drop_vocab_padding(name, gather_tp_full(param.data, ShardSpec.of(param, tp), tp_group),
+                                  slot.config.vocab_size)
+        problem = _base_differs(name, base_digest(full), base[name])
+        if problem:
+            return (f"checkpoint {path}: model {model_name!r} holds LoRA adapters trained on another base than "
+                    f"the one loaded now (start from the base the run was launched with): {problem}")
+    return None
+
+
+@torch.no_grad()
+def _load_slot(path: str, model_name: str, slot: ModelSlot) -> Optional[str]:
+    """Fill one slot's weights, optimizer moments and scheduler from checkpoint ``path``; returns why the
+    model's frozen base does not fit the checkpoint's adapters (None: it does, or the checkpoint holds the
+    whole model), having loaded nothing then."""
     meta = _model_meta(path, model_name)
     saved_cfg = ModelConfig.from_dict(meta["config"])
     if saved_cfg != slot.config:
         raise storage.CheckpointError(f"checkpoint {path}: model {model_name!r} was saved with {saved_cfg}, "
                                       f"the model to load into has {slot.config}")
     tp, tp_rank = _layout(slot)[:2]
-    params = named_global_parameters(slot.model)
+    base = saved_base(path, model_name, meta)
+    if base:
+        problem = _check_base(path, model_name, slot, base)
+        if problem:
+            return problem
+    params = {n: p for n, p in named_global_parameters(slot.model).items() if n not in base}
     keys = [(n, n) for n in params]
     if slot.optimizer is not None:
         keys += [(n, f"{k}/{n}") for n in params for k in (*MOMENTS, "step")]
@@ -329,6 +437,7 @@ def _load_slot(path: str, model_name: str, slot: ModelSlot) -> None:
         _load_optimizer(slot, params, full, meta["param_groups"], tp, tp_rank)
     if slot.scheduler is not None and meta["scheduler"] is not None:
         slot.scheduler.load_state_dict(meta["scheduler"])
+    return None
 
 
 def _shard(full: torch.Tensor, name: str, param: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
@@ -371,9 +480,14 @@ def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Option
     """
     it = storage.resolve_checkpoint(root, iteration, fallback=fallback, group=group)
     path = storage.checkpoint_path(root, it)
-    for model_name, slot in slots.items():
-        if slot.model is not None:
-            _load_slot(path, model_name, slot)
+    problems = [_load_slot(path, model_name, slot) for model_name, slot in slots.items() if slot.model is not None]
+    problems = [p for p in problems if p is not None]
+    if group is not None:  # every rank refuses together (one may hold the base that differs, the rest go on)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, problems[:1], group=group)
+        problems = [p for part in everyone for p in part]
+    if problems:
+        raise BaseMismatchError(problems[0])
     state = _read_json(path, storage.STATE)
     rank = dist.get_rank(group) if group is not None else 0
     rng_file = f"rng_rank{rank}.json"

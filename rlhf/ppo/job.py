@@ -49,9 +49,12 @@ def build_trainer(config: JobConfig, placement) -> Trainer:
     dataset = prompt_dataset(config, tokenizer)
     prompts = prompt_batches(config, dataset)
     reward_fn = job_reward_fn(config)
-    weights = {}
-    if config.checkpoint.load is None:  # a resumed run takes every model's weights from the checkpoint
-        weights = {model: directory_weights(config, model) for model in config.models.weights}
+    # a resumed run takes every model's weights from the checkpoint, but a LoRA model's frozen base (its
+    # checkpoint holds only what it trains, and refuses a base that differs from the one it was trained on)
+    resumed = config.checkpoint.load is not None
+    weights = {model: directory_weights(config, model) for model in config.models.weights
+               if not resumed or config.lora.for_model(model) is not None}
+    if not resumed:
         if config.has_reward_model and "reward" not in weights:
             weights["reward"] = trained_reward_weights(config, dataset, tokenizer, placement)
     if dist.get_rank() == 0:

@@ -467,8 +467,10 @@ class Trainer:
         for model, task in WEIGHTS_TASK.items():
             if task in self.tasks:
                 opt = self.optimizers.get(model)
+                source = self.config.models.weights.get(model)  # a LoRA checkpoint records it, not the base
                 slots[model] = ModelSlot(self.config.models[model], task_kind(task), self.models.get(task),
-                                         self.groups[task], opt, opt.scheduler if opt is not None else None)
+                                         self.groups[task], opt, opt.scheduler if opt is not None else None,
+                                         base_source=None if source is None else os.path.abspath(source))
         return slots
 
     def describe_sample(self, batch: Batch, index: int) -> str:
