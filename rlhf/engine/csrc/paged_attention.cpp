@@ -16,6 +16,24 @@
 #include <cmath>
 #include <vector>
 
+// a . b over n floats; the compiler vectorises the sum (reassociation is allowed: see rlhf/engine/native.py)
+static inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// ask for the cache lines of the next block while this one is computed: blocks lie anywhere in the pool, so
+// the hardware prefetcher cannot guess where the next one starts
+static inline void prefetch(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(x + i);
+}
+
+// y += p * x over n floats
+static inline void axpy(float p, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+}
+
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
                            torch::Tensor ctx, double scale) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
@@ -44,31 +62,34 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       const float* qh = qp + (row * kv_heads + h) * qpg * d;
       float* oh = op + (row * kv_heads + h) * qpg * d;
       const int32_t* table = tp + row * width;
-      scores.assign(qpg * len, 0.f);
-      for (int64_t t = 0; t < len; ++t) {  // scores[g * len + t] = q_g . k_t * scale
-        const float* kt = kp + ((h * num_blocks + table[t / bs]) * bs + t % bs) * d;
-        for (int64_t g = 0; g < qpg; ++g) {
-          const float* qg = qh + g * d;
-          float acc = 0.f;
-          for (int64_t i = 0; i < d; ++i) acc += qg[i] * kt[i];
-          scores[g * len + t] = acc * sc;
+      scores.resize(qpg * len);
+      for (int64_t first = 0; first < len; first += bs) {  // scores[g * len + t] = q_g . k_t * scale
+        const float* kb = kp + (h * num_blocks + table[first / bs]) * bs * d;
+        const int64_t count = std::min(bs, len - first);
+        if (first + bs < len) prefetch(kp + (h * num_blocks + table[first / bs + 1]) * bs * d, bs * d);
+        for (int64_t j = 0; j < count; ++j) {
+          for (int64_t g = 0; g < qpg; ++g) scores[g * len + first + j] = dot(qh + g * d, kb + j * d, d) * sc;
         }
       }
       for (int64_t g = 0; g < qpg; ++g) {  // softmax of each query head's row
         float* s = scores.data() + g * len;
-        const float top = *std::max_element(s, s + len);
+        float top = s[0];
+        for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
         float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - top));
+        for (int64_t t = 0; t < len; ++t) {
+          s[t] = std::exp(s[t] - top);
+          total += s[t];
+        }
         const float inv = 1.f / total;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
       std::fill(oh, oh + qpg * d, 0.f);
-      for (int64_t t = 0; t < len; ++t) {  // out_g += p_g[t] * v_t
-        const float* vt = vp + ((h * num_blocks + table[t / bs]) * bs + t % bs) * d;
-        for (int64_t g = 0; g < qpg; ++g) {
-          const float p = scores[g * len + t];
-          float* og = oh + g * d;
-          for (int64_t i = 0; i < d; ++i) og[i] += p * vt[i];
+      for (int64_t first = 0; first < len; first += bs) {  // out_g += p_g[t] * v_t
+        const float* vb = vp + (h * num_blocks + table[first / bs]) * bs * d;
+        const int64_t count = std::min(bs, len - first);
+        if (first + bs < len) prefetch(vp + (h * num_blocks + table[first / bs + 1]) * bs * d, bs * d);
+        for (int64_t j = 0; j < count; ++j) {
+          for (int64_t g = 0; g < qpg; ++g) axpy(scores[g * len + first + j], vb + j * d, oh + g * d, d);
         }
       }
     }
