@@ -24,7 +24,7 @@ rows, torch's F.linear): no decode step of that batch can be faster. Denormal fl
 whole process (rlhf.platform.flush_denormals), for both systems alike.
 
     python benchmarks/engine_workload.py [--prompts 16] [--n 8] [--max-new-tokens 96,512]
-        [--lengths natural,drawn] [--threads 2] [--repeats 1] [--seed 0]
+        [--lengths natural,drawn] [--threads 2] [--repeats 1] [--seed 0] [--skip-hf]
 
 One line per case, then the summary of the case with the lowest ``limit_fraction``:
 ``engine_workload: engine=<tok/s> hf=<tok/s> ratio=<x> limit_fraction=<y>`` (its case named after it).
@@ -166,6 +166,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per system, fastest kept (default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="sampling and drawn-length seed (default %(default)s)")
+    ap.add_argument("--skip-hf", action="store_true", help="time our engine only (transformers' 512-token cases "
+                    "take 15-20 minutes each on 2 cores); ratios print as -")
     args = ap.parse_args()
     limits = [int(v) for v in args.max_new_tokens.split(",")]
     kinds = args.lengths.split(",")
@@ -199,6 +201,8 @@ def main() -> None:
                 systems = {
                     "engine": lambda: engine_useful_tokens(engine, prompts, args.n, limit, lengths, eos, args.seed),
                     "hf": lambda: hf_useful_tokens(hf, prompts, args.n, limit, lengths, eos, args.seed)}
+                if args.skip_hf:
+                    del systems["hf"]
                 best = run_case(systems, args.repeats)
                 peak = max(peak, matmul_gflops(args.threads))
                 results.append((f"{limit}/{kind}", {k: t / s for k, (t, s) in best.items()}, best))
@@ -211,11 +215,19 @@ def main() -> None:
     print("| case | engine tokens/s | hf tokens/s | engine / hf | engine / limit |")
     print("|---|---|---|---|---|")
     for case, rate, _ in results:
-        print(f"| {case} | {rate['engine']:.1f} | {rate['hf']:.1f} | {rate['engine'] / rate['hf']:.2f}x | "
-              f"{rate['engine'] / limit_rate:.2f} |")
+        hf_rate, ratio = _versus_hf(rate)
+        print(f"| {case} | {rate['engine']:.1f} | {hf_rate} | {ratio}x | {rate['engine'] / limit_rate:.2f} |")
     case, rate, _ = min(results, key=lambda r: r[1]["engine"])
-    print(f"engine_workload: engine={rate['engine']:.1f} hf={rate['hf']:.1f} ratio={rate['engine'] / rate['hf']:.2f} "
+    hf_rate, ratio = _versus_hf(rate)
+    print(f"engine_workload: engine={rate['engine']:.1f} hf={hf_rate} ratio={ratio} "
           f"limit_fraction={rate['engine'] / limit_rate:.2f} case={case}")
+
+
+def _versus_hf(rate: dict) -> tuple[str, str]:
+    """(transformers' tokens/s, engine / transformers) as printed; "-" when it was not run (--skip-hf)."""
+    if "hf" not in rate:
+        return "-", "-"
+    return f"{rate['hf']:.1f}", f"{rate['engine'] / rate['hf']:.2f}"
 
 
 if __name__ == "__main__":
