@@ -216,7 +216,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for case, rate, _ in results:
         hf_rate, ratio = _versus_hf(rate)
-        print(f"| {case} | {rate['engine']:.1f} | {hf_rate} | {ratio}x | {rate['engine'] / limit_rate:.2f} |")
+        print(f"| {case} | {rate['engine']:.1f} | {hf_rate} | {ratio} | {rate['engine'] / limit_rate:.2f} |")
     case, rate, _ = min(results, key=lambda r: r[1]["engine"])
     hf_rate, ratio = _versus_hf(rate)
     print(f"engine_workload: engine={rate['engine']:.1f} hf={hf_rate} ratio={ratio} "
