@@ -81,6 +81,11 @@ class BaseMismatchError(storage.CheckpointError):
     """A checkpoint of adapters does not fit the frozen base it is loaded onto, or its base cannot be read."""
 
 
+BASE_DIGEST = "rlhf_base_digest"
+"""Attribute of a frozen parameter of a LoRA model: its `base_digest`, kept from the first save on (every TP
+rank of a replica saves together, so all of them skip the gather together)."""
+
+
 def base_digest(full: torch.Tensor) -> dict:
     """{"shape", "sha256"} of a full frozen tensor (its fp32 bytes): a LoRA checkpoint's record of its base."""
     data = full.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
@@ -175,11 +180,16 @@ def _stage_tensors(slot: ModelSlot, state: dict) -> tuple[dict[str, torch.Tensor
     vocab = slot.config.vocab_size
     out, base = {}, {}
     for name, param in named_global_parameters(slot.model).items():
+        frozen = not saves_base(slot) and not param.requires_grad
+        if frozen and hasattr(param, BASE_DIGEST):  # the base never changes: gathered and hashed at the first save
+            base[name] = getattr(param, BASE_DIGEST)
+            continue
         spec = ShardSpec.of(param, tp)
         weights = state.get(f"main/{name}", param.data)
         full = drop_vocab_padding(name, gather_tp_full(weights, spec, tp_group), vocab)
-        if not saves_base(slot) and not param.requires_grad:
+        if frozen:
             base[name] = base_digest(full)
+            setattr(param, BASE_DIGEST, base[name])
             continue
         out[name] = full
         for key in MOMENTS:
