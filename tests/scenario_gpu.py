@@ -19,14 +19,15 @@ FIELDS = ("ref_logprobs", "scores", "values", "advantages", "returns", "old_logp
 
 def run() -> dict:
     """The fixed-sample PPO iteration (padded and packed), then two greedy-generation iterations (engine, reshard,
-    inference, update)."""
+    inference, update), whose decode steps a GPU replays as CUDA graphs (recorded once, on the weights that
+    each reshard overwrites in place)."""
     placement = Placement.from_plan({task: {"ranks": [0]} for task in TASKS}, 1)
     build_task_groups(placement)
     _, _, result, learned = learn_fixed_samples(placement)
     _, _, packed, packed_learned = learn_fixed_samples(placement, max_tokens=16)  # TE's THD attention on a GPU
-    trainer = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0)
+    trainer = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0, cuda_graphs=True)
     steps = [trainer.step() for _ in range(2)]
-    lean = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0,
+    lean = synthetic_trainer(placement, synthetic_weights(31), mini_batch=4, temperature=0.0, cuda_graphs=True,
                              memory=MemoryConfig(offload_ref_reward=True, release_generation_memory=True))
     lean_steps = [lean.step() for _ in range(2)]
     offloaded = [t for task in FROZEN_TASKS for t in module_tensors(lean.models[task])]

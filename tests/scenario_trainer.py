@@ -348,12 +348,14 @@ def synthetic_weights(seed: int) -> dict:
 def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConfig = FusionConfig(),
                       checkpoint: CheckpointConfig = CheckpointConfig(), temperature: float = 1.0,
                       memory: MemoryConfig = MemoryConfig(), precision: PrecisionConfig = PrecisionConfig(),
-                      lora: AdaptersConfig = AdaptersConfig(), sources: dict | None = None, **optimizer) -> Trainer:
+                      lora: AdaptersConfig = AdaptersConfig(), sources: dict | None = None, cuda_graphs: bool = False,
+                      **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights
     (``sources``: the directories the config names as where they came from, which a LoRA checkpoint records)."""
     models = ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL, weights=sources or {})
     config = JobConfig(models=models, run=RunConfig(iterations=4, seed=5),
-                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature),
+                       generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature,
+                                                   cuda_graphs=cuda_graphs),
                        ppo=PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=mini_batch,
                                      micro_batch_size=2, kl_coef=0.05, kl_target=0.5, **optimizer),
                        fusion=fusion, checkpoint=checkpoint, memory=memory, precision=precision, lora=lora)

@@ -92,7 +92,8 @@ def test_greedy_generation_matches_cpu(runs):
 
 def test_offloaded_and_released_weights_leave_the_gpu_between_uses(runs):
     """--offload-ref-reward and --release-generation-memory: the reference and reward weights sit in pinned
-    host memory after the iterations, the tracked device bytes drop, and the samples and metrics stay."""
+    host memory after the iterations, the tracked device bytes drop, and the samples and metrics stay. That
+    run also replays CUDA graphs (--cuda-graphs), recorded again after each release: the eager run's tokens."""
     gpu, _ = runs
     assert set(gpu["offloaded_bytes"]) == {"cpu"} and gpu["offloaded_bytes"]["cpu"] > 0
     assert gpu["offloaded_pinned"]

@@ -23,3 +23,6 @@ def test_dry_mode_runs_every_part_and_prints_the_summary(tmp_path):
     equal, prompts = map(int, fields["greedy_equal"].split("/"))
     near, parted = map(int, fields["near_tie_partings"].split("/"))
     assert prompts == 3 and parted == prompts - equal and near == parted  # every parting at a bf16 near-tie
+    # part 5 on the CPU: the padded static decode steps (no graphs recorded) give the eager engine's tokens
+    assert fields["graphs_greedy_equal"] == "3/3"
+    assert float(fields["eager_sampled_tokens_per_s"]) > 0 and float(fields["graphs_sampled_tokens_per_s"]) > 0

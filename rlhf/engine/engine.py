@@ -138,6 +138,12 @@ class Engine:
             for seq in reversed(list(self.scheduler.running)):  # newest first: the oldest ends up in front
                 self.scheduler.preempt(seq)
 
+    def forget_graphs(self) -> None:
+        """Drop the recorded decode-step graphs (`EngineConfig.cuda_graphs`), which hold the addresses of the
+        weights and KV cache: for when their storage is freed (``memory.release_generation_memory``)."""
+        if self.decoder.static is not None:
+            self.decoder.static.forget()
+
     def abort_all(self) -> None:
         """Drop every unfinished sample (its blocks freed); nothing is returned for them."""
         for seq in self._seqs.values():

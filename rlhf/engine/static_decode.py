@@ -50,6 +50,11 @@ class StaticDecode:
         self.steps += 1
         return compute()[:rows]
 
+    def forget(self) -> None:
+        """Drop every bucket's buffers and graph. A graph replays the addresses it recorded: call this when
+        the weights' or the KV cache's storage is freed or moved (the next steps record new graphs)."""
+        self.buckets.clear()
+
     def _buffers(self, size: int):
         """(input_ids, positions, slots, logits_rows, AttentionMeta) of a bucket, every row a padded one."""
         dev, width = self.decoder.device, self.max_blocks

@@ -262,6 +262,8 @@ class Trainer:
             mine = results if g.tp_rank == 0 else []
         self.memory.note("generation")
         self.memory.release_generation()
+        if self.memory.generation_released and self.engine is not None:
+            self.engine.forget_graphs()  # they would replay the freed storage's addresses
         return mine, fused
 
     def _episodes(self, prompt_batch, requests: list[Request]) -> list:
