@@ -3,6 +3,7 @@
 
     mpiexec -n 2 python benchmarks/table3.py --plot docs/mem_cap_curve.png   # full run
     python benchmarks/table3.py --quick               # short budgets, one process
+    mpiexec -n 2 python benchmarks/table3.py --latency-models 5 --seed 0      # robustness (issue 34)
 
 Per setting: the paper's greedy (its published speedup / memory), our greedy
 (``generators.greedy_fused``, the paper's bidirectional 1F1B preferring the
@@ -14,6 +15,15 @@ fused with two 33B PP 8 pipelines) and the ``--mem-cap`` trade-off for
 65B/33B PP 16/8 with 32 micro-batches (printed, and plotted with ``--plot``).
 Latencies come from rlhf.schedule.cost_model (LLaMA shapes, tp 8 for every
 model, 4096 tokens per micro-batch).
+
+``--latency-models N`` runs the robustness table instead: the settings under
+the cost model's own latencies and under N latency models drawn from seeds
+``--seed`` .. ``--seed + N - 1`` (rlhf.schedule.latency_models: other MLP
+shapes, attention term, GQA, backward/forward ratios, per-stage
+perturbations), one line per (model, setting), then
+``table3-robust: models=<N + 1> both=<k>/<12 (N + 1)> worst_mem=<x>
+worst_gap=<y> max_search_s=<t>`` (both: within 1% of the bound at <= 1.5x
+the serial 1F1B peak; worst over all runs; the slowest search's wall time).
 """
 from __future__ import annotations
 
@@ -24,7 +34,8 @@ import sys
 import time
 from dataclasses import replace
 
-from rlhf.schedule.cost_model import build_problem, llama
+from rlhf.schedule.cost_model import llama
+from rlhf.schedule.latency_models import COST_MODEL, build, latency_model
 from rlhf.schedule.generators import model_alone, serial_1f1b
 from rlhf.schedule.lower_bound import serial_peak_memory
 from rlhf.schedule.search import SearchConfig, search_mpi, world_comm
@@ -52,10 +63,9 @@ FIG10 = 6  # 65B PP 16 with two 33B PP 8 pipelines (16 micro-batches; 8 per 33B 
 GAP, MEMORY = 0.01, 1.5  # issue 12's targets: within 1% of the bound, at most 1.5x serial memory
 
 
-def setting_problem(actor, critic, pp_a, pp_c, mb):
-    """The fused problem of one Table 3 setting (tp 8, cost-model latencies)."""
-    return build_problem([llama("actor", actor, 8, pp_a, mb, "down"),
-                          llama("critic", critic, 8, pp_c, mb, "up")])
+def setting_problem(actor, critic, pp_a, pp_c, mb, model=COST_MODEL):
+    """The fused problem of one Table 3 setting (tp 8; latencies of ``model``, default the cost model's)."""
+    return build([llama("actor", actor, 8, pp_a, mb, "down"), llama("critic", critic, 8, pp_c, mb, "up")], model)
 
 
 def rank_and_size():
@@ -88,7 +98,13 @@ def parse_args(argv):
     ap.add_argument("--no-caps", action="store_true", help="skip the --mem-cap trade-off")
     ap.add_argument("--no-fig10", action="store_true", help="skip the Figure 10 case")
     ap.add_argument("--plot", default=None, help="write the --mem-cap trade-off curve (PNG) here")
+    ap.add_argument("--latency-models", type=int, default=0, metavar="N",
+                    help="run the robustness table instead: the settings under the cost model and N generated "
+                         "latency models (default 0: the paper's table)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first generated latency model (default 0)")
     args = ap.parse_args(argv)
+    if not 0 <= args.latency_models <= 1000:
+        ap.error(f"--latency-models {args.latency_models}: give a count in [0, 1000]")
     only = list(range(len(PAPER)))
     if args.only is not None:
         try:
@@ -125,6 +141,27 @@ def table(only, cfg, say) -> None:
             f"{mem:>8.2f}x{mem_paper[1]:>6.2f}{secs:>5.0f}s{cpu:>5.0f}s", flush=True)
     say(f"table3: within 1% of bound in {within}/{len(only)}, memory <= 1.5x in {lean}/{len(only)}, "
         f"both in {both}/{len(only)}, max search {slowest:.0f} s wall, {slowest_cpu:.0f} s CPU per rank")
+
+
+def robustness(only, cfg, say, count: int, seed: int) -> None:
+    """The settings under the cost model and ``count`` generated latency models: one line each, then the
+    ``table3-robust`` summary (module docstring)."""
+    models = [("cost model", COST_MODEL)] + [(f"seed {seed + k}", latency_model(seed + k)) for k in range(count)]
+    say(f"{'latency model':<54}{'setting':<21}{'speedup':>8}{'LB':>6}{'gap':>7}{'mem':>7}{'wall':>6}"
+        f"{'cpu':>6}  schedule from")
+    both, worst_mem, worst_gap, slowest = 0, 0.0, 0.0, 0.0
+    for label, model in models:
+        for idx in only:
+            a, c, pa, pc, mb, *_ = PAPER[idx]
+            res, secs, cpu = timed_search(setting_problem(a, c, pa, pc, mb, model), cfg)
+            mem = max(res.peak_mem) / max(res.serial_peak_mem)
+            both += res.gap <= GAP + 1e-12 and mem <= MEMORY + 1e-9
+            worst_mem, worst_gap, slowest = max(worst_mem, mem), max(worst_gap, res.gap), max(slowest, secs)
+            say(f"{f'{label} ({model.describe()})':<54}{f'{a}/{c} PP {pa}/{pc} mb{mb}':<21}"
+                f"{res.serial_makespan / res.makespan:>8.3f}{res.serial_makespan / res.lower_bound:>6.2f}"
+                f"{100 * res.gap:>6.2f}%{mem:>6.2f}x{secs:>5.0f}s{cpu:>5.0f}s  {res.start_name}", flush=True)
+    say(f"table3-robust: models={len(models)} both={both}/{len(models) * len(only)} worst_mem={worst_mem:.2f} "
+        f"worst_gap={100 * worst_gap:.2f}% max_search_s={slowest:.0f}")
 
 
 def figure10(cfg, say) -> None:
@@ -181,6 +218,9 @@ def main(argv=None) -> int:
         f"{platform.processor() or platform.machine()}, load {os.getloadavg()[0]:.1f}), {size} MPI "
         f"rank(s), budget {cfg.budget_s:g}+{cfg.memory_budget_s:g} nominal s per search, "
         f"memory phase within {100 * cfg.makespan_slack:g}% of the best makespan")
+    if args.latency_models:
+        robustness(only, cfg, say, args.latency_models, args.seed)
+        return 0
     if not args.no_table:
         table(only, cfg, say)
     if not args.no_fig10:

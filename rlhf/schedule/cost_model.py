@@ -37,6 +37,7 @@ RLHFuse section 5.2 rules, applied by :func:`build_problem`:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import lcm
 
@@ -114,8 +115,11 @@ class CostConfig:
             raise ProblemError(f"CostConfig.gpus={self.gpus!r} must be a positive GPU count or None")
 
 
-def build_problem(shapes, cfg: CostConfig = CostConfig()) -> Problem:
-    """Fused problem for models sharing the same GPUs (see module docstring)."""
+def build_problem(shapes, cfg: CostConfig = CostConfig(),
+                  flops: Callable[[ModelShape, int], float] | None = None) -> Problem:
+    """Fused problem for models sharing the same GPUs (see module docstring). ``flops(shape, seq_len)``:
+    forward FLOPs per token and layer (default `ModelShape.flops_per_token_layer`; another count:
+    rlhf/schedule/latency_models.py)."""
     shapes = list(shapes)
     tp_max = max(s.tp for s in shapes)
     merged = []
@@ -139,7 +143,8 @@ def build_problem(shapes, cfg: CostConfig = CostConfig()) -> Problem:
                                f"by its fusion factor {fusion} (pipelines sharing the batch)")
         layers = s.layers / pp
         per_gpu = cfg.gpu_flops * cfg.mfu * tp_max
-        fwd_ms = layers * cfg.tokens_per_microbatch * s.flops_per_token_layer(cfg.seq_len) / per_gpu * 1e3
+        per_token = flops(s, cfg.seq_len) if flops is not None else s.flops_per_token_layer(cfg.seq_len)
+        fwd_ms = layers * cfg.tokens_per_microbatch * per_token / per_gpu * 1e3
         act = layers * cfg.tokens_per_microbatch * s.hidden * cfg.act_bytes_per_token_hidden / tp_max / 2**30
         models.append(ModelSpec(name=s.name, pp=pp, pipelines=fusion,
                                 microbatches=s.microbatches // fusion, direction=s.direction,

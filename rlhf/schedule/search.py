@@ -46,7 +46,7 @@ from .generators import (Rule, backfill_schedule, greedy_fused, model_size_order
 from .lower_bound import makespan_lower_bound, serial_peak_memory
 from .problem import Problem, ProblemError
 from .schedule import Schedule
-from .simulate import simulate, stage_peak_memory
+from .simulate import INF, simulate, stage_peak_memory
 from .validate import check_schedule
 
 # proposals per nominal second = RATE / subtasks**0.75 (fitted on the 2-core CI VM)
@@ -109,6 +109,7 @@ class SearchResult:
     seconds: float = 0.0
     best_makespan: float = 0.0  # the makespan phase's result, before the memory phase
     best_peak: float = 0.0
+    phases: list = field(default_factory=list)  # Phase records, in the order the search ran them
 
     @property
     def schedule(self) -> Schedule:
@@ -131,7 +132,21 @@ class SearchResult:
                 "greedy_peak_act_mem": self.greedy_peak_mem, "start": self.start_name,
                 "best_makespan": self.best_makespan, "best_peak_act_mem": self.best_peak,
                 "seed": self.seed, "evaluations": self.evaluations,
-                "evals_per_second": self.evals_per_second}
+                "evals_per_second": self.evals_per_second,
+                "phases": [vars(p) for p in self.phases]}
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one part of the search reached: its name (``start pool``, ``makespan``, ``cap 1.5x``,
+    ``memory pass``), the start it worked from, the makespan and peak memory (max over stages) of its
+    result, and whether that result was kept (a rung that missed the limit is not)."""
+
+    name: str
+    start: str
+    makespan: float
+    peak: float
+    kept: bool
 
 
 def start_pool(pb: Problem, mem_cap: float | None) -> list:
@@ -209,26 +224,31 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     pool = start_pool(pb, cap)
     stats = AnnealStats()
     iters = int(cfg.budget_s * per_s)
+    phases = [Phase("start pool", pool[0].name if pool else "-", pool[0].makespan if pool else INF,
+                    pool[0].peak if pool else INF, True)]
     best, name = _anneal_starts(pb, pick_starts(pool), cap, iters, lb, cfg, stats)
     ms, best_peak = simulate(pb, best).makespan, max(stage_peak_memory(pb, best))
+    phases.append(Phase("makespan", name, ms, best_peak, True))
     limit = makespan_limit(ms, lb, cfg.makespan_slack)
     # makespan proposals left by an early stop at the bound go to the memory phase
     mem_iters = iters - stats.proposals + int(cfg.memory_budget_s * per_s)
     ladder = int(mem_iters * cfg.ladder_share)
-    best, name, used = _cap_ladder(pb, pool, best, name, limit, ladder, cfg, stats)
+    best, name, used = _cap_ladder(pb, pool, best, name, limit, ladder, cfg, stats, phases)
     polish = mem_iters - used
     mcfg = replace(cfg.anneal, iters=polish, mem_cap=cap)
     best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=limit,
                              floor=max(serial_peak_memory(pb)), patience=max(1, polish // 4))
     stats.add(st)
+    res = simulate(pb, best)
+    phases.append(Phase("memory pass", name, res.makespan, max(stage_peak_memory(pb, best)), True))
     check_schedule(Schedule.from_orders(pb, best), mem_cap=cap)
     return SearchResult(
-        problem=pb, orders=best, makespan=simulate(pb, best).makespan,
+        problem=pb, orders=best, makespan=res.makespan,
         peak_mem=stage_peak_memory(pb, best), greedy_makespan=simulate(pb, greedy).makespan,
         greedy_peak_mem=stage_peak_memory(pb, greedy), serial_makespan=serial_1f1b_makespan(pb),
         serial_peak_mem=serial_peak_memory(pb), lower_bound=lb, start_name=name, seed=cfg.seed,
         evaluations=stats.evaluations, anneal_seconds=stats.seconds,
-        seconds=time.perf_counter() - tic, best_makespan=ms, best_peak=best_peak)
+        seconds=time.perf_counter() - tic, best_makespan=ms, best_peak=best_peak, phases=phases)
 
 
 def makespan_limit(best: float, lower_bound: float, slack: float) -> float:
@@ -257,7 +277,7 @@ def _anneal_starts(pb, starts, cap, iters, target, cfg, stats) -> tuple:
     return best, name
 
 
-def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats) -> tuple:
+def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats, phases) -> tuple:
     """Lower the peak memory while keeping the makespan within ``limit``.
 
     Rungs are caps of ``cfg.ladder`` x the serial 1F1B peak below the current
@@ -296,7 +316,9 @@ def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats) -> tuple:
         ms = simulate(pb, orders).makespan
         result = (ms, orders, f"{start_name} within cap {rung:g}x")
         carry = [result]
-        if ms <= limit * (1 + 1e-12):
+        reached = ms <= limit * (1 + 1e-12)
+        phases.append(Phase(f"cap {rung:g}x", start_name, ms, max(stage_peak_memory(pb, orders)), reached))
+        if reached:
             found = result
         elif found is not None:
             break
@@ -353,4 +375,9 @@ def format_summary(res: SearchResult) -> str:
     out.append(f"annealed is {100 * res.gap:.2f}% above the lower "
                f"bound; start: {res.start_name}; {res.evaluations} evaluations, "
                f"{res.evals_per_second:.0f}/s; search {res.seconds:.1f}s")
+    out.append("phases (each one's result: above the bound, x the serial 1F1B peak; * kept):")
+    for p in res.phases:
+        above = 100 * max(0.0, p.makespan / res.lower_bound - 1)
+        out.append(f"  {p.name:<12} {above:>7.2f}% {p.peak / sp if sp else 0:>6.2f}x{' *' if p.kept else '  '} "
+                   f"from {p.start}")
     return "\n".join(out)
