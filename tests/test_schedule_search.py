@@ -10,7 +10,7 @@ from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, mod
                                       serial_1f1b, serial_1f1b_makespan)
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
-from rlhf.schedule.search import SearchConfig, makespan_limit, search, search_mpi
+from rlhf.schedule.search import SearchConfig, format_summary, makespan_limit, search, search_mpi
 from rlhf.schedule.simulate import latest_ends, simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate
 
@@ -213,6 +213,14 @@ def test_cap_ladder_lowers_the_peak_at_the_same_makespan():
     ms, peak = makespan_and_peak(pb, res.schedule.stages, cap=1.5 * serial)
     assert ms == pytest.approx(makespan_lower_bound(pb))
     assert "within cap 1.5x" in res.start_name
+    # the summary's phases say which part reached which point, in the order they ran
+    names = [p.name for p in res.phases]
+    assert names[:3] == ["start pool", "makespan", "cap 1.5x"] and names[-1] == "memory pass"
+    start, fast, rung, final = res.phases[0], res.phases[1], res.phases[2], res.phases[-1]
+    assert (fast.makespan, fast.peak) == (res.best_makespan, res.best_peak)
+    assert rung.kept and rung.makespan == pytest.approx(ms) and rung.peak <= 1.5 * serial + 1e-9
+    assert (final.makespan, final.peak) == (res.makespan, max(res.peak_mem)) and start.makespan >= fast.makespan
+    assert "cap 1.5x" in format_summary(res) and res.metrics()["phases"][2]["name"] == "cap 1.5x"
 
 
 @pytest.mark.parametrize("cap_x", [1.0, 1.25])

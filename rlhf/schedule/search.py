@@ -140,7 +140,8 @@ class SearchResult:
 class Phase:
     """What one part of the search reached: its name (``start pool``, ``makespan``, ``cap 1.5x``,
     ``memory pass``), the start it worked from, the makespan and peak memory (max over stages) of its
-    result, and whether that result was kept (a rung that missed the limit is not)."""
+    result, and whether the search could use that result (``kept``: false for a rung that missed the
+    makespan limit)."""
 
     name: str
     start: str
