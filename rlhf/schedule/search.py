@@ -46,7 +46,7 @@ from .generators import (Rule, backfill_schedule, greedy_fused, model_size_order
 from .lower_bound import makespan_lower_bound, serial_peak_memory
 from .problem import Problem, ProblemError
 from .schedule import Schedule
-from .simulate import INF, simulate, stage_peak_memory
+from .simulate import simulate, stage_peak_memory
 from .validate import check_schedule
 
 # proposals per nominal second = RATE / subtasks**0.75 (fitted on the 2-core CI VM)
@@ -229,9 +229,9 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     pool = start_pool(pb, cap)
     stats = AnnealStats()
     iters = int(cfg.budget_s * per_s)
-    phases = [Phase("start pool", pool[0].name if pool else "-", pool[0].makespan if pool else INF,
-                    pool[0].peak if pool else INF, True)]
-    best, name = _anneal_starts(pb, pick_starts(pool), cap, iters, lb, cfg, stats)
+    starts = pick_starts(pool)  # refuses an empty pool
+    phases = [Phase("start pool", pool[0].name, pool[0].makespan, pool[0].peak, True)]
+    best, name = _anneal_starts(pb, starts, cap, iters, lb, cfg, stats)
     ms, best_peak = simulate(pb, best).makespan, max(stage_peak_memory(pb, best))
     phases.append(Phase("makespan", name, ms, best_peak, True))
     limit = makespan_limit(ms, lb, cfg.makespan_slack)
@@ -244,12 +244,12 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     best, st = anneal_memory(pb, best, mcfg, seed=cfg.seed + 7919, makespan_limit=limit,
                              floor=max(serial_peak_memory(pb)), patience=max(1, polish // 4))
     stats.add(st)
-    res = simulate(pb, best)
-    phases.append(Phase("memory pass", name, res.makespan, max(stage_peak_memory(pb, best)), True))
+    res, peaks = simulate(pb, best), stage_peak_memory(pb, best)
+    phases.append(Phase("memory pass", name, res.makespan, max(peaks), True))
     check_schedule(Schedule.from_orders(pb, best), mem_cap=cap)
     return SearchResult(
         problem=pb, orders=best, makespan=res.makespan,
-        peak_mem=stage_peak_memory(pb, best), greedy_makespan=simulate(pb, greedy).makespan,
+        peak_mem=peaks, greedy_makespan=simulate(pb, greedy).makespan,
         greedy_peak_mem=stage_peak_memory(pb, greedy), serial_makespan=serial_1f1b_makespan(pb),
         serial_peak_mem=serial_peak_memory(pb), lower_bound=lb, start_name=name, seed=cfg.seed,
         evaluations=stats.evaluations, anneal_seconds=stats.seconds,
