@@ -28,9 +28,11 @@ def step_meta(q_lens, ctx_lens, tables) -> AttentionMeta:
                          decode_tokens=torch.tensor([starts[i] for i in decode]))
 
 
-def check_against_dense(attn, k_cache, v_cache, q, meta, atol):
-    """Every sequence's rows of ``attn``'s output equal dense causal attention on its gathered K/V."""
-    out = attn(q, k_cache, v_cache, attn.prepare(meta), scale=q.shape[-1] ** -0.5)
+def check_against_dense(attn, k_cache, v_cache, q, meta, atol, reference=torch.float32):
+    """Every sequence's rows of ``attn``'s output equal dense causal attention on its gathered K/V, computed
+    in ``reference`` precision."""
+    out = attn(q, k_cache, v_cache, attn.prepare(meta), scale=q.shape[-1] ** -0.5).to(reference)
+    q, k_cache, v_cache = q.to(reference), k_cache.to(reference), v_cache.to(reference)
     for s, n, ctx, table in zip(meta.q_starts, meta.q_lens, meta.ctx_lens, meta.block_tables):  # padded: cut at ctx
         k = k_cache[:, table].flatten(1, 2)[:, :ctx].transpose(0, 1)  # [ctx, KVH, D]
         v = v_cache[:, table].flatten(1, 2)[:, :ctx].transpose(0, 1)
@@ -68,6 +70,25 @@ def test_cpu_kernel_matches_dense_and_the_torch_path():
     decodes = step_meta([1] * len(ctx_lens), ctx_lens, tables)  # a step of decodes only: the kernel alone
     check_against_dense(attn, k_cache, v_cache, q[:len(ctx_lens)], decodes, atol=2e-6)
 
+
+
+@pytest.mark.parametrize("head_dim", [4, 12, 64, 80])
+def test_cpu_kernel_vector_paths_match_dense(head_dim):
+    """The kernel's vector loops at head dims that take each path (4: no 8-float vector; 12: a vector and a
+    scalar tail; 64: eight vectors held in registers; 80: eight, then two), on contexts that take the
+    four-keys-at-a-time loop, its one-key tail and the exponential's padded tail, with scores spread wide
+    enough that some weights underflow to exactly 0 (the reference in float64: float32 scores of a few hundred
+    carry errors of about 1e-5 in any implementation)."""
+    torch.manual_seed(head_dim)
+    attn = make_attention("cpu", BS, KVH, QPG)
+    k_cache, v_cache = torch.randn(2, KVH, 60, BS, head_dim).unbind(0)
+    ctx_lens = [1, 3, 8, 13, 41, 96, 200]
+    tables = [torch.randperm(60)[:-(-c // BS)].tolist() for c in ctx_lens]
+    q = torch.randn(len(ctx_lens), KVH * QPG, head_dim) * 40
+    scores = torch.einsum("nd,cd->nc", q[:, 0], k_cache[0, tables[-1]].flatten(0, 1)) * head_dim ** -0.5
+    assert (scores.max(-1).values - scores.min(-1).values)[-1] > 100  # e^-100 underflows float32
+    check_against_dense(attn, k_cache, v_cache, q, step_meta([1] * len(ctx_lens), ctx_lens, tables), atol=5e-5,
+                        reference=torch.float64)
 
 def test_backend_choice_and_clear_refusals():
     """auto: the C++ kernel for float32 on the CPU, torch for half precision (no flash-attn here)."""
