@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlhf.engine.native import paged_decode_kernel
+from rlhf.engine.native import cpu_kernels
 
 
 @dataclass
@@ -220,10 +220,10 @@ def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int,
     if backend == "cpu" and not cpu_float:
         raise RuntimeError(f"attention_backend='cpu' needs a float32 model on the CPU (got {dtype} on {device}); "
                            "use 'torch' or 'auto'")
-    kernel = paged_decode_kernel() if backend == "cpu" or (backend == "auto" and cpu_float) else None
-    if backend == "cpu" and kernel is None:
+    kernels = cpu_kernels() if backend == "cpu" or (backend == "auto" and cpu_float) else None
+    if backend == "cpu" and kernels is None:
         raise RuntimeError("attention_backend='cpu': the C++ kernel did not build (the line above says why); "
                            "use 'torch' or 'auto'")
-    if kernel is not None:
-        return CpuPagedAttention(kernel, block_size, kv_heads, q_per_kv)
+    if kernels is not None:
+        return CpuPagedAttention(kernels.paged_decode, block_size, kv_heads, q_per_kv)
     return TorchPagedAttention(block_size, kv_heads, q_per_kv, dtype)

