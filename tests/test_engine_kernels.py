@@ -1,10 +1,11 @@
-"""The engine's C++ RMSNorm (rlhf/engine/native.py) against torch's and float64 arithmetic; the decoder's choice."""
+"""The engine's C++ RMSNorm and SwiGLU product (rlhf/engine/native.py) against torch's and float64 arithmetic;
+the decoder's choice of them."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.engine.decoder import rms_norm_for
+from rlhf.engine.decoder import elementwise_ops_for
 from rlhf.engine.native import cpu_kernels
 
 
@@ -21,15 +22,36 @@ def test_rms_norm_matches_torch_and_float64(rows, hidden):
     assert torch.allclose(ours, F.rms_norm(x, (hidden,), w, 1e-5), rtol=1e-6, atol=1e-6)
 
 
-def test_rms_norm_refuses_other_dtypes_and_shapes():
+@pytest.mark.parametrize("rows, f", [(1, 8), (3, 13), (128, 1536)])
+def test_silu_and_mul_matches_torch_and_float64(rows, f):
+    """Widths with and without a scalar tail; gates from -120 to 120, so that e^-gate overflows to inf and
+    underflows to 0 (silu -> -0 and -> gate)."""
+    torch.manual_seed(f)
+    gate_up = torch.randn(rows, 2 * f) * 8
+    gate_up[0, :f] = torch.linspace(-120, 120, f)
+    ours = cpu_kernels().silu_and_mul(gate_up)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    exact = gate * torch.sigmoid(gate) * up
+    assert torch.allclose(ours.double(), exact, rtol=1e-6, atol=1e-30)
+    assert torch.allclose(ours, F.silu(gate_up[:, :f]) * gate_up[:, f:], rtol=4e-6, atol=1e-30)  # torch: 2.6e-6
+
+
+def test_kernels_refuse_other_dtypes_and_shapes():
+    kernels = cpu_kernels()
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_kernels().rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
+        kernels.rms_norm(torch.ones(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
     with pytest.raises(RuntimeError, match=r"x \[rows, hidden\]"):
-        cpu_kernels().rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5)
+        kernels.rms_norm(torch.ones(2, 8), torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.silu_and_mul(torch.ones(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"gate_up \[rows, 2 \* F\]"):
+        kernels.silu_and_mul(torch.ones(2, 7))
 
 
-def test_the_decoder_takes_the_kernel_only_for_float32_on_the_cpu():
-    assert rms_norm_for(torch.float32, torch.device("cpu")) is cpu_kernels().rms_norm
+def test_the_decoder_takes_the_kernels_only_for_float32_on_the_cpu():
+    kernels = cpu_kernels()
+    assert elementwise_ops_for(torch.float32, torch.device("cpu")) == (kernels.rms_norm, kernels.silu_and_mul)
+    norm, silu_and_mul = elementwise_ops_for(torch.bfloat16, torch.device("cpu"))
     x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(16, dtype=torch.bfloat16)
-    half = rms_norm_for(torch.bfloat16, torch.device("cpu"))
-    assert torch.equal(half(x, w, 1e-5), F.rms_norm(x, (16,), w, 1e-5))
+    assert torch.equal(norm(x, w, 1e-5), F.rms_norm(x, (16,), w, 1e-5))
+    assert torch.equal(silu_and_mul(x), F.silu(x[:, :8]) * x[:, 8:])

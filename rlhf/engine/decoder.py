@@ -64,13 +64,23 @@ class _Layer:
         self.fc2 = p[pre + "mlp.linear_fc2.weight"]
 
 
-def rms_norm_for(dtype: torch.dtype, device: torch.device):
-    """``norm(x [rows, hidden], weight, eps)``: the C++ kernel for a float32 model on the CPU when it builds
-    (rlhf/engine/native.py; one pass per row, where torch's CPU rms_norm runs five ops), else F.rms_norm."""
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def elementwise_ops_for(dtype: torch.dtype, device: torch.device):
+    """(``rms_norm(x [rows, hidden], weight, eps)``, ``silu_and_mul(gate_up [rows, 2F])``): the C++ kernels for
+    a float32 model on the CPU when they build (rlhf/engine/native.py; one pass per row where torch runs
+    several ops, each a parallel region), else torch's."""
     kernels = cpu_kernels() if dtype == torch.float32 and device.type == "cpu" else None
     if kernels is not None:
-        return kernels.rms_norm
-    return lambda x, weight, eps: F.rms_norm(x, x.shape[-1:], weight, eps)
+        return kernels.rms_norm, kernels.silu_and_mul
+    return _torch_rms_norm, _torch_silu_and_mul
 
 
 class TPDecoder:
@@ -99,7 +109,7 @@ class TPDecoder:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype, dev)
         self.scale = cfg.head_dim ** -0.5
-        self.rms_norm = rms_norm_for(dtype, dev)
+        self.rms_norm, self.silu_and_mul = elementwise_ops_for(dtype, dev)
         self.static = StaticDecode(self, num_blocks, block_size, -(-max_len // block_size)) if static_decode else None
 
     @property
@@ -140,8 +150,7 @@ class TPDecoder:
         return self._all_reduce(F.linear(o.reshape(T, -1), layer.proj))
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.fc1).chunk(2, dim=-1)
-        return self._all_reduce(F.linear(F.silu(gate) * up, layer.fc2))
+        return self._all_reduce(F.linear(self.silu_and_mul(F.linear(h, layer.fc1)), layer.fc2))
 
     @torch.no_grad()
     def forward(self, inp: StepInputs) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""The engine's C++ CPU kernels (csrc/: paged decode attention, RMSNorm), compiled on first use and cached.
+"""The engine's C++ CPU kernels (csrc/: paged decode attention, RMSNorm, SwiGLU's product), compiled on first use
+and cached.
 
-`cpu_kernels()` returns the compiled module (``paged_decode``, ``rms_norm``), or None when it cannot be
-built here (no C++ compiler, no ninja), after one line on stderr saying why; the engine then runs the pure
-torch paths, which compute the same functions. The build takes about 30 s once per machine and is
+`cpu_kernels()` returns the compiled module (``paged_decode``, ``rms_norm``, ``silu_and_mul``), or None
+when it cannot be built here (no C++ compiler, no ninja), after one line on stderr saying why; the engine
+then runs the pure torch paths, which compute the same functions. The build takes about 30 s once per machine and is
 cached under ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``) in a directory named after a
 hash of the sources, the compiler flags, torch's version and this CPU's instruction set (the code is
 compiled for the CPU it runs on, so a home directory shared by different machines keeps one build per
@@ -22,10 +23,11 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention.cpp", "rms_norm.cpp", "bindings.cpp")  # and the header they share, vec8.h
+SOURCES = ("paged_attention.cpp", "rms_norm.cpp", "silu_and_mul.cpp", "bindings.cpp")  # and their vec8.h
 CACHE_ENV = "RLHF_KERNEL_CACHE"
-# reassociation lets the compiler vectorise the dot products' sums; no other fast-math liberties
-CFLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
+# IEEE arithmetic (no fast-math: the kernels vectorise their sums themselves, and exp8's range reduction
+# depends on its order of operations)
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
 def _cpu_signature() -> str:
@@ -52,8 +54,8 @@ def _ninja_on_path() -> None:
 
 @functools.lru_cache(maxsize=None)
 def cpu_kernels():
-    """The compiled module: ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)`` and
-    ``rms_norm(x, weight, eps)``; or None (see the module doc)."""
+    """The compiled module: ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)``,
+    ``rms_norm(x, weight, eps)`` and ``silu_and_mul(gate_up)``; or None (see the module doc)."""
     from torch.utils.cpp_extension import load
 
     texts = [(CSRC / f).read_text() for f in SOURCES + ("vec8.h",)]

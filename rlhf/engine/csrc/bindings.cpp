@@ -4,8 +4,10 @@
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
                            torch::Tensor ctx, double scale);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of [rows, hidden] float32 rows (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of fc1's float32 [rows, 2F] output (CPU)");
 }

@@ -8,7 +8,7 @@
 //
 // The loops are written on 8-float vectors (GCC/Clang vector extensions, lowered to the CPU's SIMD by
 // -march=native): the scores of four keys at a time, so that four sums are in flight; the exponentials
-// eight at a time; the output accumulated in registers over a block's values.
+// eight at a time (vec8.h); the output accumulated in registers over a block's values.
 //
 //   q:      [N, kv_heads * q_per_kv, D]  the N decode rows' queries (query heads of a KV head adjacent)
 //   k, v:   [kv_heads, num_blocks, block_size, D]  one layer's cache
@@ -21,29 +21,6 @@
 #include <vector>
 
 #include "vec8.h"
-
-// e^x for x <= 0 (scores minus their maximum), within 1 ulp of expf: x = n ln2 + r with |r| <= ln2 / 2,
-// e^r by its degree-6 Taylor polynomial, 2^n put into the exponent bits; below -87 (where expf leaves the
-// normal floats) exactly 0
-static inline v8 exp8(v8 x) {
-  const v8 lo = splat(-87.0f);
-  const v8i under = x < lo;
-  x = x < lo ? lo : x;
-  v8 t = x * 1.44269504088896341f + 0.5f;
-  v8i n = __builtin_convertvector(t, v8i);
-  n += __builtin_convertvector(n, v8) > t;  // floor: the conversion truncates toward zero; true is -1
-  const v8 nf = __builtin_convertvector(n, v8);
-  const v8 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;  // ln 2 in two parts
-  v8 p = splat(1.0f / 720);
-  p = p * r + 1.0f / 120;
-  p = p * r + 1.0f / 24;
-  p = p * r + 1.0f / 6;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const v8i scaled = (v8i)p + ((n) << 23);
-  return (v8)(scaled & ~under);
-}
 
 // ask for the cache lines of the next block while this one is computed: blocks lie anywhere in the pool, so
 // the hardware prefetcher cannot guess where the next one starts
@@ -89,9 +66,15 @@ static void block_scores(const float* q, const float* kb, int64_t count, int64_t
 
 // s[0 : len] = softmax(s[0 : len]) in place
 static void softmax(float* s, int64_t len) {
-  float top = s[0];
-  for (int64_t t = 1; t < len; ++t) top = std::max(top, s[t]);
   const int64_t lv = len & ~int64_t(7);
+  v8 tops = splat(s[0]);
+  for (int64_t t = 0; t < lv; t += 8) {
+    const v8 x = load8(s + t);
+    tops = x > tops ? x : tops;
+  }
+  float top = tops[0];
+  for (int i = 1; i < 8; ++i) top = std::max(top, tops[i]);
+  for (int64_t t = lv; t < len; ++t) top = std::max(top, s[t]);
   v8 sums = {};
   for (int64_t t = 0; t < lv; t += 8) {
     const v8 e = exp8(load8(s + t) - top);
