@@ -64,23 +64,41 @@ class _Layer:
         self.fc2 = p[pre + "mlp.linear_fc2.weight"]
 
 
-def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, x.shape[-1:], weight, eps)
+class TorchOps:
+    """The decoder's elementwise steps in torch, for any device and dtype. The C++ CPU kernels
+    (rlhf/engine/native.py) have the same functions, each one pass where torch runs several ops."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+    @staticmethod
+    def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's silu(gate) * up of fc1's output [rows, 2F] = [gate | up]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor, q_per_kv: int) -> torch.Tensor:
+        """Rotated queries [T, kv_heads * q_per_kv, D] of the fused projection ``qkv`` [T, kv_heads *
+        (q_per_kv + 2) * D] (per KV group: its query heads, key, value); the rotated keys and the values go
+        into ``k_cache`` / ``v_cache`` [kv_heads, slots, D] at ``slots``. Non-interleaved (rotate-half) RoPE
+        with ``cos`` / ``sin`` [T, D] of the tokens' positions."""
+        kv_heads, _, hd = k_cache.shape
+        x = qkv.view(-1, kv_heads, q_per_kv + 2, hd)
+        t = x[:, :, :q_per_kv + 1]  # queries and keys rotate together
+        t1, t2 = t.chunk(2, dim=-1)
+        qk = t * cos[:, None, None] + torch.cat((-t2, t1), dim=-1) * sin[:, None, None]
+        k_cache.index_copy_(1, slots, qk[:, :, q_per_kv].transpose(0, 1))
+        v_cache.index_copy_(1, slots, x[:, :, q_per_kv + 1].transpose(0, 1))
+        return qk[:, :, :q_per_kv].reshape(x.shape[0], -1, hd)
 
 
-def _torch_silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def elementwise_ops_for(dtype: torch.dtype, device: torch.device):
-    """(``rms_norm(x [rows, hidden], weight, eps)``, ``silu_and_mul(gate_up [rows, 2F])``): the C++ kernels for
-    a float32 model on the CPU when they build (rlhf/engine/native.py; one pass per row where torch runs
-    several ops, each a parallel region), else torch's."""
+def decoder_ops(dtype: torch.dtype, device: torch.device):
+    """The C++ kernels for a float32 model on the CPU when they build, else `TorchOps`."""
     kernels = cpu_kernels() if dtype == torch.float32 and device.type == "cpu" else None
-    if kernels is not None:
-        return kernels.rms_norm, kernels.silu_and_mul
-    return _torch_rms_norm, _torch_silu_and_mul
+    return kernels if kernels is not None else TorchOps
 
 
 class TPDecoder:
@@ -109,7 +127,7 @@ class TPDecoder:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
         self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype, dev)
         self.scale = cfg.head_dim ** -0.5
-        self.rms_norm, self.silu_and_mul = elementwise_ops_for(dtype, dev)
+        self.ops = decoder_ops(dtype, dev)
         self.static = StaticDecode(self, num_blocks, block_size, -(-max_len // block_size)) if static_decode else None
 
     @property
@@ -132,25 +150,17 @@ class TPDecoder:
         x = F.embedding(local.clamp(0, v_local - 1), self.embed)
         return self._all_reduce(x.masked_fill(outside[:, None], 0.0))
 
-    @staticmethod
-    def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Non-interleaved (rotate-half) RoPE on the last dim; cos/sin broadcast over heads."""
-        t1, t2 = t.chunk(2, dim=-1)
-        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
-
     def _attention(self, layer: _Layer, i: int, h: torch.Tensor, inp: StepInputs, rope, plan) -> torch.Tensor:
-        T, hd, qpg = h.shape[0], self.cfg.head_dim, self.q_per_kv
-        # per local KV group: qpg query heads, 1 key head, 1 value head
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias).view(T, self.kv_heads, qpg + 2, hd)
-        qk = self._rope(qkv[:, :, :qpg + 1], *rope)  # queries and keys rotate together
+        T, hd = h.shape[0], self.cfg.head_dim
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
-        k_cache.view(self.kv_heads, -1, hd).index_copy_(1, inp.slots, qk[:, :, qpg].transpose(0, 1))
-        v_cache.view(self.kv_heads, -1, hd).index_copy_(1, inp.slots, qkv[:, :, qpg + 1].transpose(0, 1))
-        o = self.attention(qk[:, :, :qpg].reshape(T, -1, hd), k_cache, v_cache, plan, self.scale)
+        q = self.ops.rope_and_cache(qkv, *rope, k_cache.view(self.kv_heads, -1, hd),
+                                    v_cache.view(self.kv_heads, -1, hd), inp.slots, self.q_per_kv)
+        o = self.attention(q, k_cache, v_cache, plan, self.scale)
         return self._all_reduce(F.linear(o.reshape(T, -1), layer.proj))
 
     def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(F.linear(self.silu_and_mul(F.linear(h, layer.fc1)), layer.fc2))
+        return self._all_reduce(F.linear(self.ops.silu_and_mul(F.linear(h, layer.fc1)), layer.fc2))
 
     @torch.no_grad()
     def forward(self, inp: StepInputs) -> torch.Tensor:
@@ -167,12 +177,12 @@ class TPDecoder:
         """`forward` without its block copies: the model on ``inp``'s tokens."""
         eps = self.cfg.norm_eps
         x = self._embed(inp.input_ids)
-        rope = (self.cos[inp.positions][:, None, None], self.sin[inp.positions][:, None, None])
+        rope = (self.cos[inp.positions], self.sin[inp.positions])
         plan = self.attention.prepare(inp.attn)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, i, self.rms_norm(x, layer.norm1, eps), inp, rope, plan)
-            x = x + self._mlp(layer, self.rms_norm(x, layer.norm2, eps))
-        x = self.rms_norm(x[inp.logits_rows], self.final_norm, eps)
+            x = x + self._attention(layer, i, self.ops.rms_norm(x, layer.norm1, eps), inp, rope, plan)
+            x = x + self._mlp(layer, self.ops.rms_norm(x, layer.norm2, eps))
+        x = self.ops.rms_norm(x[inp.logits_rows], self.final_norm, eps)
         logits = F.linear(x, self.out).float()
         if self.tp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp)]

@@ -1,13 +1,13 @@
-"""The engine's C++ CPU kernels (csrc/: paged decode attention, RMSNorm, SwiGLU's product), compiled on first use
-and cached.
+"""The engine's C++ CPU kernels (csrc/), compiled on first use and cached: paged decode attention, and the
+decoder's elementwise steps (RMSNorm, SwiGLU's product, RoPE with the K/V cache write).
 
-`cpu_kernels()` returns the compiled module (``paged_decode``, ``rms_norm``, ``silu_and_mul``), or None
-when it cannot be built here (no C++ compiler, no ninja), after one line on stderr saying why; the engine
-then runs the pure torch paths, which compute the same functions. The build takes about 30 s once per machine and is
-cached under ``$RLHF_KERNEL_CACHE`` (default ``~/.cache/rlhf/kernels``) in a directory named after a
-hash of the sources, the compiler flags, torch's version and this CPU's instruction set (the code is
-compiled for the CPU it runs on, so a home directory shared by different machines keeps one build per
-kind of CPU). Ranks that start together wait for one build (torch's file lock).
+`cpu_kernels()` returns the compiled module, or None when it cannot be built here (no C++ compiler, no ninja),
+after one line on stderr saying why; the engine then runs the pure torch paths, which compute the same
+functions. The build takes about 30 s once per machine and is cached under ``$RLHF_KERNEL_CACHE`` (default
+``~/.cache/rlhf/kernels``) in a directory named after a hash of the sources, the compiler flags, torch's
+version and this CPU's instruction set (the code is compiled for the CPU it runs on, so a home directory
+shared by different machines keeps one build per kind of CPU). Ranks that start together wait for one build
+(torch's file lock).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ("paged_attention.cpp", "rms_norm.cpp", "silu_and_mul.cpp", "bindings.cpp")  # and their vec8.h
+# and the header they share, vec8.h
+SOURCES = ("paged_attention.cpp", "rms_norm.cpp", "silu_and_mul.cpp", "rope_and_cache.cpp", "bindings.cpp")
 CACHE_ENV = "RLHF_KERNEL_CACHE"
 # IEEE arithmetic (no fast-math: the kernels vectorise their sums themselves, and exp8's range reduction
 # depends on its order of operations)
@@ -54,8 +55,9 @@ def _ninja_on_path() -> None:
 
 @functools.lru_cache(maxsize=None)
 def cpu_kernels():
-    """The compiled module: ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)``,
-    ``rms_norm(x, weight, eps)`` and ``silu_and_mul(gate_up)``; or None (see the module doc)."""
+    """The compiled module: ``paged_decode(q, k_cache, v_cache, tables, ctx, scale)`` and the functions of
+    `rlhf.engine.decoder.TorchOps` (``rms_norm``, ``silu_and_mul``, ``rope_and_cache``); or None (see the
+    module doc)."""
     from torch.utils.cpp_extension import load
 
     texts = [(CSRC / f).read_text() for f in SOURCES + ("vec8.h",)]
