@@ -3,7 +3,7 @@ decoder's elementwise steps (RMSNorm, SwiGLU's product, RoPE with the K/V cache 
 
 `cpu_kernels()` returns the compiled module, or None when it cannot be built here (no C++ compiler, no ninja),
 after one line on stderr saying why; the engine then runs the pure torch paths, which compute the same
-functions. The build takes about 30 s once per machine and is cached under ``$RLHF_KERNEL_CACHE`` (default
+functions. The build takes about 40 s once per machine and is cached under ``$RLHF_KERNEL_CACHE`` (default
 ``~/.cache/rlhf/kernels``) in a directory named after a hash of the sources, the compiler flags, torch's
 version and this CPU's instruction set (the code is compiled for the CPU it runs on, so a home directory
 shared by different machines keeps one build per kind of CPU). Ranks that start together wait for one build

@@ -1,12 +1,12 @@
 // The engine's CPU kernels as one extension module (rlhf/engine/native.py builds it).
 #include <torch/extension.h>
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
-                           torch::Tensor ctx, double scale);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
-                             torch::Tensor v, torch::Tensor slots, int64_t q_per_kv);
+at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables,
+                           at::Tensor ctx, double scale);
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps);
+at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k,
+                             at::Tensor v, at::Tensor slots, int64_t q_per_kv);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (float32, CPU)");

@@ -14,7 +14,11 @@
 //   k, v:   [kv_heads, num_blocks, block_size, D]  one layer's cache
 //   tables: [N, width] int32 block ids;  ctx: [N] int32 visible keys (positions 0 .. ctx-1)
 //   returns [N, kv_heads * q_per_kv, D]
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cmath>
@@ -124,11 +128,11 @@ static void add_values(const float* p, const float* vb, int64_t count, int64_t d
   }
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
-                           torch::Tensor ctx, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-              v.scalar_type() == torch::kFloat, "paged_decode: float32 tensors only");
-  TORCH_CHECK(tables.scalar_type() == torch::kInt && ctx.scalar_type() == torch::kInt,
+at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables,
+                           at::Tensor ctx, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat, "paged_decode: float32 tensors only");
+  TORCH_CHECK(tables.scalar_type() == at::kInt && ctx.scalar_type() == at::kInt,
               "paged_decode: int32 block tables and context lengths");
   q = q.contiguous();
   k = k.contiguous();
@@ -137,7 +141,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   ctx = ctx.contiguous();
   const int64_t n = q.size(0), kv_heads = k.size(0), num_blocks = k.size(1), bs = k.size(2), d = k.size(3);
   const int64_t qpg = q.size(1) / kv_heads, width = tables.size(1);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();

@@ -3,20 +3,24 @@
 // torch's CPU rms_norm runs it as five elementwise and reduction ops, each a parallel region over a
 // [tokens, hidden] tensor of a few hundred KB: on a decode step their dispatch and thread wake-ups cost
 // more than the arithmetic (about 200 us per call on 128 x 576 floats, 61 calls a step). Float32 only.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
 
 #include "vec8.h"
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat,
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
               "rms_norm: float32 tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && x.size(1) == w.size(0), "rms_norm: x [rows, hidden], w [hidden]");
   x = x.contiguous();
   w = w.contiguous();
   const int64_t rows = x.size(0), h = x.size(1), hv = h & ~int64_t(7);
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();

@@ -8,7 +8,11 @@
 //   qkv:  [T, kv_heads * (q_per_kv + 2) * D]   cos, sin: [T, D] (the tokens' positions)
 //   k, v: [kv_heads, slots, D]  one layer's cache (blocks flattened);  slots: [T] int64
 //   returns the rotated queries [T, kv_heads * q_per_kv, D]
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
 
@@ -18,12 +22,12 @@ static inline void rotate(const float* x, const float* c, const float* s, int64_
   for (int64_t i = h; i < d; ++i) y[i] = x[i] * c[i] + x[i - h] * s[i];
 }
 
-torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k,
-                             torch::Tensor v, torch::Tensor slots, int64_t q_per_kv) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kFloat && cos.scalar_type() == torch::kFloat &&
-              sin.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-              v.scalar_type() == torch::kFloat, "rope_and_cache: float32 tensors only");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong, "rope_and_cache: int64 slots");
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k,
+                             at::Tensor v, at::Tensor slots, int64_t q_per_kv) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+              v.scalar_type() == at::kFloat, "rope_and_cache: float32 tensors only");
+  TORCH_CHECK(slots.scalar_type() == at::kLong, "rope_and_cache: int64 slots");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "rope_and_cache: the cache is written in place");
   const int64_t t_count = qkv.size(0), kv_heads = k.size(0), num_slots = k.size(1), d = k.size(2);
   TORCH_CHECK(qkv.size(1) == kv_heads * (q_per_kv + 2) * d && cos.size(1) == d && d % 2 == 0,
@@ -32,7 +36,7 @@ torch::Tensor rope_and_cache(torch::Tensor qkv, torch::Tensor cos, torch::Tensor
   cos = cos.contiguous();
   sin = sin.contiguous();
   slots = slots.contiguous();
-  auto q = torch::empty({t_count, kv_heads * q_per_kv, d}, qkv.options());
+  auto q = at::empty({t_count, kv_heads * q_per_kv, d}, qkv.options());
   const float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

@@ -3,16 +3,20 @@
 //
 // torch runs it as a chunk, a silu and a multiply, each a parallel region over a few hundred KB; on a decode
 // step their dispatch and thread wake-ups cost more than the arithmetic. Float32 only.
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/Exception.h>
 
 #include "vec8.h"
 
-torch::Tensor silu_and_mul(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.scalar_type() == torch::kFloat, "silu_and_mul: float32 tensors only");
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat, "silu_and_mul: float32 tensors only");
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "silu_and_mul: gate_up [rows, 2 * F]");
   gate_up = gate_up.contiguous();
   const int64_t rows = gate_up.size(0), f = gate_up.size(1) / 2, fv = f & ~int64_t(7);
-  auto out = torch::empty({rows, f}, gate_up.options());
+  auto out = at::empty({rows, f}, gate_up.options());
   const float* xp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
