@@ -5,11 +5,12 @@ sampled ``--n`` times at temperature 1 to at most ``--max-new-tokens`` with the 
 call on two prompts. Wall-clock timers wrap the engine's parts: scheduling, building the step's inputs on
 the host, the decoder's forward (inside it: the MLPs, the attention blocks and their paged-attention core;
 the rest is the embedding, the norms and the LM head over the whole vocabulary), sampling, and the
-per-step bookkeeping. Nested rows are part of the row above them.
+per-step bookkeeping. Nested rows are part of the row above them. A last row times every weight matmul of
+the decoder (``F.linear``: QKV, output projection, fc1, fc2, LM head), which the rows above share.
 
     python benchmarks/engine_step_split.py [--prompts 16] [--n 8] [--max-new-tokens 96] [--threads 2]
 
-Last line: ``engine_step_split: tokens_per_s=<x> decoder=<%> mlp=<%> attention=<%> sample=<%> host=<%>``.
+Last line: ``engine_step_split: tokens_per_s=<x> decoder=<%> mlp=<%> attention=<%> sample=<%> host=<%> matmuls=<%>``.
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def main() -> None:
         setattr(owner, attr, timed(seconds, name, getattr(owner, attr)))
     core = type(engine.decoder.attention)  # CpuPagedAttention: the C++ kernel for decodes (rlhf/engine/attention.py)
     core.__call__ = timed(seconds, "    paged attention core", core.__call__)
+    # every weight matmul of the decoder (QKV, output projection, fc1, fc2, LM head): F.linear, in this
+    # process only the engine's
+    torch.nn.functional.linear = timed(seconds, "decoder's weight matmuls", torch.nn.functional.linear)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, stop_token_ids=(tok.eos_token_id,),
                             n=args.n, seed=1)
     requests = [Request(str(i), tuple(p), params) for i, p in enumerate(prompts)]
@@ -73,7 +77,8 @@ def main() -> None:
         total = time.perf_counter() - start
     tokens = sum(len(r.tokens) for r in out)
     share = {name: 100 * seconds[name] / total for name, *_ in rows}
-    share["    paged attention core"] = 100 * seconds["    paged attention core"] / total
+    for name in ("    paged attention core", "decoder's weight matmuls"):
+        share[name] = 100 * seconds[name] / total
     share["  rest: embedding, norms, LM head"] = share["decoder"] - share["  mlp"] - share["  attention block"]
     print(f"{len(prompts)} prompts x {args.n} samples, temperature 1, <= {args.max_new_tokens} new tokens, "
           f"{args.threads} threads: {tokens} tokens in {total:.1f} s ({tokens / total:.1f} tokens/s), "
@@ -81,12 +86,13 @@ def main() -> None:
     print("| part | seconds | share |")
     print("|---|---|---|")
     for name in ("schedule", "host inputs", "decoder", "  mlp", "  attention block", "    paged attention core",
-                 "  rest: embedding, norms, LM head", "sample", "bookkeeping"):
+                 "  rest: embedding, norms, LM head", "sample", "bookkeeping", "decoder's weight matmuls"):
         print(f"| {name} | {share[name] * total / 100:.2f} | {share[name]:.1f}% |")
     host = share["schedule"] + share["host inputs"] + share["bookkeeping"]
+    matmuls = share["decoder's weight matmuls"]
     print(f"engine_step_split: tokens_per_s={tokens / total:.1f} decoder={share['decoder']:.1f}% "
           f"mlp={share['  mlp']:.1f}% attention={share['  attention block']:.1f}% sample={share['sample']:.1f}% "
-          f"host={host:.1f}%")
+          f"host={host:.1f}% matmuls={matmuls:.1f}%")
 
 
 if __name__ == "__main__":
