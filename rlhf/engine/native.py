@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-# and the header they share, vec8.h
 SOURCES = ("paged_attention.cpp", "rms_norm.cpp", "silu_and_mul.cpp", "rope_and_cache.cpp", "bindings.cpp")
+HEADERS = ("vec8.h",)  # shared by the sources: part of the build's key
 CACHE_ENV = "RLHF_KERNEL_CACHE"
 # IEEE arithmetic (no fast-math: the kernels vectorise their sums themselves, and exp8's range reduction
 # depends on its order of operations)
@@ -60,7 +60,7 @@ def cpu_kernels():
     module doc)."""
     from torch.utils.cpp_extension import load
 
-    texts = [(CSRC / f).read_text() for f in SOURCES + ("vec8.h",)]
+    texts = [(CSRC / f).read_text() for f in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join(texts + [" ".join(CFLAGS), torch.__version__, _cpu_signature()]).encode())
     name = f"rlhf_cpu_kernels_{key.hexdigest()[:16]}"
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rlhf" / "kernels")

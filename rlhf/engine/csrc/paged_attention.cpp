@@ -16,7 +16,6 @@
 //   returns [N, kv_heads * q_per_kv, D]
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
@@ -128,8 +127,8 @@ static void add_values(const float* p, const float* vb, int64_t count, int64_t d
   }
 }
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables,
-                           at::Tensor ctx, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables, at::Tensor ctx,
+                        double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
               v.scalar_type() == at::kFloat, "paged_decode: float32 tensors only");
   TORCH_CHECK(tables.scalar_type() == at::kInt && ctx.scalar_type() == at::kInt,

@@ -5,7 +5,6 @@
 // more than the arithmetic (about 200 us per call on 128 x 576 floats, 61 calls a step). Float32 only.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 

@@ -11,7 +11,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -22,8 +21,8 @@ static inline void rotate(const float* x, const float* c, const float* s, int64_
   for (int64_t i = h; i < d; ++i) y[i] = x[i] * c[i] + x[i - h] * s[i];
 }
 
-at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k,
-                             at::Tensor v, at::Tensor slots, int64_t q_per_kv) {
+at::Tensor rope_and_cache(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k, at::Tensor v,
+                          at::Tensor slots, int64_t q_per_kv) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
               sin.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
               v.scalar_type() == at::kFloat, "rope_and_cache: float32 tensors only");

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/util/Exception.h>
 
 #include "vec8.h"
