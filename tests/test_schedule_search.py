@@ -6,11 +6,14 @@ from dataclasses import replace
 import pytest
 
 from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory
+from rlhf.schedule.cost_model import llama
 from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, model_alone, rule_schedule,
                                       serial_1f1b, serial_1f1b_makespan)
+from rlhf.schedule.latency_models import build, latency_model
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
-from rlhf.schedule.search import SearchConfig, format_summary, makespan_limit, search, search_mpi
+from rlhf.schedule.search import (SearchConfig, format_summary, makespan_limit, makespan_target, search,
+                                  search_mpi)
 from rlhf.schedule.simulate import latest_ends, simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate
 
@@ -198,7 +201,7 @@ def test_memory_phase_keeps_the_makespan_and_never_raises_the_peak(shape, seed):
     assert ms == pytest.approx(res.makespan) and peak == pytest.approx(max(res.peak_mem))
     # within the slack of the makespan phase's best, and never more memory than it held
     assert ms <= res.best_makespan * (1 + cfg.makespan_slack) + 1e-9
-    assert ms <= max(res.best_makespan, res.lower_bound * 1.01) + 1e-9
+    assert res.best_makespan > res.lower_bound * 1.01 or ms <= res.lower_bound * 1.01 + 1e-9
     assert peak <= res.best_peak + 1e-9
 
 
@@ -215,8 +218,9 @@ def test_cap_ladder_lowers_the_peak_at_the_same_makespan():
     assert "within cap 1.5x" in res.start_name
     # the summary's phases say which part reached which point, in the order they ran
     names = [p.name for p in res.phases]
-    assert names[:3] == ["start pool", "makespan", "cap 1.5x"] and names[-1] == "memory pass"
+    assert names[:3] == ["start pool", "makespan", "cap 1.5x"] and names[-2:] == ["memory pass", "speed pass"]
     start, fast, rung, final = res.phases[0], res.phases[1], res.phases[2], res.phases[-1]
+    assert final.peak <= res.phases[-2].peak and final.makespan <= res.phases[-2].makespan
     assert (fast.makespan, fast.peak) == (res.best_makespan, res.best_peak)
     assert rung.kept and rung.makespan == pytest.approx(ms) and rung.peak <= 1.5 * serial + 1e-9
     assert (final.makespan, final.peak) == (res.makespan, max(res.peak_mem)) and start.makespan >= fast.makespan
@@ -248,8 +252,28 @@ def test_anneal_memory_keeps_the_limit_and_stops_at_the_floor():
 def test_makespan_limit_never_leaves_one_percent_of_the_bound_unless_the_best_does():
     assert makespan_limit(100.0, 100.0, 0.005) == pytest.approx(100.5)
     assert makespan_limit(100.8, 100.0, 0.005) == pytest.approx(101.0)  # 1% of the bound caps the slack
-    assert makespan_limit(103.0, 100.0, 0.005) == pytest.approx(103.0)  # the best is beyond: no slack
+    assert makespan_limit(103.0, 100.0, 0.005) == pytest.approx(103.515)  # the best misses anyway: all the slack
     assert makespan_limit(100.0, 100.0, 0.0) == pytest.approx(100.0)
+
+
+def test_makespan_target_stops_where_a_faster_schedule_would_only_tighten_the_limit():
+    target = makespan_target(100.0, 0.009)
+    assert target == pytest.approx(101.0 / 1.009) and makespan_limit(target, 100.0, 0.009) == pytest.approx(101.0)
+    assert makespan_limit(target * 0.999, 100.0, 0.009) < 101.0  # faster: a tighter limit
+    assert makespan_target(100.0, 0.0) == 100.0 and makespan_target(100.0, 0.05) == 100.0
+
+
+@pytest.mark.parametrize("seed", [1, 3, 6])
+def test_memory_phase_holds_under_other_latency_models(seed):
+    """Issue 34's small robustness case: 33B/13B on 4 stages (16 micro-batches) under three drawn latency
+    models reaches within 1% of the bound at <= 1.5x the serial 1F1B peak in a short search. The memory
+    phase before the reheated rungs, finer starts and 0.9% slack held 2.17x under model 1."""
+    pb = build([llama("actor", "33B", 8, 4, 16, "down"), llama("critic", "13B", 8, 4, 16, "up")],
+               latency_model(seed))
+    res = search(pb, SearchConfig(budget_s=1.0, memory_budget_s=1.0))
+    ms, peak = makespan_and_peak(pb, res.schedule.stages)
+    assert ms <= makespan_lower_bound(pb) * 1.01 * (1 + 1e-9)
+    assert peak <= 1.5 * max(serial_peak_memory(pb)) + 1e-9
 
 
 def test_safe_earlier_jumps_never_deadlock():

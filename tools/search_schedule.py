@@ -62,12 +62,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=30.0,
                     help="nominal seconds of makespan annealing, in [0, 1e6] (default %(default)g)")
     ap.add_argument("--memory-budget", type=float, default=10.0,
-                    help="nominal seconds of the memory phase (cap ladder, then the peak-memory pass), "
-                         "in [0, 1e6]; makespan seconds left by an early stop at the lower bound are added "
+                    help="nominal seconds of the memory phase (cap ladder, the peak-memory pass, then a speed pass "
+                         "within the peak reached), in [0, 1e6]; makespan seconds left by an early stop are added "
                          "(default %(default)g)")
     ap.add_argument("--makespan-slack", type=float, default=search.SearchConfig.makespan_slack,
                     help="how much the memory phase may lengthen the best makespan found, as a fraction "
-                         "in [0, 1] (never beyond 1%% over the lower bound unless the best already is; "
+                         "in [0, 1] (never beyond 1%% over the lower bound unless the best already is; with a "
+                         "slack the makespan phase stops where a faster schedule would only tighten that limit; "
                          "default %(default)g, 0: the fastest schedule, then the least memory)")
     ap.add_argument("--t0-scale", type=float, default=1e-3,
                     help="makespan annealing's initial temperature / start makespan, > 0 "
