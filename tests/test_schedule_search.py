@@ -12,8 +12,8 @@ from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, mod
 from rlhf.schedule.latency_models import build, latency_model
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
-from rlhf.schedule.search import (SearchConfig, format_summary, makespan_limit, makespan_target, search,
-                                  search_mpi)
+from rlhf.schedule.search import (SearchConfig, fine_depths, format_summary, makespan_limit, makespan_target,
+                                  search, search_mpi)
 from rlhf.schedule.simulate import latest_ends, simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate
 
@@ -261,6 +261,10 @@ def test_makespan_target_stops_where_a_faster_schedule_would_only_tighten_the_li
     assert target == pytest.approx(101.0 / 1.009) and makespan_limit(target, 100.0, 0.009) == pytest.approx(101.0)
     assert makespan_limit(target * 0.999, 100.0, 0.009) < 101.0  # faster: a tighter limit
     assert makespan_target(100.0, 0.0) == 100.0 and makespan_target(100.0, 0.05) == 100.0
+
+
+def test_fine_depths_are_fractions_of_the_pipeline():
+    assert fine_depths(16) == (0, 1, 2, 4, 8, 12, 16, None) and fine_depths(1) == (0, 1, 2, None)
 
 
 @pytest.mark.parametrize("seed", [1, 3, 6])

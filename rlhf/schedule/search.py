@@ -12,7 +12,7 @@ makespan, then the lowest rank).
 Starting pool: the greedy fused schedule, backfilled schedules (one model's
 1F1B fixed, the others in its gaps, with bounded or unbounded warm-up) and
 dynamic list-scheduling rules (warm-up depth per model x model priority x
-B-or-F first, finer depths (FINE_DEPTHS) F first for two models, and
+B-or-F first, finer depths (:func:`fine_depths`) F first for two models, and
 *balanced* rules that advance the models together, also built under caps of
 1.0/1.25/1.5x the serial peak); with a memory cap only the starts within the
 cap are kept (serial 1F1B is one candidate; if none fits, :func:`pick_starts`
@@ -59,10 +59,6 @@ RATE, RATE_EXPONENT = 1.4e6, 0.75
 CAP_SWEEP = (1.0, 1.25, 1.5)  # x serial 1F1B peak: list-rule starts built under these caps
 BOUND_TOLERANCE = 0.01  # issue 12: "within 1% of the lower bound"
 RUNG_SHARE = 0.75  # of the ladder's proposals left, for each rung but the last possible one
-FINE_DEPTHS = (0, 1, 2, 3, 4, 6, 8, None)
-"""Warm-up depths of the uncapped list-rule starts with F before B, either model first: the cap
-ladder's rungs start from the fastest within their cap (65B/33B 16/8 mb64, latency model 2: depths (1, 1)
-are 1.12% above the bound at 1.44x, where (0, 2, None) gave 2.73%; (1, 6) 0.05% at 1.88x)."""
 SPEED_SHARE = 0.2  # of the memory phase's proposals after the ladder: the speed pass at the reached peak
 REHEAT_S = 25.0  # nominal seconds of one annealing round of a cap-ladder rung (see _anneal_reheated)
 BALANCE_SKEWS = (0.02, 0.05)  # balanced list-rule starts: the larger model's head start
@@ -188,7 +184,8 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
                 cands.append((f"rule(extra={extra},first={pb.models[first].name},"
                               f"b_first={b_first}{tag})", rule_schedule(pb, rule, cap)))
     size_order = tuple(model_size_order(pb))
-    for extra in product(FINE_DEPTHS, repeat=nm) if nm <= 2 else ():  # 8^models starts: two at most
+    fine = [fine_depths(m.pp) for m in pb.models]
+    for extra in product(*fine) if nm <= 2 else ():  # 8^models starts: two models at most
         for first in range(nm) if not set(extra) <= set(depths) else ():
             order = (first,) + tuple(i for i in range(nm) if i != first)
             cands.append((f"rule(extra={extra},first={pb.models[first].name},b_first=False)",
@@ -212,6 +209,14 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
         scored.append((round(res.makespan, 6), peak, k, name, orders))
     scored.sort(key=lambda x: x[:3])
     return [Start(name, orders, ms, peak) for ms, peak, _, name, orders in scored]
+
+
+def fine_depths(pp: int) -> tuple:
+    """Warm-up depths beyond 1F1B of the F-first list-rule starts for a model of ``pp`` stages: few, and
+    fractions of ``pp``, so the cap ladder's rungs start from the fastest within their cap (65B/33B 16/8
+    mb64, latency model 2: depths (1, 1) are 1.12% above the bound at 1.44x, where (0, 2, None) gave 2.73%;
+    16/16 mb64, latency model 0: (2, 16) 1.82% at 1.88x, where the pool's best within 2x was 3.60%)."""
+    return tuple(sorted({0, 1, 2, pp // 4, pp // 2, 3 * pp // 4, pp})) + (None,)
 
 
 @dataclass(frozen=True)
