@@ -150,9 +150,9 @@ class SearchResult:
 @dataclass(frozen=True)
 class Phase:
     """What one part of the search reached: its name (``start pool``, ``makespan``, ``cap 1.5x``,
-    ``memory pass``), the start it worked from, the makespan and peak memory (max over stages) of its
-    result, and whether the search could use that result (``kept``: false for a rung that missed the
-    makespan limit)."""
+    ``memory pass``, ``speed pass``), the start it worked from, the makespan and peak memory (max over
+    stages) of its result, and whether the search could use that result (``kept``: false for a rung that
+    missed the makespan limit)."""
 
     name: str
     start: str
