@@ -177,19 +177,17 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
     depths = (0, 2, None)
     for cap, extra in product(caps, product(depths, repeat=nm)):
         for first in range(nm):
-            order = (first,) + tuple(i for i in range(nm) if i != first)
             for b_first in (True, False):
-                rule = Rule(extra, order, b_first)
+                rule = Rule(extra, _first_then_others(nm, first), b_first)
                 tag = "" if cap is None else f",cap={cap / serial_peak:.2f}x"
                 cands.append((f"rule(extra={extra},first={pb.models[first].name},"
                               f"b_first={b_first}{tag})", rule_schedule(pb, rule, cap)))
     size_order = tuple(model_size_order(pb))
     fine = [fine_depths(m.pp) for m in pb.models]
     for extra in product(*fine) if nm <= 2 else ():  # 8^models starts: two models at most
-        for first in range(nm) if not set(extra) <= set(depths) else ():
-            order = (first,) + tuple(i for i in range(nm) if i != first)
+        for first in range(nm) if not set(extra) <= set(depths) else ():  # those are in the loop above
             cands.append((f"rule(extra={extra},first={pb.models[first].name},b_first=False)",
-                          rule_schedule(pb, Rule(extra, order, False))))
+                          rule_schedule(pb, Rule(extra, _first_then_others(nm, first), False))))
     extras = [(e,) * nm for e in (0, 4, 8, None)] + [(0,) + (None,) * (nm - 1), (None,) + (0,) * (nm - 1)]
     for cap, extra, balance in product(caps, extras, BALANCE_SKEWS):
         tag = "" if cap is None else f",cap={cap / serial_peak:.2f}x"
@@ -209,6 +207,11 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
         scored.append((round(res.makespan, 6), peak, k, name, orders))
     scored.sort(key=lambda x: x[:3])
     return [Start(name, orders, ms, peak) for ms, peak, _, name, orders in scored]
+
+
+def _first_then_others(nm: int, first: int) -> tuple:
+    """Model priority of a list rule: ``first``, then the others in index order."""
+    return (first,) + tuple(i for i in range(nm) if i != first)
 
 
 def fine_depths(pp: int) -> tuple:
@@ -246,7 +249,7 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     cap = cfg.mem_cap if cfg.mem_cap is not None else pb.mem_cap
     lb = makespan_lower_bound(pb)
     greedy = greedy_fused(pb)
-    per_s = RATE / max(1, pb.num_nodes) ** RATE_EXPONENT
+    per_s = proposals_per_second(pb)
     pool = start_pool(pb, cap)
     stats = AnnealStats()
     iters = int(cfg.budget_s * per_s)
@@ -289,7 +292,7 @@ def makespan_limit(best: float, lower_bound: float, slack: float) -> float:
     target); a ``best`` beyond it already misses the target, and keeps the whole slack."""
     limit = best * (1 + slack)
     tolerated = lower_bound * (1 + BOUND_TOLERANCE)
-    return max(best, min(limit, tolerated)) if best <= tolerated else limit
+    return min(limit, tolerated) if best <= tolerated else limit
 
 
 def makespan_target(lower_bound: float, slack: float) -> float:
@@ -376,16 +379,21 @@ def _anneal_reheated(pb, orders, acfg, iters, seed, target, stats) -> tuple:
     until ``target`` or ``iters`` proposals: a rung under a cap stalls on a plateau that one long
     cooling does not leave (65B/33B 16/8 mb64, latency model 1, cap 1.5x: 1.13%, 1.11%, then 0.93%
     above the bound after three rounds of 100k). Returns (orders, proposals used)."""
-    chunk = max(1, int(REHEAT_S * RATE / max(1, pb.num_nodes) ** RATE_EXPONENT))
+    chunk = max(1, int(REHEAT_S * proposals_per_second(pb)))
     used, k = 0, 0
     while used < iters:
-        orders, st = anneal_makespan(pb, orders, replace(acfg, iters=min(chunk, iters - used)),
-                                     seed=seed + k, target=target)
+        n = min(chunk, iters - used)
+        orders, st = anneal_makespan(pb, orders, replace(acfg, iters=n), seed=seed + k, target=target)
         used, k = used + st.proposals, k + 1
         stats.add(st)
-        if simulate(pb, orders).makespan <= target * (1 + 1e-12) or st.proposals == 0:
+        if st.proposals < n:  # a round ends early only at the target
             break
     return orders, used
+
+
+def proposals_per_second(pb: Problem) -> float:
+    """Annealing proposals per nominal second of budget for ``pb`` (module docstring)."""
+    return RATE / max(1, pb.num_nodes) ** RATE_EXPONENT
 
 
 def world_comm():
