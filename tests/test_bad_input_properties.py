@@ -248,14 +248,14 @@ def test_search_schedule_numbers(tmp_path, capsys, monkeypatch):
     path = tmp_path / "problem.json"
     path.write_text(json.dumps(good_problem().to_dict()))
     rng = random.Random(1605)
-    flags = ["--budget", "--memory-budget", "--t0-scale", "--mem-cap", "--seed"]
+    flags = ["--budget", "--memory-budget", "--t0-scale", "--mem-cap", "--mem-ceiling", "--seed"]
     for _ in range(TRIALS // 2):
         flag, text = rng.choice(flags), cli_number(rng)
-        text = text + "x" if flag == "--mem-cap" and rng.random() < 0.3 else text
+        text = text + "x" if flag in ("--mem-cap", "--mem-ceiling") and rng.random() < 0.3 else text
         outcome = main_outcome(tool.main, ["--problem", str(path), f"{flag}={text}"])
         if outcome is None and flag != "--seed":
             value = float(text.rstrip("x"))
-            assert math.isfinite(value) and value >= 0, (flag, text)
+            assert math.isfinite(value) and value >= (1 if flag == "--mem-ceiling" else 0), (flag, text)
     cost_flags = ["--tokens", "--seq-len", "--gpus", "--gpu-tflops", "--mfu", "--comm"]
     for _ in range(TRIALS // 3):
         flag, text = rng.choice(cost_flags), cli_number(rng)

@@ -105,6 +105,10 @@ def refusal(tmp_path, capsys, monkeypatch):
                           "e.g. 1.25x)"),
     (["--mem-cap", "lots"], "--mem-cap: 'lots' is not a number; give a number (GiB) or a multiple of the serial "
                             "1F1B peak such as 1.25x"),
+    (["--mem-ceiling", "0.5x"], "--mem-ceiling: 0.5 is out of range; give a number >= 1 (times the serial 1F1B "
+                                "peak, e.g. 2x)"),
+    (["--mem-ceiling", "lots"], "--mem-ceiling: 'lots' is not a number; give a multiple of the serial 1F1B peak "
+                                "such as 2x (at least 1x), or none"),
     # the largest activation on a stage is the critic's 1.5 GiB: no schedule fits in less
     (["--mem-cap", "0.5"], "--mem-cap: 0.5 GiB is below the feasible minimum 1.5 GiB (the largest activation of "
                            "one micro-batch on one stage); give at least 1.5 (serial 1F1B needs 4, 1x)"),

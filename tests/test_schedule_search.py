@@ -11,7 +11,7 @@ from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, lis
                                       rule_schedule, serial_1f1b, serial_1f1b_makespan)
 from rlhf.schedule.latency_models import build, latency_model
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
-from rlhf.schedule.problem import ModelSpec, Problem, stage_nodes, to_actions
+from rlhf.schedule.problem import ModelSpec, Problem, in_microbatch_order, stage_nodes, to_actions
 from rlhf.schedule.search import (SearchConfig, fine_depths, format_summary, makespan_limit, makespan_target,
                                   search, search_mpi)
 from rlhf.schedule.simulate import latest_ends, simulate, simulate_from, stage_peak_memory
@@ -172,6 +172,74 @@ def test_lower_bound_below_every_schedule_of_larger_problems():
         assert simulate(pb, orders).makespan >= lb - 1e-9
 
 
+def queues_in_order(pb, orders):
+    """Whether every stage runs each (model, pipeline, op) in micro-batch order."""
+    acts = pb.actions
+    for order in orders:
+        last = {}
+        for v in order:
+            a = acts[v]
+            key = (a.model, a.pipeline, a.op)
+            if last.get(key, -1) > a.mb:
+                return False
+            last[key] = a.mb
+    return True
+
+
+def scrambled(pb, orders, rng, swaps=40):
+    """``orders`` with subtasks of one queue swapped on random stages (kept where still deadlock-free)."""
+    queue = pb.arrays.queue
+    orders = [list(o) for o in orders]
+    for _ in range(swaps):
+        s = rng.randrange(pb.stages)
+        i, k = rng.randrange(len(orders[s])), rng.randrange(len(orders[s]))
+        if i == k or queue[orders[s][i]] != queue[orders[s][k]]:
+            continue
+        new = [list(o) for o in orders]
+        new[s][i], new[s][k] = new[s][k], new[s][i]
+        if simulate(pb, new).ok and validate(pb, to_actions(pb, new)) == []:
+            orders = new
+    return orders
+
+
+def test_microbatch_order_is_never_slower_and_holds_the_same_memory():
+    rng = random.Random(4)
+    scrambles = 0
+    for trial in range(30):
+        pb = random_problem(rng, stages=rng.choice([2, 4]), max_mb=5, comm=rng.choice([0.0, 0.5]))
+        orders = scrambled(pb, greedy_fused(pb), rng)
+        fixed = in_microbatch_order(pb, orders)
+        assert queues_in_order(pb, fixed) and validate(pb, to_actions(pb, fixed)) == []
+        assert simulate(pb, fixed).makespan <= simulate(pb, orders).makespan + 1e-9
+        assert stage_peak_memory(pb, fixed) == stage_peak_memory(pb, orders)
+        assert in_microbatch_order(pb, fixed) == fixed
+        scrambles += not queues_in_order(pb, orders)
+    assert scrambles > 15
+
+
+def test_microbatch_order_relabels_crossed_chains():
+    # actor micro-batch 1 overtakes 0 on stage 1: relabelled, stage 1 runs "0" first and the chains follow
+    pb = Problem(stages=2, models=(uniform(2, 2, 1.0, 1.0),))
+    f = lambda b, j: pb.node_id_fast(0, 0, b, j, True)
+    b_ = lambda b, j: pb.node_id_fast(0, 0, b, j, False)
+    orders = [[f(0, 0), f(1, 0), b_(1, 0), b_(0, 0)], [f(1, 1), b_(1, 1), f(0, 1), b_(0, 1)]]
+    fixed = in_microbatch_order(pb, orders)
+    assert fixed == [[f(0, 0), f(1, 0), b_(0, 0), b_(1, 0)], [f(0, 1), b_(0, 1), f(1, 1), b_(1, 1)]]
+    assert simulate(pb, fixed).makespan <= simulate(pb, orders).makespan
+
+
+def test_moves_keep_microbatch_order():
+    rng = random.Random(2)
+    for trial in range(6):
+        pb = random_problem(rng, stages=rng.choice([2, 4]), max_mb=5)
+        start = in_microbatch_order(pb, greedy_fused(pb))
+        orders, _ = anneal_makespan(pb, start, AnnealConfig(iters=2000, t0_scale=1.0), trial)
+        assert queues_in_order(pb, orders)
+        limit = simulate(pb, orders).makespan * 1.05
+        lean, _ = anneal_memory(pb, orders, AnnealConfig(iters=2000, t0_scale=1.0), trial, makespan_limit=limit)
+        assert queues_in_order(pb, lean) and simulate(pb, lean).makespan <= limit + 1e-9
+
+
 def test_lower_bound_sees_a_slow_upstream_stage():
     # one pipeline, F latencies 3 and 1, B 1 and 1, 2 micro-batches: the second forward reaches stage 1 at 6,
     # so its B there ends at 8 at the earliest and B(0) follows: 9, the optimum. The subset formula says 8.
@@ -258,13 +326,13 @@ def test_memory_phase_keeps_the_makespan_and_never_raises_the_peak(shape, seed):
 
 
 def test_cap_ladder_lowers_the_peak_at_the_same_makespan():
-    # the fastest schedule of this problem holds 2.25x the serial peak; the ladder finds
-    # one within 1.5x at the lower bound
+    # the fastest schedule the makespan phase finds holds over 1.5x the serial peak (2.5x); the ladder
+    # finds one within 1.5x at the lower bound
     pb = fused(pp_a=4, pp_c=4, mb=8)
     res = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0))
     serial = max(serial_peak_memory(pb))
     assert res.best_makespan == pytest.approx(makespan_lower_bound(pb))
-    assert res.best_peak == pytest.approx(2.25 * serial)
+    assert res.best_peak > 1.5 * serial
     ms, peak = makespan_and_peak(pb, res.schedule.stages, cap=1.5 * serial)
     assert ms == pytest.approx(makespan_lower_bound(pb))
     assert "within cap 1.5x" in res.start_name

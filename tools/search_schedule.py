@@ -59,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="per-stage activation cap: a number in the problem's memory unit, or "
                          "e.g. 1.25x for a multiple of the serial 1F1B peak; a cap below the largest single "
                          "activation on a stage is refused (default: the problem file's mem_cap, else no cap)")
+    ap.add_argument("--mem-ceiling", default="2x",
+                    help="without a cap, the most activation memory any phase may hold, as a multiple of the "
+                         "serial 1F1B peak (e.g. 1.5x, at least 1x), or 'none' for no bound: the fastest schedule "
+                         "found is kept however much memory it holds (default %(default)s)")
     ap.add_argument("--budget", type=float, default=30.0,
                     help="nominal seconds of makespan annealing, in [0, 1e6] (default %(default)g)")
     ap.add_argument("--memory-budget", type=float, default=10.0,
@@ -84,13 +88,13 @@ def main(argv=None) -> int:
     try:
         with quiet_unless_first_rank():  # under mpiexec every rank parses the same flags
             args = parse_args(argv)
-        pb, cap = check_inputs(args)
+        pb, cap, ceiling = check_inputs(args)
     except UsageError as err:
         status = report(PROGRAM, err)
         wait_for_first_rank_report()
         return status
     cfg = search.SearchConfig(budget_s=args.budget, memory_budget_s=args.memory_budget, seed=args.seed,
-                              mem_cap=cap, makespan_slack=args.makespan_slack,
+                              mem_cap=cap, mem_ceiling=ceiling, makespan_slack=args.makespan_slack,
                               anneal=AnnealConfig(t0_scale=args.t0_scale))
     res = search.search_mpi(pb, cfg)
     comm = search.world_comm()

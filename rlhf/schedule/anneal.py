@@ -8,13 +8,22 @@ non-critical stages are preferred on the makespan plateaus.  Temperature:
 ``iters`` proposals.  The best state ever seen is returned, so the result is
 never worse than the start.
 
-Moves, all on one random stage (a proposal that breaks a same-stage F-before-B
-rule is dropped, and still counts against ``iters``; one that deadlocks across
-stages is rejected by simulation):
+Moves, all on one random stage, never reorder a stage's subtasks of one queue
+(the forwards, or the backwards, of one model pipeline: the same work for
+different micro-batches), so a start in micro-batch order
+(:func:`problem.in_microbatch_order`) stays in it: a reordered queue is the
+same schedule with the micro-batches relabelled, or a slower one, so such
+proposals only spend simulations (65B/33B 16/8 mb16 under latency model 0,
+300k proposals from the pool's best: 2.56% and 3.44% above the bound with two
+seeds against 3.89% and 4.45%).  A proposal that breaks a same-stage
+F-before-B rule is dropped, and still counts against ``iters``; one that
+deadlocks across stages is rejected by simulation:
 
-* ``swap``  - swap two adjacent subtasks (RLHFuse's neighbour);
-* ``shift`` - move one subtask to another position within ``window``;
-* ``cross`` - swap two subtasks of different models within ``window``;
+* ``swap``  - swap two adjacent subtasks of different queues (RLHFuse's neighbour);
+* ``shift`` - move one subtask to another position within ``window``, not past
+  one of its own queue;
+* ``cross`` - swap two subtasks of different models within ``window`` when
+  nothing between them is of their queues;
 * ``critical`` - pick an edge ``u -> v`` of the current critical path where
   ``v`` waited for ``u`` on their stage, and move ``v`` before ``u`` or
   ``u`` after ``v`` (up to ``window`` places): the job-shop "critical block"
@@ -118,7 +127,7 @@ class StageMover:
 
     def __init__(self, pb: Problem, cfg: AnnealConfig, rng: random.Random):
         arr = pb.arrays
-        self.model, self.is_fwd, self.mem = arr.model, arr.is_fwd, arr.mem
+        self.model, self.is_fwd, self.mem, self.queue = arr.model, arr.is_fwd, arr.mem, arr.queue
         self.pred, self.dur = arr.pred, arr.dur
         # same-stage partner: F(j) <-> B(j) of one chain
         self.partner = [0] * pb.num_nodes
@@ -156,7 +165,7 @@ class StageMover:
         if kind == 0:
             i = rng.randrange(n - 1)
             a, b = order[i], order[i + 1]
-            if self.partner[a] == b:
+            if self.partner[a] == b or self.queue[a] == self.queue[b]:
                 return None
             new = order[:]
             new[i], new[i + 1] = b, a
@@ -174,7 +183,7 @@ class StageMover:
         if self.model[a] == self.model[b]:
             return None
         seg = order[lo:hi + 1]
-        if self.partner[a] in seg or self.partner[b] in seg:
+        if self.partner[a] in seg or self.partner[b] in seg or not self.passes(seg, a, b):
             return None
         new = order[:]
         new[lo], new[hi] = b, a
@@ -194,28 +203,40 @@ class StageMover:
         return i, order[:i] + order[i + 1:i + k + 1] + [v] + order[i + k + 1:]
 
     def reach_earlier(self, order, i: int, end) -> int:
-        """How many places ``order[i]`` may jump earlier: not past its own F,
-        nor past a subtask that ended before its chain predecessor started."""
+        """How many places ``order[i]`` may jump earlier: not past its own F
+        nor one of its queue, nor past a subtask that ended before its chain
+        predecessor started."""
         v = order[i]
-        p, f = self.pred[v], self.partner[v]
+        p, f, q = self.pred[v], self.partner[v], self.queue[v]
+        queue = self.queue
         ready = end[p] - self.dur[p] if p >= 0 else -INF
         k, lo = 0, max(0, i - self.cfg.window)
         for j in range(i - 1, lo - 1, -1):
             w = order[j]
-            if w == f or end[w] <= ready:
+            if w == f or end[w] <= ready or queue[w] == q:
                 break
             k += 1
         return k
 
     def reach_later(self, order, i: int, end) -> int:
-        """How many places ``order[i]`` may jump later: not past its own B."""
-        f = self.partner[order[i]]
+        """How many places ``order[i]`` may jump later: not past its own B nor one of its queue."""
+        v = order[i]
+        f, q = self.partner[v], self.queue[v]
+        queue = self.queue
         k, hi = 0, min(len(order) - 1, i + self.cfg.window)
         for j in range(i + 1, hi + 1):
-            if order[j] == f:
+            w = order[j]
+            if w == f or queue[w] == q:
                 break
             k += 1
         return k
+
+    def passes(self, seg, a: int, b: int) -> bool:
+        """Whether ``a`` and ``b``, the ends of ``seg``, may trade places: nothing between them is of
+        their queues (micro-batch order kept)."""
+        queue = self.queue
+        qa, qb = queue[a], queue[b]
+        return not any(queue[w] == qa or queue[w] == qb for w in seg[1:-1])
 
     def _critical(self, orders, end, edges) -> tuple | None:
         if not edges:
@@ -229,9 +250,10 @@ class StageMover:
         return None if moved is None else (s, *moved)
 
 
-def memory_move(orders, peaks, mem, partner, window: int, rng: random.Random) -> tuple | None:
+def memory_move(orders, peaks, mem, partner, queue, window: int, rng: random.Random) -> tuple | None:
     """Edit of a peak stage that lowers its peak: an F from before the first
-    peak position moves past it, or a B from after it moves before it."""
+    peak position moves past it, or a B from after it moves before it (never
+    past its own partner or a subtask of its queue)."""
     top = max(peaks)
     stages = [s for s, p in enumerate(peaks) if p >= top - 1e-9]
     s = stages[rng.randrange(len(stages))]
@@ -249,7 +271,7 @@ def memory_move(orders, peaks, mem, partner, window: int, rng: random.Random) ->
         if mem[v] <= 0:
             return None
         j = rng.randint(k1, min(n - 1, k1 + window))
-        if j <= i or partner[v] in order[i:j + 1]:
+        if j <= i or any(w == partner[v] or queue[w] == queue[v] for w in order[i + 1:j + 1]):
             return None
         new = order[:i] + order[i + 1:j + 1] + [v] + order[j + 1:]
         return s, i, new
@@ -258,7 +280,7 @@ def memory_move(orders, peaks, mem, partner, window: int, rng: random.Random) ->
     if mem[v] >= 0:
         return None
     j = rng.randint(max(0, k1 - window), k1)
-    if j >= i or partner[v] in order[j:i]:
+    if j >= i or any(w == partner[v] or queue[w] == queue[v] for w in order[j:i]):
         return None
     new = order[:j] + [v] + order[j:i] + order[i + 1:]
     return s, j, new
@@ -415,7 +437,7 @@ def anneal_memory(pb: Problem, orders, cfg: AnnealConfig, seed: int, makespan_li
         since += 1
         temp *= cool
         if rng.random() < 0.6:
-            prop = memory_move(cur, peaks, mem, mover.partner, cfg.window, rng)
+            prop = memory_move(cur, peaks, mem, mover.partner, mover.queue, cfg.window, rng)
         else:
             prop = mover.propose(cur, end, list)
         if prop is None:

@@ -1,8 +1,9 @@
 """The schedule search's command-line input, checked before the search starts (tools/search_schedule.py).
 
 ``--model`` key=value shapes, the problem from ``--problem`` or from the cost
-model's flags, and the activation cap (``--mem-cap``, absolute or a multiple of
-the serial 1F1B peak) that some start schedule of the search must meet. Each
+model's flags, the activation cap (``--mem-cap``, absolute or a multiple of
+the serial 1F1B peak) that some start schedule of the search must meet, and
+the ceiling without a cap (``--mem-ceiling``). Each
 refusal is a UsageError naming the flag and what would be valid.
 """
 from __future__ import annotations
@@ -104,8 +105,22 @@ def check_cap(pb: Problem, cap, flag: str) -> None:
                          "always works")
 
 
+def parse_ceiling(text: str) -> float | None:
+    """``--mem-ceiling``: a multiple of the serial 1F1B peak (``2x`` or ``2``, at least 1), or None for
+    ``none``; UsageError naming the flag otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        number = float(text[:-1] if text.endswith("x") else text)
+    except ValueError:
+        raise UsageError(f"--mem-ceiling: {text!r} is not a number; give a multiple of the serial 1F1B peak "
+                         "such as 2x (at least 1x), or none") from None
+    return check_range("--mem-ceiling", number, 1, unit="(times the serial 1F1B peak, e.g. 2x)")
+
+
 def check_inputs(args) -> tuple:
-    """(problem, cap) of the flags, with every number and output path checked before the search starts."""
+    """(problem, cap, ceiling) of the flags, with every number and output path checked before the search
+    starts."""
     check_range("--budget", args.budget, 0, MAX_BUDGET, unit="nominal seconds")
     check_range("--memory-budget", args.memory_budget, 0, MAX_BUDGET, unit="nominal seconds")
     check_range("--t0-scale", args.t0_scale, 0, low_open=True)
@@ -113,7 +128,8 @@ def check_inputs(args) -> tuple:
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         if path is not None:
             check_out_path(flag, path)
+    ceiling = parse_ceiling(args.mem_ceiling)
     pb = problem_from_flags(args)
     cap, flag = resolve_cap(args, pb)
     check_cap(pb, cap, flag)
-    return pb, cap
+    return pb, cap, ceiling

@@ -261,7 +261,10 @@ class NodeArrays:
     ``pred[v]``: dependency predecessor id or -1; ``lag[v]``: communication
     time on that edge; ``dur[v]``; ``stage[v]``: fused stage; ``mem[v]``:
     +act_mem for F, -act_mem for B; ``model[v]``; ``is_fwd[v]``;
-    ``tail[v]``: remaining chain work after ``v`` ends (incl. comm).
+    ``tail[v]``: remaining chain work after ``v`` ends (incl. comm);
+    ``queue[v]``: index of the (model, pipeline, op) ``v`` belongs to: the
+    subtasks of one queue on one stage are the same work for different
+    micro-batches (see :func:`in_microbatch_order`).
     """
 
     pred: list
@@ -272,10 +275,12 @@ class NodeArrays:
     model: list
     is_fwd: list
     tail: list
+    queue: list
 
     @classmethod
     def build(cls, pb: Problem) -> "NodeArrays":
-        pred, lag, dur, stage, mem, model, is_fwd, tail = ([] for _ in range(8))
+        pred, lag, dur, stage, mem, model, is_fwd, tail, queue = ([] for _ in range(9))
+        fq = 0  # the next pipeline's F queue; its B queue is fq + 1
         for i, m in enumerate(pb.models):
             ks = range(2 * m.pp)
             js = [k if k < m.pp else 2 * m.pp - 1 - k for k in ks]
@@ -294,7 +299,9 @@ class NodeArrays:
                     model += [i] * len(ks)
                     is_fwd += [k < m.pp for k in ks]
                     tail += tl
-        return cls(pred, lag, dur, stage, mem, model, is_fwd, tail)
+                    queue += [fq if k < m.pp else fq + 1 for k in ks]
+                fq += 2
+        return cls(pred, lag, dur, stage, mem, model, is_fwd, tail, queue)
 
 
 def stage_nodes(pb: Problem) -> list:
@@ -314,3 +321,26 @@ def to_actions(pb: Problem, orders: Sequence[Sequence[int]]) -> tuple:
 def to_ids(pb: Problem, schedule: Sequence[Sequence[Action]]) -> list:
     """Per-stage Actions -> per-stage id lists (raises ProblemError on unknown ones)."""
     return [[pb.node_id(a) for a in stage] for stage in schedule]
+
+
+def in_microbatch_order(pb: Problem, orders: Sequence[Sequence[int]]) -> list:
+    """The same per-stage orders with the micro-batches relabelled so that every stage runs each queue
+    (the forwards, or the backwards, of one model pipeline) in micro-batch order: the r-th forward of a
+    queue on a stage becomes micro-batch r's.  The micro-batches of a queue are the same work, and at the
+    old times every relabelled chain still waits for its predecessor (when the r-th subtask of a queue
+    starts on a stage, r distinct predecessors have ended, so the r-th of theirs has), and a backward still
+    follows its own forward; so the result is never slower, holds the same memory at every position, and
+    some optimal schedule has this form."""
+    acts, queue, index = pb.actions, pb.arrays.queue, pb.model_index
+    out = []
+    for order in orders:
+        seen = {}
+        new = []
+        for v in order:
+            a = acts[v]
+            q = queue[v]
+            r = seen.get(q, 0)
+            seen[q] = r + 1
+            new.append(pb.node_id_fast(index[a.model], a.pipeline, r, a.stage, a.op == "F"))
+        out.append(new)
+    return out

@@ -49,7 +49,7 @@ from .anneal import AnnealConfig, AnnealStats, anneal_makespan, anneal_memory
 from .generators import (Rule, backfill_schedule, greedy_fused, model_size_order, rule_schedule,
                          serial_1f1b, serial_1f1b_makespan)
 from .lower_bound import makespan_lower_bound, serial_peak_memory
-from .problem import Problem, ProblemError
+from .problem import Problem, ProblemError, in_microbatch_order
 from .schedule import Schedule
 from .simulate import simulate, stage_peak_memory
 from .validate import check_schedule
@@ -163,7 +163,8 @@ class Phase:
 
 def start_pool(pb: Problem, mem_cap: float | None) -> list:
     """(name, orders) of deadlock-free starts within ``mem_cap``, best first
-    (smallest makespan, then smallest peak memory)."""
+    (smallest makespan, then smallest peak memory), each in micro-batch order
+    (:func:`problem.in_microbatch_order`)."""
     cands = [("greedy", greedy_fused(pb))]
     serial_peak = max(serial_peak_memory(pb))
     caps = [mem_cap] if mem_cap is not None else [None] + [serial_peak * x for x in CAP_SWEEP]
@@ -198,6 +199,7 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
     for k, (name, orders) in enumerate(cands):
         if orders is None:
             continue
+        orders = in_microbatch_order(pb, orders)  # the annealer's moves keep this order
         res = simulate(pb, orders)
         if not res.ok:
             continue
