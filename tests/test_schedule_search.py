@@ -326,8 +326,8 @@ def test_memory_phase_keeps_the_makespan_and_never_raises_the_peak(shape, seed):
 
 
 def test_cap_ladder_lowers_the_peak_at_the_same_makespan():
-    # the fastest schedule the makespan phase finds holds over 1.5x the serial peak (2.5x); the ladder
-    # finds one within 1.5x at the lower bound
+    # the fastest schedule the makespan phase finds holds over 1.5x the serial peak (2x, the ceiling); the
+    # ladder finds one within 1.5x at the lower bound
     pb = fused(pp_a=4, pp_c=4, mb=8)
     res = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0))
     serial = max(serial_peak_memory(pb))
@@ -355,6 +355,20 @@ def test_mem_cap_is_honoured_by_every_phase(cap_x):
     ms, peak = makespan_and_peak(pb, res.schedule.stages, cap=cap)
     assert peak <= cap + 1e-9 and res.best_peak <= cap + 1e-9
     assert ms <= serial_1f1b_makespan(pb) + 1e-9
+
+
+@pytest.mark.parametrize("ceiling", [1.25, 2.0])
+def test_mem_ceiling_bounds_every_phase_without_a_cap(ceiling):
+    pb = fused(pp_a=4, pp_c=4, mb=8)
+    serial = max(serial_peak_memory(pb))
+    free = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0, mem_ceiling=None))
+    assert free.best_peak == pytest.approx(2.5 * serial)  # without a ceiling the fastest schedule holds 2.5x
+    res = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0, mem_ceiling=ceiling))
+    _, peak = makespan_and_peak(pb, res.schedule.stages, cap=ceiling * serial)
+    assert all(p.peak <= ceiling * serial + 1e-9 for p in res.phases) and res.best_peak <= ceiling * serial + 1e-9
+    assert res.makespan <= serial_1f1b_makespan(pb)
+    with pytest.raises(ValueError, match="mem_ceiling"):
+        SearchConfig(mem_ceiling=0.5)
 
 
 def test_anneal_memory_keeps_the_limit_and_stops_at_the_floor():

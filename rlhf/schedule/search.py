@@ -76,13 +76,17 @@ class SearchConfig:
     makespan (see :func:`makespan_limit`); ``ladder``: the cap ladder's rungs
     (x the serial 1F1B peak), tried from the largest at most ``ladder_first``;
     ``ladder_share``: the ladder's part of the memory budget (the memory pass
-    gets the rest); ``anneal``: annealing knobs (its ``iters`` and ``mem_cap``
-    are set here)."""
+    gets the rest); ``mem_ceiling``: without a cap (``mem_cap``, or the
+    problem's), every phase holds at most this multiple of the serial 1F1B
+    peak (None: no bound, the fastest schedule found is kept however much
+    memory it holds); ``anneal``: annealing knobs (its ``iters`` and
+    ``mem_cap`` are set here)."""
 
     budget_s: float = 30.0
     memory_budget_s: float = 10.0
     seed: int = 0
     mem_cap: float | None = None
+    mem_ceiling: float | None = 2.0
     makespan_slack: float = 0.009
     ladder: tuple = (1.0, 1.25, 1.5, 2.0)
     ladder_first: float = 1.5
@@ -100,6 +104,9 @@ class SearchConfig:
                              "give positive multiples of the serial 1F1B peak")
         if not 0 <= self.ladder_share <= 1:
             raise ValueError(f"SearchConfig.ladder_share={self.ladder_share} must lie in [0, 1]")
+        if self.mem_ceiling is not None and not self.mem_ceiling >= 1:
+            raise ValueError(f"SearchConfig.mem_ceiling={self.mem_ceiling} must be >= 1 (x the serial 1F1B peak, "
+                             "which serial 1F1B meets) or None")
 
 
 @dataclass
@@ -167,7 +174,8 @@ def start_pool(pb: Problem, mem_cap: float | None) -> list:
     (:func:`problem.in_microbatch_order`)."""
     cands = [("greedy", greedy_fused(pb))]
     serial_peak = max(serial_peak_memory(pb))
-    caps = [mem_cap] if mem_cap is not None else [None] + [serial_peak * x for x in CAP_SWEEP]
+    sweep = [serial_peak * x for x in CAP_SWEEP]
+    caps = [None] + [c for c in sweep if mem_cap is None or c < mem_cap] + ([] if mem_cap is None else [mem_cap])
     nm = len(pb.models)
     for first, extra, other in product(range(nm), (0, 2, 10**6), (0, 1, 2, 4, None)):
         cands.append((f"backfill(first={pb.models[first].name},extra={extra},others={other})",
@@ -248,7 +256,7 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
     and seed give the same orders.  The result is validated within the cap
     (``cfg.mem_cap``, else ``pb.mem_cap``); ProblemError if no start fits it."""
     tic = time.perf_counter()
-    cap = cfg.mem_cap if cfg.mem_cap is not None else pb.mem_cap
+    cap = search_cap(pb, cfg)
     lb = makespan_lower_bound(pb)
     greedy = greedy_fused(pb)
     per_s = proposals_per_second(pb)
@@ -286,6 +294,15 @@ def search(pb: Problem, cfg: SearchConfig = SearchConfig()) -> SearchResult:
         serial_peak_mem=serial_peak_memory(pb), lower_bound=lb, start_name=name, seed=cfg.seed,
         evaluations=stats.evaluations, anneal_seconds=stats.seconds,
         seconds=time.perf_counter() - tic, best_makespan=ms, best_peak=best_peak, phases=phases)
+
+
+def search_cap(pb: Problem, cfg: SearchConfig) -> float | None:
+    """The activation cap every phase keeps: ``cfg.mem_cap``, else the problem's, else ``cfg.mem_ceiling`` x
+    the serial 1F1B peak (None without any)."""
+    for cap in (cfg.mem_cap, pb.mem_cap):
+        if cap is not None:
+            return cap
+    return None if cfg.mem_ceiling is None else cfg.mem_ceiling * max(serial_peak_memory(pb))
 
 
 def makespan_limit(best: float, lower_bound: float, slack: float) -> float:
