@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory
+from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory, critical_edges
 from rlhf.schedule.cost_model import llama
 from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, list_schedule, model_alone,
                                       rule_schedule, serial_1f1b, serial_1f1b_makespan)
@@ -240,6 +240,20 @@ def test_moves_keep_microbatch_order():
         assert queues_in_order(pb, lean) and simulate(pb, lean).makespan <= limit + 1e-9
 
 
+def test_critical_edges_are_ones_a_move_can_break():
+    rng = random.Random(8)
+    for trial in range(10):
+        pb = random_problem(rng, stages=rng.choice([2, 4]), max_mb=5)
+        orders = in_microbatch_order(pb, greedy_fused(pb))
+        end = simulate(pb, orders).end
+        mover = StageMover(pb, AnnealConfig(), rng)
+        for s, i in critical_edges(pb, orders, end, rng, mover.partner):
+            u, v = orders[s][i - 1], orders[s][i]
+            assert pb.arrays.queue[u] != pb.arrays.queue[v] and mover.partner[u] != v
+            assert end[v] - pb.arrays.dur[v] == pytest.approx(end[u])  # u delayed v
+            assert mover.reach_earlier(orders[s], i, end) + mover.reach_later(orders[s], i - 1, end) > 0
+
+
 def test_lower_bound_sees_a_slow_upstream_stage():
     # one pipeline, F latencies 3 and 1, B 1 and 1, 2 micro-batches: the second forward reaches stage 1 at 6,
     # so its B there ends at 8 at the earliest and B(0) follows: 9, the optimum. The subset formula says 8.
@@ -362,7 +376,7 @@ def test_mem_ceiling_bounds_every_phase_without_a_cap(ceiling):
     pb = fused(pp_a=4, pp_c=4, mb=8)
     serial = max(serial_peak_memory(pb))
     free = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0, mem_ceiling=None))
-    assert free.best_peak == pytest.approx(2.5 * serial)  # without a ceiling the fastest schedule holds 2.5x
+    assert free.best_peak > ceiling * serial  # without a ceiling the fastest schedule holds more (2.25x)
     res = search(pb, SearchConfig(budget_s=0.3, memory_budget_s=0.3, seed=0, mem_ceiling=ceiling))
     _, peak = makespan_and_peak(pb, res.schedule.stages, cap=ceiling * serial)
     assert all(p.peak <= ceiling * serial + 1e-9 for p in res.phases) and res.best_peak <= ceiling * serial + 1e-9
