@@ -14,7 +14,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["rlhf", "rlhf.*"]),
     py_modules=["pretrain_rlhf", "train_reward"],
-    package_data={"rlhf.engine": ["csrc/*.cpp"]},  # compiled on first use (rlhf/engine/native.py)
+    # compiled on first use (rlhf/engine/native.py, rlhf/schedule/native.py)
+    package_data={"rlhf.engine": ["csrc/*.cpp", "csrc/*.h"], "rlhf.schedule": ["csrc/*.c"]},
     install_requires=[
         "torch>=2.4,<2.15",
         "megatron-core>=0.16.1,<0.17",  # the tested minor; moving on: docs/launch.md

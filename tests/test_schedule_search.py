@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory, critical_edges
+from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory
 from rlhf.schedule.cost_model import llama
 from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, list_schedule, model_alone,
                                       rule_schedule, serial_1f1b, serial_1f1b_makespan)
@@ -14,7 +14,7 @@ from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, in_microbatch_order, stage_nodes, to_actions
 from rlhf.schedule.search import (SearchConfig, fine_depths, format_summary, makespan_limit, makespan_target,
                                   search, search_mpi)
-from rlhf.schedule.simulate import latest_ends, simulate, simulate_from, stage_peak_memory
+from rlhf.schedule.simulate import Walker, latest_ends, simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate
 
 
@@ -247,9 +247,9 @@ def test_critical_edges_are_ones_a_move_can_break():
         orders = in_microbatch_order(pb, greedy_fused(pb))
         end = simulate(pb, orders).end
         mover = StageMover(pb, AnnealConfig(), rng)
-        for s, i in critical_edges(pb, orders, end, rng, mover.partner):
+        for s, i in Walker(pb, orders).critical_edges(trial):
             u, v = orders[s][i - 1], orders[s][i]
-            assert pb.arrays.queue[u] != pb.arrays.queue[v] and mover.partner[u] != v
+            assert pb.arrays.queue[u] != pb.arrays.queue[v] and pb.arrays.partner[u] != v
             assert end[v] - pb.arrays.dur[v] == pytest.approx(end[u])  # u delayed v
             assert mover.reach_earlier(orders[s], i, end) + mover.reach_later(orders[s], i - 1, end) > 0
 

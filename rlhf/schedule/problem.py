@@ -264,7 +264,8 @@ class NodeArrays:
     ``tail[v]``: remaining chain work after ``v`` ends (incl. comm);
     ``queue[v]``: index of the (model, pipeline, op) ``v`` belongs to: the
     subtasks of one queue on one stage are the same work for different
-    micro-batches (see :func:`in_microbatch_order`).
+    micro-batches (see :func:`in_microbatch_order`); ``partner[v]``: the
+    other subtask of ``v``'s chain on its stage (F(j) <-> B(j)).
     """
 
     pred: list
@@ -276,10 +277,11 @@ class NodeArrays:
     is_fwd: list
     tail: list
     queue: list
+    partner: list
 
     @classmethod
     def build(cls, pb: Problem) -> "NodeArrays":
-        pred, lag, dur, stage, mem, model, is_fwd, tail, queue = ([] for _ in range(9))
+        pred, lag, dur, stage, mem, model, is_fwd, tail, queue, partner = ([] for _ in range(10))
         fq = 0  # the next pipeline's F queue; its B queue is fq + 1
         for i, m in enumerate(pb.models):
             ks = range(2 * m.pp)
@@ -300,8 +302,9 @@ class NodeArrays:
                     is_fwd += [k < m.pp for k in ks]
                     tail += tl
                     queue += [fq if k < m.pp else fq + 1 for k in ks]
+                    partner += [base + 2 * m.pp - 1 - k for k in ks]
                 fq += 2
-        return cls(pred, lag, dur, stage, mem, model, is_fwd, tail, queue)
+        return cls(pred, lag, dur, stage, mem, model, is_fwd, tail, queue, partner)
 
 
 def stage_nodes(pb: Problem) -> list:
