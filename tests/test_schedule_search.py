@@ -5,15 +5,15 @@ from dataclasses import replace
 
 import pytest
 
-from rlhf.schedule.anneal import AnnealConfig, StageMover, anneal_makespan, anneal_memory
+from rlhf.schedule.anneal import AnnealConfig, AnnealStats, StageMover, anneal_makespan, anneal_memory
 from rlhf.schedule.cost_model import llama
 from rlhf.schedule.generators import (Rule, backfill_schedule, greedy_fused, list_schedule, model_alone,
                                       rule_schedule, serial_1f1b, serial_1f1b_makespan)
 from rlhf.schedule.latency_models import build, latency_model
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import ModelSpec, Problem, in_microbatch_order, stage_nodes, to_actions
-from rlhf.schedule.search import (SearchConfig, fine_depths, format_summary, makespan_limit, makespan_target,
-                                  search, search_mpi)
+from rlhf.schedule.search import (SearchConfig, distinct_starts, race, fine_depths, format_summary, makespan_limit,
+                                  makespan_target, search, search_mpi, start_pool)
 from rlhf.schedule.simulate import Walker, latest_ends, simulate, simulate_from, stage_peak_memory
 from rlhf.schedule.validate import validate
 
@@ -410,6 +410,24 @@ def test_makespan_target_is_where_a_faster_schedule_no_longer_widens_the_limit()
     assert makespan_limit(target * 0.999, 100.0, 0.009) == pytest.approx(101.0)  # an overshoot keeps it
     assert makespan_limit(target * 1.001, 100.0, 0.009) == pytest.approx(101.0)  # 1% of the bound caps it
     assert makespan_target(100.0, 0.0) == 100.0 and makespan_target(100.0, 0.05) == 100.0
+
+
+def test_a_race_ends_no_slower_than_its_fastest_start_and_stops_at_the_target():
+    pb = build([llama("actor", "33B", 8, 4, 16, "down"), llama("critic", "13B", 8, 4, 16, "up")], latency_model(3))
+    cap = 1.5 * max(serial_peak_memory(pb))
+    pool = start_pool(pb, cap)
+    starts = distinct_starts([(x.makespan, x.orders, x.name) for x in pool], 8)
+    assert len(starts) == 8 and len({tuple(map(tuple, s[1])) for s in starts}) == 8
+    assert [s[0] for s in starts] == sorted(s[0] for s in starts)
+    acfg = AnnealConfig(t0_scale=1e-3, mem_cap=cap)
+    stats = AnnealStats()
+    orders, name, used = race(pb, starts, acfg, 40000, 0, makespan_lower_bound(pb), stats)
+    assert simulate(pb, orders).makespan <= min(s[0] for s in starts) + 1e-9
+    assert max(stage_peak_memory(pb, orders)) <= cap + 1e-9 and used == stats.proposals <= 40000
+    assert name in {s[2] for s in starts}
+    # a target every start meets: the first start annealed stops at once
+    orders, name, used = race(pb, starts, acfg, 40000, 0, max(s[0] for s in starts), AnnealStats())
+    assert (name, used) == (starts[0][2], 0)
 
 
 def test_fine_depths_are_fractions_of_the_pipeline():

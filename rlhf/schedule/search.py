@@ -63,7 +63,7 @@ RUNG_SHARE = 0.75  # of the ladder's proposals left, for each rung but the last 
 SPEED_SHARE = 0.2  # of a polish round's proposals: the speed pass at the reached peak (see _polish)
 POLISH_ROUNDS = 3
 REHEAT_S = 25.0  # nominal seconds of one annealing round of a cap-ladder rung (see _anneal_reheated)
-RACE_SHARE = 0.25  # of a rung's proposals, for each racing round (see _race)
+RACE_SHARE = 0.25  # of a rung's proposals, for each racing round (see race)
 BALANCE_SKEWS = (0.02, 0.05)  # balanced list-rule starts: the larger model's head start
 LAZY_IN_FLIGHT = (0, 1, 2, 3, 4, 5, 6, 8, None)
 """Lazy backfill starts: the other models' micro-batches in flight at most. Each step trades memory for
@@ -79,7 +79,7 @@ class SearchConfig:
     makespan (see :func:`makespan_limit`); ``ladder``: the cap ladder's rungs
     (x the serial 1F1B peak), tried from the largest at most ``ladder_first``;
     ``ladder_share``: the ladder's part of the memory budget (the memory pass
-    gets the rest); ``rung_starts``: how many starts a rung races (:func:`_race`;
+    gets the rest); ``rung_starts``: how many starts a rung races (:func:`race`;
     1: the fastest start that fits alone); ``mem_ceiling``: without a cap (``mem_cap``, or the
     problem's), every phase holds at most this multiple of the serial 1F1B
     peak (None: no bound, the fastest schedule found is kept however much
@@ -351,7 +351,7 @@ def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats, phases) -> tuple
     turn, each continuing from the previous rung's result (it fits the
     larger cap and is closer to the target than the pool's starts).  A rung
     anneals for makespan within its cap from the ``cfg.rung_starts`` best-makespan
-    starts that fit it (the last rung's result among them; :func:`_race`), until the makespan is within
+    starts that fit it (the last rung's result among them; :func:`race`), until the makespan is within
     ``limit``; it gets RUNG_SHARE of the proposals left (the last possible
     rung all of them).  Returns (orders, name, proposals used)."""
     serial_peak = max(serial_peak_memory(pb))
@@ -369,11 +369,11 @@ def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats, phases) -> tuple
         last = not queue and (found is not None or not up)
         share = iters - used if last else int(RUNG_SHARE * (iters - used))
         fits = [x for x in carry if max(stage_peak_memory(pb, x[1])) <= cap + 1e-9]
-        fits += _distinct([(x.makespan, x.orders, x.name) for x in pool if x.peak <= cap + 1e-9],
+        fits += distinct_starts([(x.makespan, x.orders, x.name) for x in pool if x.peak <= cap + 1e-9],
                           cfg.rung_starts - len(fits))
         if not fits or share <= 0:
             break
-        orders, start_name, proposals = _race(pb, fits, replace(cfg.anneal, mem_cap=cap), share,
+        orders, start_name, proposals = race(pb, fits, replace(cfg.anneal, mem_cap=cap), share,
                                               cfg.seed + 15485863 * k, limit, stats)
         used += proposals
         ms = simulate(pb, orders).makespan
@@ -392,7 +392,7 @@ def _cap_ladder(pb, pool, best, name, limit, iters, cfg, stats, phases) -> tuple
     return found[1], found[2], used
 
 
-def _distinct(starts: list, count: int) -> list:
+def distinct_starts(starts: list, count: int) -> list:
     """The first ``count`` of ``starts`` ((makespan, orders, name), best first) with different orders."""
     out, seen = [], set()
     for start in starts:
@@ -403,7 +403,7 @@ def _distinct(starts: list, count: int) -> list:
     return out
 
 
-def _race(pb, starts, acfg, iters, seed, target, stats) -> tuple:
+def race(pb, starts, acfg, iters, seed, target, stats) -> tuple:
     """Anneal from each of ``starts`` ((makespan, orders, name)) and keep the better half, in rounds of
     RACE_SHARE of ``iters`` each, until one is left, which gets the rest; stops at the first to reach
     ``target``.  Under a cap the start decides where the annealing ends, and the fastest start is not the
