@@ -14,9 +14,11 @@ Starting pool: the greedy fused schedule, backfilled schedules (one model's
 dynamic list-scheduling rules (warm-up depth per model x model priority x
 B-or-F first, finer depths (:func:`fine_depths`) F first for two models, and
 *balanced* rules that advance the models together, also built under caps of
-1.0/1.25/1.5x the serial peak); with a memory cap only the starts within the
-cap are kept (serial 1F1B is one candidate; if none fits, :func:`pick_starts`
-raises ProblemError).
+1.0/1.25/1.5x the serial peak), each relabelled into micro-batch order
+(:func:`problem.in_microbatch_order`); only the starts within the cap are
+kept: ``mem_cap``, the problem's, else ``mem_ceiling`` x the serial peak
+(:func:`search_cap`; serial 1F1B is one candidate; if none fits,
+:func:`pick_starts` raises ProblemError).
 
 Makespan phase: two starts are annealed for makespan: the lowest-memory
 start within 1% of the best start's makespan, within its own peak memory
@@ -24,20 +26,21 @@ start within 1% of the best start's makespan, within its own peak memory
 rest), each stopping at :func:`makespan_target` (the bound, or with a slack
 the makespan whose limit is 1% over the bound).  Its best makespan ``M``
 sets the limit of the memory phase, :func:`makespan_limit`: ``M x (1 +
-makespan_slack)``, never beyond 1% over the lower bound unless ``M`` already
-is.
+makespan_slack)`` (an ``M`` below the target counts as the target), never
+beyond 1% over the lower bound unless ``M`` already is.
 
 Memory phase (the memory budget plus makespan proposals left by an early
 stop): a *cap ladder* (``ladder_share`` of it) anneals for makespan within
 caps of ``ladder`` x the serial 1F1B peak, from 1.5x down while it reaches
-the limit (each rung from the best-makespan start that fits the cap, in
-reheated rounds), or, if 1.5x fails, upwards; the lowest cap that reached
-the limit gives the schedule.  Then the memory pass
-(:func:`anneal.anneal_memory`) lowers the peak further without passing the
-limit, stopping at the serial peak or when it stalls, and the speed pass
-(SPEED_SHARE and what the memory pass left) anneals for makespan within the
-peak reached.  The result is never slower than the limit nor above the
-makespan phase's peak.
+the limit (each rung racing the ``rung_starts`` fastest starts that fit the
+cap, :func:`race`, in reheated rounds), or, if 1.5x fails, upwards; the
+lowest cap that reached the limit gives the schedule.  Then up to
+POLISH_ROUNDS rounds (:func:`_polish`) of the memory pass
+(:func:`anneal.anneal_memory`: lowers the peak further without passing the
+limit, stopping at the serial peak or when it stalls) and the speed pass
+(SPEED_SHARE of the round and what the memory pass left: anneals for
+makespan within the peak reached).  The result is never slower than the
+limit nor above the makespan phase's peak.
 """
 from __future__ import annotations
 
