@@ -4,6 +4,7 @@
     mpiexec -n 2 python benchmarks/table3.py --plot docs/mem_cap_curve.png   # full run
     python benchmarks/table3.py --quick               # short budgets, one process
     mpiexec -n 2 python benchmarks/table3.py --latency-models 5 --seed 0      # robustness (issue 34)
+    mpiexec -n 2 python benchmarks/table3.py --no-table --no-fig10 --curve 8 --curve-model 3 --plot c.png
 
 Per setting: the paper's greedy (its published speedup / memory), our greedy
 (``generators.greedy_fused``, the paper's bidirectional 1F1B preferring the
@@ -12,7 +13,8 @@ larger model, as we read it), the annealed schedule's speedup over serial
 relative to serial 1F1B (ours, and the paper's), and the search's wall time.
 One summary line follows, then RLHFuse's Figure 10 case (a 65B PP 16 pipeline
 fused with two 33B PP 8 pipelines) and the ``--mem-cap`` trade-off for
-65B/33B PP 16/8 with 32 micro-batches (printed, and plotted with ``--plot``).
+65B/33B PP 16/8 with 32 micro-batches (printed, and plotted with ``--plot``;
+``--curve N`` and ``--curve-model SEED`` pick another row and latency model).
 Latencies come from rlhf.schedule.cost_model (LLaMA shapes, tp 8 for every
 model, 4096 tokens per micro-batch).
 
@@ -101,6 +103,11 @@ def parse_args(argv):
     ap.add_argument("--no-caps", action="store_true", help="skip the --mem-cap trade-off")
     ap.add_argument("--no-fig10", action="store_true", help="skip the Figure 10 case")
     ap.add_argument("--plot", default=None, help="write the --mem-cap trade-off curve (PNG) here")
+    ap.add_argument("--curve", type=int, default=CAP_SETTING, metavar="N",
+                    help=f"the --mem-cap trade-off's setting, a row index 0-{len(PAPER) - 1} "
+                         f"(default {CAP_SETTING}: 65B/33B PP 16/8 mb32)")
+    ap.add_argument("--curve-model", type=int, default=None, metavar="SEED",
+                    help="draw the trade-off's latencies from latency model SEED (default: the cost model's)")
     ap.add_argument("--latency-models", type=int, default=0, metavar="N",
                     help="run the robustness table instead: the settings under the cost model and N generated "
                          "latency models (default 0: the paper's table)")
@@ -108,6 +115,8 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if not 0 <= args.latency_models <= 1000:
         ap.error(f"--latency-models {args.latency_models}: give a count in [0, 1000]")
+    if not 0 <= args.curve < len(PAPER):
+        ap.error(f"--curve {args.curve}: give a row index in 0-{len(PAPER) - 1}")
     only = list(range(len(PAPER)))
     if args.only is not None:
         try:
@@ -182,19 +191,22 @@ def figure10(cfg, say) -> None:
         f"1F1B peak; search {secs:.0f} s wall, {cpu:.0f} s CPU per rank", flush=True)
 
 
-def cap_curve(cfg, say, plot) -> None:
+def cap_curve(cfg, say, plot, setting: int = CAP_SETTING, model_seed: int | None = None) -> None:
     """Speedup reached under each --mem-cap: the fastest schedule within the cap (the whole budget
-    goes to makespan annealing, no memory phase)."""
-    a, c, pa, pc, mb, sp_paper, mem_paper = PAPER[CAP_SETTING]
-    pb = setting_problem(a, c, pa, pc, mb)
+    goes to makespan annealing, no memory phase; the "no cap" point without the memory ceiling either),
+    for Table 3 row ``setting`` under the cost model or the latency model drawn from ``model_seed``."""
+    a, c, pa, pc, mb, sp_paper, mem_paper = PAPER[setting]
+    model = COST_MODEL if model_seed is None else latency_model(model_seed)
+    pb = setting_problem(a, c, pa, pc, mb, model)
     peak = max(serial_peak_memory(pb))
-    say(f"# --mem-cap trade-off, {a}/{c} PP {pa}/{pc} mb{mb} (serial 1F1B peak {peak:.2f} {pb.mem_unit}; "
-        f"paper: {sp_paper[1]:g} at {mem_paper[1]:g}x, at most 1.47x)")
+    paper = f"paper: {sp_paper[1]:g} at {mem_paper[1]:g}x" if model_seed is None else f"latency model {model_seed}"
+    say(f"# --mem-cap trade-off, {a}/{c} PP {pa}/{pc} mb{mb} ({model.describe()}; serial 1F1B peak {peak:.2f} "
+        f"{pb.mem_unit}; {paper})")
     say(f"{'cap':<10}{'speedup':>8}{'LB':>7}{'gap':>8}{'peak':>7}{'wall':>6}{'cpu':>6}")
     points = []
     for cap in CAPS:
         res, secs, cpu = timed_search(pb, replace(cfg, budget_s=cfg.budget_s + cfg.memory_budget_s,
-                                                  memory_budget_s=0.0, makespan_slack=0.0,
+                                                  memory_budget_s=0.0, makespan_slack=0.0, mem_ceiling=None,
                                                   mem_cap=None if cap is None else cap * peak))
         speedup, mem = res.serial_makespan / res.makespan, max(res.peak_mem) / peak
         label = "no cap" if cap is None else f"cap {cap:g}x"
@@ -204,12 +216,13 @@ def cap_curve(cfg, say, plot) -> None:
     res, secs, cpu = timed_search(pb, cfg)  # the default search: memory phase, no cap
     default = (max(res.peak_mem) / peak, res.serial_makespan / res.makespan)
     say(f"{'default':<10}{default[1]:>8.3f}{res.serial_makespan / res.lower_bound:>7.3f}{100 * res.gap:>7.2f}%"
-        f"{default[0]:>6.2f}x{secs:>5.0f}s{cpu:>5.0f}s  (no cap, memory phase within "
-        f"{100 * cfg.makespan_slack:g}%)", flush=True)
+        f"{default[0]:>6.2f}x{secs:>5.0f}s{cpu:>5.0f}s  (no cap, ceiling {cfg.mem_ceiling:g}x, memory phase "
+        f"within {100 * cfg.makespan_slack:g}%)", flush=True)
     if plot:
         from rlhf.schedule.plot import tradeoff
-        tradeoff(points, plot, f"{a}/{c} PP {pa}/{pc}, {mb} micro-batches, under --mem-cap",
-                 paper=(mem_paper[1], sp_paper[1], "RLHFuse (paper)"),
+        tradeoff(points, plot, f"{a}/{c} PP {pa}/{pc}, {mb} micro-batches, under --mem-cap"
+                 + ("" if model_seed is None else f" (latency model {model_seed})"),
+                 paper=(mem_paper[1], sp_paper[1], "RLHFuse (paper)") if model_seed is None else None,
                  bound=res.serial_makespan / res.lower_bound, default=(*default, "default search"))
         say(f"trade-off curve written to {plot}")
 
@@ -230,7 +243,7 @@ def main(argv=None) -> int:
     if not args.no_fig10:
         figure10(cfg, say)
     if not args.no_caps:
-        cap_curve(cfg, say, args.plot if rank == 0 else None)
+        cap_curve(cfg, say, args.plot if rank == 0 else None, args.curve, args.curve_model)
     return 0
 
 
