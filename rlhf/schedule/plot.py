@@ -75,7 +75,7 @@ def tradeoff(points, path, title: str = "", paper=None, bound: float | None = No
     ax.set_ylabel("speedup over serial 1F1B")
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", frameon=False)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
