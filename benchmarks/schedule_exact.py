@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from rlhf.schedule.inputs import UsageError, parse_ceiling
 from rlhf.schedule.latency_models import COST_MODEL, latency_model
 from rlhf.schedule.lower_bound import makespan_lower_bound, serial_peak_memory
 from rlhf.schedule.problem import in_microbatch_order
@@ -59,14 +60,10 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     if not 0 <= args.setting < len(table3.PAPER):
         ap.error(f"--setting {args.setting}: give a row index in 0-{len(table3.PAPER) - 1}")
-    cap_x = None
-    if args.mem_cap is not None:
-        try:
-            cap_x = float(args.mem_cap.rstrip("x"))
-        except ValueError:
-            ap.error(f"--mem-cap {args.mem_cap!r}: give a multiple of the serial 1F1B peak such as 1.5x")
-        if cap_x < 1:
-            ap.error(f"--mem-cap {args.mem_cap}: give at least 1x (serial 1F1B meets it)")
+    try:  # the same rule as --mem-ceiling: a multiple of the serial 1F1B peak, at least 1x
+        cap_x = None if args.mem_cap is None else parse_ceiling(args.mem_cap)
+    except UsageError as err:
+        ap.error(str(err).replace("--mem-ceiling", "--mem-cap"))
     a, c, pa, pc, mb, *_ = table3.PAPER[args.setting]
     model = COST_MODEL if args.latency_model is None else latency_model(args.latency_model)
     return args, table3.setting_problem(a, c, pa, pc, mb, model), cap_x, f"{a}/{c} PP {pa}/{pc} mb{mb}"
