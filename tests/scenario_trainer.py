@@ -4,11 +4,15 @@ The trainer runs actor_train TP2xPP2, critic_train PP2xDP2 reversed, ref_inf
 TP1 on ranks {2, 3} and reward_inf TP1 on ranks {0, 1}, on a fixed batch of
 samples (generation given). The reference is plain single-process PyTorch
 written here from the definitions: KL-penalised rewards, the recursive GAE
-loop, whitened advantages, the clipped surrogate and clipped value losses as
-token means over the mini-batch (and again as means over its sequences, with
---loss-agg seq-mean-token-mean), gradient-norm clipping (set low enough that
-it clips) and torch AdamW. Both start from the same full
-weights; the scenario returns the largest parameter differences. The same
+loop, whitened advantages, the clipped surrogate minus an entropy bonus (the
+entropy of the whole tempered softmax) and the clipped value loss as token
+means over the mini-batch (and again as means over its sequences, with
+--loss-agg seq-mean-token-mean; as sums per sequence, with seq-mean-token-sum
+on the planner's placement; and normalised by --max-response-len, with
+seq-mean-token-sum-norm on multi-turn samples), gradient-norm clipping (set low
+enough that it clips) and torch AdamW. Both start from the same full weights;
+the scenario returns the largest parameter differences, and the losses each
+optimizer step minimised against those the trainer logged. The same
 iteration runs again on the placement the planner's search picks for this job
 on 4 CPU ranks, so the plans tools/plan_placement.py writes are checked to
 train, not only to validate, with packed token-budget micro-batches
@@ -17,6 +21,8 @@ multi-turn samples whose observations are holes in the loss mask, and scored
 by a reward function returning NaN and infinity for two samples with
 --skip-nonfinite-samples, against textbook PPO on the other six. A run whose
 reference infers NaN (every gradient NaN) stops at --max-skipped-steps.
+The actor's loss at TP2 (the vocabulary split, two padded ids) with an entropy
+bonus: its gradient w.r.t. the logits against an unsharded written-out loss.
 """
 
 from dataclasses import replace
@@ -48,6 +54,7 @@ from rlhf.testing.models import full_weights, plain_logprobs, unsharded
 from rlhf.testing.reference import gae_loop
 from rlhf.checkpoint.megatron import open_megatron, read_megatron_state
 from rlhf.ppo.trainer import MEGATRON_EXPORT_DIR, Trainer
+from rlhf.ppo.update import ActorLoss
 from rlhf.tasks import FROZEN_TASKS
 
 ACTOR = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
@@ -64,7 +71,8 @@ PLAN = {
 }
 PPO = PPOConfig(rollout_batch_size=4, n_samples_per_prompt=2, ppo_mini_batch_size=8, ppo_epochs=2,
                 micro_batch_size=2, lr=5e-4, critic_lr=1e-3, clip_grad=0.05, clip_eps=0.2, value_clip=0.2,
-                kl_coef=0.1, gamma=1.0, lam=0.95)
+                kl_coef=0.1, gamma=1.0, lam=0.95, entropy_coef=0.01)
+NORM_LENGTH = GenerationConfig().max_response_len  # seq-mean-token-sum-norm's constant in the runs that use it
 TEMPERATURE = 0.7  # every log-prob of the iteration is of logits / T (the engine sampled at T)
 BETAS = (0.9, 0.95)  # rlhf.optim.OptimizerConfig's defaults
 # Adam's first steps move a weight by about lr whatever its gradient's size, so a gradient element
@@ -95,10 +103,21 @@ def _samples(actor, holes: bool = False) -> list:
 
 def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, agg: str) -> torch.Tensor:
     """A [N, R] loss reduced over the whole mini-batch as its name says: token-mean (every valid token
-    alike) or seq-mean-token-mean (every sequence alike: the mean of each one's token mean)."""
+    alike), else a mean over sequences of each one's token mean, token sum, or token sum / NORM_LENGTH."""
     if agg == "token-mean":
         return (per_token * mask).sum() / mask.sum()
-    return ((per_token * mask).sum(dim=1) / mask.sum(dim=1)).mean()
+    per_sequence = (per_token * mask).sum(dim=1)
+    divisor = {"seq-mean-token-mean": mask.sum(dim=1), "seq-mean-token-sum": 1.0,
+               "seq-mean-token-sum-norm": NORM_LENGTH}[agg]
+    return (per_sequence / divisor).mean()
+
+
+def _policy(actor, tokens: torch.Tensor, prompt_len: int, response_len: int) -> tuple:
+    """[1, r] log-probs of the response tokens and [1, r] entropies of the tempered softmax predicting them."""
+    logp = torch.log_softmax(stage_forward(actor, tokens).float()[:, :-1] / TEMPERATURE, -1)
+    window = slice(prompt_len - 1, prompt_len - 1 + response_len)
+    picked = logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return picked[:, window], -(logp.exp() * logp).sum(-1)[:, window]
 
 
 def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean", scores=None) -> dict:
@@ -129,12 +148,15 @@ def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean", scor
 
     a_opt = torch.optim.AdamW(actor.parameters(), lr=PPO.lr, betas=BETAS, weight_decay=0.0)
     c_opt = torch.optim.AdamW(critic.parameters(), lr=PPO.critic_lr, betas=BETAS, weight_decay=0.0)
-    norms = []
+    norms, losses = [], {"policy_loss": [], "entropy_loss": [], "value_loss": []}
     for _ in range(PPO.ppo_epochs):  # one mini-batch holds every sample
-        new = padded([plain_logprobs(actor, t, p, r, TEMPERATURE)[0] for t, p, r in seqs])
+        new, entropy = (padded([x[0] for x in column]) for column in zip(*[_policy(actor, *seq) for seq in seqs]))
         ratio = torch.exp(new - old)
         surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - PPO.clip_eps, 1 + PPO.clip_eps))
-        a_loss = _aggregate(surrogate, mask, agg)
+        policy, bonus = _aggregate(surrogate, mask, agg), _aggregate(entropy, mask, agg)
+        a_loss = policy - PPO.entropy_coef * bonus
+        losses["policy_loss"].append(policy.item())
+        losses["entropy_loss"].append(bonus.item())
         a_opt.zero_grad()
         a_loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(actor.parameters(), PPO.clip_grad)))
@@ -142,11 +164,13 @@ def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean", scor
         values = padded([stage_forward(critic, t)[0, p - 1:p - 1 + r] for t, p, r in seqs])
         clipped = old_values + (values - old_values).clamp(-PPO.value_clip, PPO.value_clip)
         v_loss = 0.5 * _aggregate(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, agg)
+        losses["value_loss"].append(v_loss.item())
         c_opt.zero_grad()
         v_loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(critic.parameters(), PPO.clip_grad)))
         c_opt.step()
     return {"actor": dict(actor.named_parameters()), "critic": dict(critic.named_parameters()), "norms": norms,
+            "losses": {name: sum(values) / len(values) for name, values in losses.items()},  # the steps' mean
             "advantages": adv, "returns": returns, "scores": score, "ref_logprobs": ref, "values": old_values,
             "kl_mean": ((old - ref) * mask).sum(dim=1).mean().item()}
 
@@ -163,15 +187,16 @@ def _gathered(trainer, task: str) -> dict:
 def run(root: str) -> dict:
     """The textbook comparison, then the resume comparison (checkpoints under ``root``)."""
     placement = Placement.from_plan(PLAN, dist.get_world_size())
-    build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
+    groups = build_task_groups(placement)  # collective; creates the one-rank groups rlhf.testing.models uses
     out, padded = _against_textbook(placement)
+    out.update(_entropy_gradient(groups["actor_train"]))
     sequence_mean, _ = _against_textbook(placement, "seq-mean-token-mean")  # the critic's DP2 counts sequences
     out.update({f"seq_mean_{k}": v for k, v in sequence_mean.items()
-                if k.endswith(("_max_diff", "_moved", "_vs_token_mean"))})
+                if k.endswith(("_max_diff", "_moved", "_vs_token_mean", "_losses", "metrics"))})
     out.update(_packed(placement, padded))
-    multi_turn, _ = _against_textbook(placement, holes=True)
+    multi_turn, _ = _against_textbook(placement, "seq-mean-token-sum-norm", holes=True)
     out.update({f"multi_turn_{k}": v for k, v in multi_turn.items()
-                if k.endswith(("_max_diff", "_moved", "metrics"))})
+                if k.endswith(("_max_diff", "_moved", "metrics", "_losses"))})
     out.update(_skip_nonfinite(placement))
     out.update(_skipped_steps_stop(placement))
     out.update(_planned())
@@ -180,6 +205,56 @@ def run(root: str) -> dict:
     out.update(_fusion(root))
     out.update(_critic_warmup(placement))
     return out
+
+
+ENTROPY_SHAPE = dict(samples=4, positions=7, padded=2)
+"""The entropy-gradient check's logits: 4 samples of 7 positions over ACTOR's vocabulary and 2 padded ids."""
+
+
+def _entropy_gradient(g) -> dict:
+    """ActorLoss (token-mean, entropy_coef 0.01, logits / TEMPERATURE) on random logits split over actor_train's
+    TP group (ACTOR.vocab_size + 2 columns, the last two padding at -inf): the gradient w.r.t. this rank's slice
+    against the same slice of the gradient of an unsharded loss written out (log_softmax over the real
+    vocabulary), and how much the bonus moves that gradient."""
+    n, width, padded = ENTROPY_SHAPE["samples"], ENTROPY_SHAPE["positions"], ENTROPY_SHAPE["padded"]
+    gen = torch.Generator().manual_seed(9)
+    full = torch.randn(n, width, ACTOR.vocab_size + padded, generator=gen)
+    full[..., ACTOR.vocab_size:] = float("-inf")
+    prompts, responses = torch.tensor([2, 3, 1, 2]), torch.tensor([3, 2, 5, 4])
+    tokens = torch.randint(0, ACTOR.vocab_size, (n, width), generator=gen)
+    batch = Batch(tokens=tokens, pad_id=0, prompt_lengths=prompts, response_lengths=responses,
+                  prompt_ids=torch.arange(n), sample_indices=torch.zeros(n, dtype=torch.int64),
+                  finish_reasons=("stop",) * n)
+    mask = batch.response_mask.float()
+
+    def written_out(logits: torch.Tensor, coef: float) -> torch.Tensor:
+        logp = torch.log_softmax(logits[:, :-1, :ACTOR.vocab_size] / TEMPERATURE, -1)
+        new = batch.response_from_positions(logp.gather(-1, tokens[:, 1:, None]).squeeze(-1))
+        entropy = batch.response_from_positions(-(logp.exp() * logp).sum(-1))
+        ratio = torch.exp(new - batch.old_logprobs)
+        surrogate = torch.maximum(-batch.advantages * ratio, -batch.advantages * ratio.clamp(0.8, 1.2))
+        return ((surrogate - coef * entropy) * mask).sum() / mask.sum()
+
+    with torch.no_grad():
+        exact = batch.response_from_positions(
+            torch.log_softmax(full[:, :-1, :ACTOR.vocab_size] / TEMPERATURE, -1).gather(-1, tokens[:, 1:, None])
+            .squeeze(-1))
+    batch = batch.with_fields(old_logprobs=exact + 0.3 * torch.randn(exact.shape, generator=gen) * mask,
+                              advantages=torch.randn(exact.shape, generator=gen) * mask)
+    grads = {}
+    for coef in (0.01, 0.0):
+        logits = full.clone().requires_grad_()
+        written_out(logits, coef).backward()
+        grads[coef] = logits.grad
+    tp, rank = g.tp.size(), g.tp_rank
+    vocab = full.shape[-1] // tp
+    mine = full[..., rank * vocab:(rank + 1) * vocab].clone().to(platform.device()).requires_grad_()
+    loss = ActorLoss(replace(PPO, entropy_coef=0.01), NORM_LENGTH, TEMPERATURE, 0.0)
+    loss(mine, batch.to(platform.device()), g, float(mask.sum()), 1).backward()
+    want = grads[0.01][..., rank * vocab:(rank + 1) * vocab]
+    return {f"entropy_grad_diff_rank{dist.get_rank()}": (mine.grad.cpu() - want).abs().max().item(),
+            "entropy_grad_effect": (grads[0.01] - grads[0.0]).abs().max().item(),
+            "entropy_grad_finite": bool(mine.grad.isfinite().all()), "entropy_tp": tp}
 
 
 def _critic_warmup(placement) -> dict:
@@ -234,6 +309,7 @@ def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None
             out[f"{name}_max_diff"] = max((after[name][k] - ref[name][k]).abs().max().item() for k in ref[name])
             out[f"{name}_moved"] = max((after[name][k] - full[name][k]).abs().max().item() for k in ref[name])
         out["smallest_grad_norm"] = min(ref["norms"])
+        out["textbook_losses"] = ref["losses"]
         out["grad_norms"] = {"actor": sum(ref["norms"][0::2]) / PPO.ppo_epochs,  # the steps' mean, as logged
                              "critic": sum(ref["norms"][1::2]) / PPO.ppo_epochs}
         for field in ("advantages", "returns", "scores", "ref_logprobs", "values"):
@@ -311,7 +387,8 @@ def _packed(placement, padded: dict) -> dict:
 
 def _planned() -> dict:
     """The placement tools/plan_placement.py would write for this job on 4 CPU ranks (the search with the
-    constants docs/planner.md's run 7 calibrated), against textbook PPO like PLAN."""
+    constants docs/planner.md's run 7 calibrated), against textbook PPO like PLAN, with --loss-agg
+    seq-mean-token-sum."""
     from rlhf.planner.cost import Cluster, Workload
     from rlhf.planner.hardware import HARDWARE_PRESETS
     from rlhf.planner.placement_search import PlacementSearchConfig, search_placements
@@ -325,8 +402,8 @@ def _planned() -> dict:
     plan = search_placements(models, workload, hw, Cluster(1, dist.get_world_size()),
                              PlacementSearchConfig(fuse_training=True)).best
     placement = Placement.from_plan(plan.plan.placement(), dist.get_world_size())
-    out, _ = _against_textbook(placement)
-    return {f"planned_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved"))} | {
+    out, _ = _against_textbook(placement, "seq-mean-token-sum")
+    return {f"planned_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved", "_losses", "metrics"))} | {
         "planned_plan": plan.plan.describe(),
         "planned_like_plan": placement.meshes == Placement.from_plan(PLAN, dist.get_world_size()).meshes}
 

@@ -9,7 +9,6 @@ from rlhf.algorithms import (
     FixedKLController,
     KLConfig,
     aggregate_loss,
-    entropy_from_logits,
     kl_estimate,
     loss_denominator,
     make_kl_controller,
@@ -173,16 +172,6 @@ def test_value_loss_by_hand():
     torch.testing.assert_close(per_token, torch.tensor([[0.5 * 0.25, 0.5 * 0.64]]))
     unclipped, _ = value_loss(values, old, returns, torch.ones(1, 2), clip_eps=None)
     torch.testing.assert_close(unclipped, torch.tensor(0.5 * (0.25 + 0.01) / 2))
-
-
-def test_entropy_from_logits():
-    logits = torch.randn(2, 3, 11)
-    want = torch.distributions.Categorical(logits=logits).entropy()
-    torch.testing.assert_close(entropy_from_logits(logits), want)
-    uniform = torch.zeros(1, 1, 4)
-    torch.testing.assert_close(entropy_from_logits(uniform), torch.tensor([[math.log(4)]]))
-    banned = torch.tensor([[[0.0, 0.0, -math.inf]]])
-    torch.testing.assert_close(entropy_from_logits(banned), torch.tensor([[math.log(2)]]))
 
 
 def test_masked_whiten_matches_valid_entry_statistics():

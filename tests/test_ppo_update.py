@@ -2,7 +2,8 @@
 
 What the trainer trains on: the actor's loss mask drops samples cut at the length budget with
 ``mask_truncated``; each aggregation's mini-batch denominator counts that mask over the whole
-mini-batch; statistics are token-weighted means, maxima for ``*_max``. DAPO's overlong penalty
+mini-batch; statistics are token-weighted means, maxima for ``*_max``; the logged loss of a step is the
+mini-batch's aggregated loss under every aggregation, however it is split. DAPO's overlong penalty
 against its formula. A combination of loss options that cannot act is refused, naming the flag. A model's
 skipped steps in a row stop the run at --max-skipped-steps.
 """
@@ -10,6 +11,7 @@ skipped steps in a row stop the run at --max-skipped-steps.
 import pytest
 import torch
 
+from rlhf.algorithms.losses import LOSS_AGGREGATIONS, value_loss_per_token
 from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.batch import Batch
 from rlhf.config import ConfigError
@@ -44,6 +46,44 @@ def test_the_actor_trains_on_truncated_samples_unless_masked(mask_truncated):
 def test_the_denominator_counts_the_whole_minibatch(mode, expected):
     batch = _batch([3, 1, 2], ("stop", "stop", "length"))
     assert ActorLoss(PPOConfig(loss_agg=mode), 16, 1.0, 0.0).denominator(batch) == expected
+
+
+def _written_out(per_token: torch.Tensor, mask: torch.Tensor, mode: str, max_response_len: int) -> float:
+    """A [N, R] loss over a whole mini-batch as its aggregation's name says, one sequence at a time."""
+    rows = [per_token[i][mask[i] > 0] for i in range(len(mask))]
+    if mode == "token-mean":
+        return float(torch.cat(rows).sum() / sum(len(r) for r in rows))
+    sums = {"seq-mean-token-mean": [r.mean() for r in rows], "seq-mean-token-sum": [r.sum() for r in rows],
+            "seq-mean-token-sum-norm": [r.sum() / max_response_len for r in rows]}[mode]
+    return float(sum(sums) / len(rows))
+
+
+@pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)
+def test_the_logged_loss_is_the_minibatch_loss_however_it_is_split(mode):
+    """Two DP shares of unequal tokens (samples {0, 3} and {1, 2, 4}), each in micro-batches of one or two
+    samples: the shares the critic's loss records add up to the mini-batch's value loss as its aggregation
+    defines it (seq-mean-token-sum-norm over --max-response-len 16, not the longest response), and what it
+    backpropagates, after the executor's average over micro-batches x replicas, is that loss too."""
+    lengths = [3, 1, 2, 5, 4]
+    g = torch.Generator().manual_seed(2)
+    batch = _batch(lengths, ("stop",) * 5)
+    width = batch.response_width
+    batch = batch.with_fields(values=torch.randn(5, width, generator=g), returns=torch.randn(5, width, generator=g))
+    outputs = torch.randn(5, batch.tokens.shape[1], generator=g)  # the critic's value at every position
+    loss = CriticLoss(PPOConfig(loss_agg=mode), 16)
+    denominator = loss.denominator(batch)
+    shares, backpropagated = ([0, 3], [1, 2, 4]), 0.0
+    for share in shares:
+        micro = [[i] for i in share[:-2]] + [share[-2:]] if len(share) > 2 else [[i] for i in share]
+        averaged = len(micro) * len(shares)
+        for members in micro:
+            backpropagated += float(loss(outputs[members], batch.select(members), None, denominator, averaged)) / averaged
+    mask = batch.response_mask
+    per_token, _ = value_loss_per_token(batch.response_from_positions(outputs), batch.values, batch.returns, mask,
+                                        clip_eps=PPOConfig().value_clip)
+    want = _written_out(per_token, mask, mode, 16)
+    assert float(loss.terms["value_loss"]) == pytest.approx(want, rel=1e-6)
+    assert backpropagated == pytest.approx(want, rel=1e-6)
 
 
 def test_statistics_are_token_weighted_and_maxima_stay_maxima():

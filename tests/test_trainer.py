@@ -11,6 +11,9 @@ actor/critic schedule against serial 1F1B. Memory: 2 iterations with the referen
 and actor_gen's weights and KV cache released against 2 without (results, and bytes per rank and stage).
 Non-finite values: samples a reward function scores NaN or infinite, dropped with --skip-nonfinite-samples,
 against textbook PPO without them; a run whose every step is skipped stops at --max-skipped-steps.
+The actor's loss carries an entropy bonus (--entropy-coef 0.01) throughout, whose gradient at TP2 is checked
+against an unsharded loss; the logged losses are the losses the optimizer steps minimised, under all four
+--loss-agg modes.
 See tests/scenario_trainer.py.
 """
 
@@ -106,6 +109,28 @@ def test_sequence_mean_aggregation_matches_its_formula_over_dp(results, model):
     assert results[0][f"seq_mean_{model}_max_diff"] < TOL
     # another update than token-mean's, by more than the tolerance: the check can tell them apart
     assert results[0][f"seq_mean_{model}_vs_token_mean"] > 10 * TOL
+
+
+@pytest.mark.parametrize("run, agg", [("", "token-mean"), ("seq_mean_", "seq-mean-token-mean"),
+                                      ("planned_", "seq-mean-token-sum"), ("multi_turn_", "seq-mean-token-sum-norm")])
+def test_logged_losses_are_the_losses_the_steps_minimised(results, run, agg):
+    """``policy_loss``, ``entropy_loss`` and ``value_loss`` are the means over the iteration's optimizer steps of
+    the terms of the loss each step minimised (the textbook's, aggregated over the whole mini-batch), under
+    every --loss-agg, with the critic's two DP replicas holding unequal numbers of tokens (and, on the
+    planner's placement, whatever split it picks); seq-mean-token-sum-norm divides by --max-response-len."""
+    logged, textbook = results[0][f"{run}metrics"], results[0][f"{run}textbook_losses"]
+    for name, value in textbook.items():
+        assert logged[name] == pytest.approx(value, rel=TOL, abs=1e-7), (agg, name)
+
+
+def test_the_entropy_bonus_gradient_at_tp2_is_the_unsharded_one(results):
+    """--entropy-coef 0.01 at TP2 (each rank a half of the vocabulary, two padded ids): the actor loss's gradient
+    w.r.t. each rank's logits equals its slice of the unsharded written-out loss's within 1e-6, finite at the
+    padded ids; without the bonus the gradient differs by far more, so the check can tell."""
+    for r in results:
+        assert r["entropy_tp"] == 2 and r["entropy_grad_finite"]
+        assert r[f"entropy_grad_diff_rank{r['rank']}"] < 1e-6
+    assert results[0]["entropy_grad_effect"] > 100 * 1e-6
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])

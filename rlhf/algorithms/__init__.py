@@ -4,7 +4,7 @@
 - kl: KL estimators k1/k2/k3 (the KL in the rewards and the KL loss term), fixed/adaptive KL
   controllers, per-token rewards
 - losses: PPO clipped policy / value losses, loss aggregation (DP-exact numerator and
-  denominator), truncated importance sampling, entropy, masked statistics; the reward model's
+  denominator), truncated importance sampling, masked statistics; the reward model's
   pairwise preference loss
 - estimators: advantage-estimator registry (gae, grpo, dr-grpo, rloo, reinforce++,
   reinforce++-baseline)
@@ -33,8 +33,6 @@ from rlhf.algorithms.kl import (
 from rlhf.algorithms.losses import (
     LOSS_AGGREGATIONS,
     aggregate_loss,
-    entropy_from_logits,
-    entropy_loss,
     loss_denominator,
     loss_numerator,
     masked_mean,
@@ -64,8 +62,6 @@ __all__ = [
     "compute_gae",
     "discounted_returns",
     "discounted_suffix_sum",
-    "entropy_from_logits",
-    "entropy_loss",
     "get_advantage_estimator",
     "karmarkar_karp",
     "kl_estimate",

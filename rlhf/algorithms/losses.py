@@ -1,7 +1,8 @@
 """PPO losses and their metrics (owns masked statistics, advantage whitening,
 loss aggregation and its DP-exact numerator / denominator, the clipped policy
-and value losses, truncated importance sampling of the rollout policy and
-entropy), and the reward model's pairwise preference loss.
+and value losses, truncated importance sampling of the rollout policy), and
+the reward model's pairwise preference loss. The entropy bonus is
+vocabulary-parallel: rlhf.models.logprobs.vocab_parallel_entropy.
 
 All inputs are [B, T] per-token tensors with a 0/1 ``mask`` of valid response
 tokens; every metric is returned as a 0-dim tensor (no host sync here).
@@ -262,21 +263,6 @@ def value_loss(
     (loss 0-dim, metrics)."""
     losses, metrics = value_loss_per_token(values, old_values, returns, mask, clip_eps)
     return aggregate_loss(losses, mask, agg), metrics
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: [B, T, V] -> [B, T] (nats)."""
-    logits = logits.float()
-    log_probs = torch.log_softmax(logits, dim=-1)
-    # where(): a -inf logit (banned token) has p = 0 and contributes 0, not nan.
-    plogp = torch.where(log_probs > -torch.inf, log_probs.exp() * log_probs, torch.zeros((), device=logits.device))
-    return -plogp.sum(dim=-1)
-
-
-def entropy_loss(logits: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
-    """Aggregated entropy of [B, T, V] logits over valid tokens (subtract
-    ``coef * entropy_loss`` from the policy loss to encourage exploration)."""
-    return aggregate_loss(entropy_from_logits(logits), mask, agg)
 
 
 def preference_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | float = 0.0,

@@ -43,22 +43,25 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, tp_gro
     return target_logit - sum_exp.log()
 
 
-@torch.no_grad()
 def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
     """Entropy (nats) of softmax over the whole vocabulary from this rank's vocab slice.
 
-    logits: [..., V/tp]. Returns [...] float32. With ``shifted = logits - max``
-    and ``Z = sum exp(shifted)``: ``H = log Z - sum(exp(shifted) * shifted) / Z``,
-    the two sums all-reduced together over the TP group (a metric: no gradient).
+    logits: [..., V/tp]. Returns [...] float32, differentiable w.r.t. ``logits`` when autograd is on
+    (the entropy bonus of the actor loss); call it under ``torch.no_grad()`` for the metric alone. With
+    ``shifted = logits - max`` and ``Z = sum exp(shifted)``: ``H = log Z - sum(exp(shifted) * shifted) / Z``,
+    the two sums all-reduced together over the TP group with megatron's reduce-from-TP mapping (backward
+    local, as in :func:`vocab_parallel_log_probs`). The max carries no gradient: H does not depend on the
+    shift. Padded ids (-inf logits) add 0 to both sums and get a zero gradient.
     """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
     logits = logits.float()
-    max_logit = logits.max(dim=-1).values
-    tp = tp_group is not None and dist.get_world_size(tp_group) > 1
-    if tp:
-        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
+    with torch.no_grad():
+        max_logit = logits.max(dim=-1).values
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - max_logit.unsqueeze(-1)
     exp = shifted.exp()
-    sums = torch.stack([exp.sum(dim=-1), torch.where(exp > 0, exp * shifted, 0.0).sum(dim=-1)])
-    if tp:
-        dist.all_reduce(sums, group=tp_group)
+    finite = torch.where(exp > 0, shifted, 0.0)  # exp * -inf would be NaN, in the value and the gradient
+    sums = tp_sum(torch.stack([exp.sum(dim=-1), (exp * finite).sum(dim=-1)]), tp_group)
     return sums[0].log() - sums[1] / sums[0]

@@ -20,9 +20,10 @@ import os
 import torch
 import torch.distributed as dist
 
+from rlhf import platform
 from rlhf.algorithms import balanced_minibatches, kl_estimate, masked_mean
-from rlhf.algorithms.losses import (aggregate_loss, loss_denominator, loss_numerator, policy_loss_per_token,
-                                    truncated_is_weights, value_loss_per_token)
+from rlhf.algorithms.losses import (loss_denominator, loss_numerator, policy_loss_per_token, truncated_is_weights,
+                                    value_loss_per_token)
 from rlhf.batch import Batch
 from rlhf.config import ConfigError
 from rlhf.metrics import StageTimer
@@ -97,6 +98,9 @@ class PPOUpdate:
         if self.measuring and len(trained) == len(self.trained):  # the stages are measured: fuse from now on
             self.fused = self._search_fused_schedule()
         out = {k: v for loss in losses.values() for k, v in loss.metrics().items()}
+        for name, task in trained.items():
+            if self.groups[task] is not None:
+                out.update(losses[name].step_losses(self.groups[task], len(steps[name])))
         for name, done in steps.items():
             out.update(step_metrics(name, done, self.optimizers.get(name)))
         idle = idle_fraction(timelines)
@@ -175,29 +179,36 @@ class PPOUpdate:
         return ActorLoss(ppo, gen.max_response_len, gen.logprob_temperature, kl_coef if ppo.kl_in_loss else 0.0)
 
     def _runtime(self, name: str, task: str, share: Batch, denominator: float, loss: ModelLoss) -> ModelRuntime:
-        """The executor's view of one model for one mini-batch on this rank: each micro-batch's loss
-        numerator scaled so that, after the executor's 1/micro-batches and the DP average, the gradient
-        is that of the mini-batch's aggregated loss (its ``denominator`` counts all DP replicas)."""
+        """The executor's view of one model for one mini-batch on this rank: each micro-batch's loss is its
+        aggregation numerator / the mini-batch's ``denominator`` (counted over all DP replicas), times the
+        micro-batches x DP replicas the executor and the gradient reduction average over, so that the
+        gradient is that of the mini-batch's aggregated loss."""
         g, ppo = self.groups[task], self.config.ppo
         fused = self.config.fusion.intra_stage_fusion  # a fused schedule's micro-batch count is fixed
         fixed = layout.microbatches(self.config, self.placement, task) if fused else None
         micro = share.micro_batches(ppo.micro_batch_size, ppo.max_tokens_per_microbatch, count=fixed)
-        scale = len(micro) * g.mesh.strategy.dp / denominator
+        averaged = len(micro) * g.mesh.strategy.dp
         return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
-                            functools.partial(loss, scale=scale), self.config.models[name].hidden_size,
-                            packed=loss.packed)
+                            functools.partial(loss, denominator=denominator, averaged=averaged),
+                            self.config.models[name].hidden_size, packed=loss.packed)
 
 
 class ModelLoss:
-    """One model's loss over an iteration's micro-batches: ``loss(output, mb, groups, scale)`` is what the
-    executor backpropagates (the aggregation's numerator x ``scale``), and every call keeps the
-    micro-batch's statistics for :meth:`metrics`. The aggregation (``ppo.loss_agg``) is exact over DP
-    replicas and micro-batches: the mini-batch's :meth:`denominator` is counted over all of them."""
+    """One model's loss over an iteration's micro-batches: ``loss(output, mb, groups, denominator, averaged)``
+    is what the executor backpropagates, and every call keeps the micro-batch's statistics for
+    :meth:`metrics` and its share of the logged loss terms for :meth:`step_losses`.
+
+    The aggregation (``ppo.loss_agg``) is exact over DP replicas and micro-batches: a micro-batch's loss is
+    its numerator (additive over sequences) / the mini-batch's :meth:`denominator`, counted over all of them,
+    so the shares of all micro-batches and replicas add up to the loss the optimizer step minimises. That
+    sum, per term, is what is logged (``policy_loss``, ``value_loss``, ...): the mean over the iteration's
+    optimizer steps of the loss each step minimised."""
 
     def __init__(self, ppo, max_response_len: int):
         self.ppo, self.max_response_len = ppo, max_response_len
         self.packed = ppo.max_tokens_per_microbatch is not None  # the model output comes packed
         self.recorded: list = []  # (valid tokens, {metric: value}) per micro-batch
+        self.terms: dict = {}  # {logged term: sum over this rank's micro-batches of numerator / denominator}
 
     def layout(self, mb: Batch) -> PackedLayout | None:
         """Where ``mb``'s samples sit in the packed output (None: the output is padded)."""
@@ -212,16 +223,42 @@ class ModelLoss:
         lengths = self.mask(minibatch).sum(dim=1)
         return float(loss_denominator(lengths, self.ppo.loss_agg, norm_length=self.max_response_len))
 
+    def term_names(self) -> tuple:
+        """The loss terms this loss logs, in a fixed order (every rank of the model's mesh agrees)."""
+        raise NotImplementedError
+
+    def share(self, per_token: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
+        """This micro-batch's share of the mini-batch's aggregated loss of ``per_token`` [b, R] (0-dim)."""
+        return loss_numerator(per_token, mask, self.ppo.loss_agg) / denominator
+
+    def add_term(self, name: str, value: torch.Tensor) -> None:
+        """Add a micro-batch's share of loss term ``name`` (detached) to this rank's sum."""
+        self.terms[name] = self.terms.get(name, 0.0) + value.detach()
+
     def metrics(self) -> dict:
         """Token-weighted means of the recorded statistics (maxima for ``*_max``) on this rank."""
         return combine_records(self.recorded)
+
+    def step_losses(self, g: TaskGroups, steps: int) -> dict:
+        """Each logged loss term as the mean over the iteration's ``steps`` optimizer steps of the value the
+        step minimised: the shares of every micro-batch, summed over the model's mesh (collective over it;
+        one TP rank of each last stage counts, its TP peers hold copies). Equal on every rank of the mesh."""
+        names = self.term_names()
+        if not steps or not names:
+            return {}
+        counted = g.is_last_stage and g.tp_rank == 0
+        sums = torch.stack([torch.as_tensor(self.terms.get(name, 0.0), dtype=torch.float32, device=platform.device())
+                            if counted else torch.zeros((), device=platform.device()) for name in names])
+        dist.all_reduce(sums, group=g.mesh_group)
+        return dict(zip(names, sums / steps))
 
 
 class ActorLoss(ModelLoss):
     """The clipped policy loss (clip-higher, dual-clip, log-ratio clamped), weighted per token by truncated
     importance sampling when ``tis_cap`` is set, plus the KL term (``kl_coef`` x the per-token estimate
-    against the reference, when the KL acts in the loss) minus the entropy bonus; all of logits /
-    ``temperature``. With ``mask_truncated`` samples cut at the length budget are left out."""
+    against the reference, when the KL acts in the loss) minus the entropy bonus (``entropy_coef`` x the
+    vocabulary-parallel entropy, with its gradient); all of logits / ``temperature``, each term aggregated
+    alike. With ``mask_truncated`` samples cut at the length budget are left out."""
 
     def __init__(self, ppo, max_response_len: int, temperature: float, kl_coef: float):
         super().__init__(ppo, max_response_len)
@@ -234,7 +271,13 @@ class ActorLoss(ModelLoss):
             mask = mask * torch.tensor(finished, dtype=mask.dtype, device=mask.device).unsqueeze(1)
         return mask
 
-    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
+    def term_names(self) -> tuple:
+        """``policy_loss``, then ``kl_loss`` (KL in the loss) and ``entropy_loss`` (an entropy bonus): the
+        actor minimises policy_loss + kl_coef x kl_loss - entropy_coef x entropy_loss."""
+        return ("policy_loss",) + ("kl_loss",) * bool(self.kl_coef) + ("entropy_loss",) * bool(self.ppo.entropy_coef)
+
+    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, denominator: float,
+                 averaged: int) -> torch.Tensor:
         ppo, mask, packed = self.ppo, self.mask(mb), self.layout(mb)
         positions = tempered_positions(logits, self.temperature, packed)
         logprobs = response_logprobs(positions, mb, g, packed)
@@ -246,30 +289,44 @@ class ActorLoss(ModelLoss):
             weights, tis = truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, mask, ppo.tis_cap, ppo.tis_mode)
             per_token = per_token * weights
             record.update(tis)
-        record["policy_loss"] = aggregate_loss(per_token.detach(), mask, ppo.loss_agg)
+        loss = self.share(per_token, mask, denominator)
+        self.add_term("policy_loss", loss)
         if self.kl_coef:
-            kl = kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name)
-            per_token = per_token + self.kl_coef * kl
-            record["kl_loss"] = aggregate_loss(kl.detach(), mask, ppo.loss_agg)
-        entropy = mb.response_from_positions(unpacked(vocab_parallel_entropy(positions, g.tp), packed))
+            kl = self.share(kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name), mask, denominator)
+            self.add_term("kl_loss", kl)
+            loss = loss + self.kl_coef * kl
+        entropy = self.entropy(positions, mb, g, packed)
         record["entropy_mean"] = masked_mean(entropy.detach(), mask)
         if ppo.entropy_coef:
-            per_token = per_token - ppo.entropy_coef * entropy
+            bonus = self.share(entropy, mask, denominator)
+            self.add_term("entropy_loss", bonus)
+            loss = loss - ppo.entropy_coef * bonus
         self.recorded.append((mask.sum(), record))
-        return loss_numerator(per_token, mask, ppo.loss_agg) * scale
+        return loss * averaged
+
+    def entropy(self, positions: torch.Tensor, mb: Batch, g: TaskGroups, packed: PackedLayout | None) -> torch.Tensor:
+        """[b, R] entropy of the tempered policy at the response tokens: with its gradient when it is a bonus
+        of the loss (``entropy_coef``), else the cheap metric without one."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.ppo.entropy_coef)):
+            return mb.response_from_positions(unpacked(vocab_parallel_entropy(positions, g.tp), packed))
 
 
 class CriticLoss(ModelLoss):
     """The clipped value loss of the critic's per-position values against the returns."""
 
-    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, scale: float) -> torch.Tensor:
+    def term_names(self) -> tuple:
+        return ("value_loss",)
+
+    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, denominator: float,
+                 averaged: int) -> torch.Tensor:
         mask = self.mask(mb)
         values = mb.response_from_positions(unpacked(values, self.layout(mb)))
         per_token, stats = value_loss_per_token(values, mb.values, mb.returns, mask,
                                                 clip_eps=self.ppo.value_clip)
-        self.recorded.append((mask.sum(), {"value_loss": aggregate_loss(per_token.detach(), mask, self.ppo.loss_agg),
-                                           "value_clip_fraction": stats["vf_clipfrac"]}))
-        return loss_numerator(per_token, mask, self.ppo.loss_agg) * scale
+        loss = self.share(per_token, mask, denominator)
+        self.add_term("value_loss", loss)
+        self.recorded.append((mask.sum(), {"value_clip_fraction": stats["vf_clipfrac"]}))
+        return loss * averaged
 
 
 def _mean(values: list) -> float:
