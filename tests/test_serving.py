@@ -60,10 +60,37 @@ def test_chat_request_and_response(api):
 def test_completions_take_text_or_ids_and_default_to_16_tokens(api):
     client, service = api
     assert client.post("/v1/completions", json={"prompt": [5, 6, 7]}).json()["choices"][0]["text"] == "hey"
-    client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 100})
+    client.post("/v1/completions", json={"prompt": "ab" * 30})
     (ids, first), (text, second) = service.asked
     assert ids == [5, 6, 7] and first.max_new_tokens == 16 and first.temperature == 1.0
-    assert text == TOKENIZER.encode("ab") and second.max_new_tokens == 62  # the rest of the 64-token context
+    assert text == TOKENIZER.encode("ab" * 30) and second.max_new_tokens == 4  # 16, cut to the 64-token context
+
+
+CHAT = [{"role": "user", "content": "hi"}]  # 33 tokens once rendered: "<|user|>\nhi<|end|>\n<|assistant|>\n"
+
+
+@pytest.mark.parametrize("route, body, param, where, prompt_len, unasked", [
+    ("/v1/completions", {"prompt": [5] * 10}, "max_tokens", "prompt", 10, 16),
+    ("/v1/chat/completions", {"messages": CHAT}, "max_tokens", "messages", 33, 31),
+    ("/v1/chat/completions", {"messages": CHAT}, "max_completion_tokens", "messages", 33, 31),
+])
+def test_max_tokens_past_the_context_get_a_400_naming_both_lengths(api, route, body, param, where, prompt_len,
+                                                                    unasked):
+    """As vLLM and OpenAI: a limit asked past the 64-token context is refused naming the context, the prompt's
+    tokens and the tokens asked for; one exactly filling it is served; unasked, a completion gets 16 tokens
+    and a chat the rest of the context."""
+    client, service = api
+    out = client.post(route, json={**body, param: 10**9})
+    assert out.status_code == 400 and out.json()["error"]["param"] == param
+    assert out.json()["error"]["message"] == (
+        f"This model's maximum context length is 64 tokens. However, you requested {prompt_len + 10**9} tokens "
+        f"({prompt_len} in the {where}, 1000000000 in the completion). Please reduce the length of the {where} "
+        f"or '{param}'.")
+    assert client.post(route, json={**body, param: 65 - prompt_len}).status_code == 400
+    assert not service.asked
+    assert client.post(route, json={**body, param: 64 - prompt_len}).status_code == 200
+    client.post(route, json=body)
+    assert [params.max_new_tokens for _, params in service.asked] == [64 - prompt_len, unasked]
 
 
 @pytest.mark.parametrize("body, param, words", [

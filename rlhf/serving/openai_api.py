@@ -86,12 +86,11 @@ class OpenAIEndpoint:
         if room < 1:
             raise RequestError(f"the prompt has {prompt_len} tokens, which leaves no room to generate within the "
                                f"model's context of {self.max_model_len}", "messages" if chat else "prompt")
-        limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _field(body, limit_name, int, room if chat else 16, lambda v: v >= 1, "an integer >= 1")
+        max_new_tokens = self.max_new_tokens(body, prompt_len, chat)
         seed = _field(body, "seed", int, None, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")
         try:
             return SamplingParams(
-                max_new_tokens=min(max_tokens, room),
+                max_new_tokens=max_new_tokens,
                 temperature=_field(body, "temperature", float, 1.0, lambda v: 0 <= v <= 2, "a number in [0, 2]"),
                 top_p=_field(body, "top_p", float, 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                 n=_field(body, "n", int, 1, lambda v: 1 <= v <= 128, "an integer in [1, 128]"),
@@ -99,6 +98,22 @@ class OpenAIEndpoint:
                 stop_token_ids=tuple(self.tokenizer.stop_token_ids), logprobs_of="sampling")
         except EngineConfigError as exc:
             raise RequestError(str(exc), exc.field_name) from None
+
+    def max_new_tokens(self, body: dict, prompt_len: int, chat: bool) -> int:
+        """The request's ``max_tokens`` (``max_completion_tokens`` on a chat), refused past the context as vLLM
+        and OpenAI refuse it; unasked, 16 for a completion and the rest of the context for a chat, at most
+        the room left after the prompt."""
+        room = self.max_model_len - prompt_len
+        name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        asked = _field(body, name, int, None, lambda v: v >= 1, "an integer >= 1")
+        if asked is None:
+            return room if chat else min(16, room)
+        if asked > room:
+            where = "messages" if chat else "prompt"
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                               f"requested {prompt_len + asked} tokens ({prompt_len} in the {where}, {asked} in the "
+                               f"completion). Please reduce the length of the {where} or '{name}'.", name)
+        return asked
 
     # ---- responses ------------------------------------------------------------------
 
