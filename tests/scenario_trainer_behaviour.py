@@ -17,6 +17,11 @@ the tiny presets, the byte tokenizer and the synthetic prompts, 4 prompts x
   entropy of the tempered policy must be lower at 0.3); and the on-policy gates on one mini-batch with
   recomputed log-probs (the first update starts at ratio 1 and approximate KL 0, and the engine's
   log-probs equal the trainer's, so truncated importance sampling weighs every token 1).
+- The entropy bonus: GRPO with --entropy-coef 0.5 from the same weights and seed as the coefficient-0 run (the
+  update must differ).
+- Multi-turn rewards: GRPO (its KL in the loss), one ``step()`` on two-turn episodes of an environment
+  rewarding turn 1 only (`TurnOneRewarded`: its length / 8) and one rewarding every turn 1 alike
+  (`TurnOneConstant`: 1.0); the test computes GRPO's advantages from the definitions.
 - An agent in the loop (``--agent``, `two_turn_agent`): GRPO, one ``step()``, 16 episodes of two chat
   requests each through the per-episode endpoints of actor_gen's two TP2 replicas, the reward the
   second reply's length; then a step whose agent raises on one replica (`failing_agent`): every rank
@@ -38,6 +43,7 @@ from rlhf.ppo.config import GenerationConfig, JobConfig, ModelsConfig, PPOConfig
 from rlhf.ppo.layout import DEFAULT_PLANS
 from rlhf.data import ByteTokenizer, PromptBatchIterator
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
+from rlhf.envs.environment import Environment, EnvironmentStep, ModelTurn
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.testing.models import full_weights, plain_logprobs, unsharded
@@ -78,13 +84,13 @@ def _start_weights(eos_id: int) -> dict:
 
 def _trainer(placement, weights: dict, generation: GenerationConfig = GENERATION, **ppo) -> Trainer:
     """A Trainer of the synthetic task from ``weights`` with PPO settings ``PPO`` + ``ppo`` (collective); the
-    gold reward scores its samples unless an agent's episodes bring their own."""
+    gold reward scores its samples unless an agent's or an environment's episodes bring their own."""
     config = JobConfig(models=MODELS, run=RunConfig(iterations=3, seed=SEED), generation=generation,
                        ppo=PPOConfig(**{**PPO, **ppo}))
     dataset = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=64, max_length=GENERATION.max_prompt_len))
     prompts = PromptBatchIterator(dataset, config.ppo.rollout_batch_size, seed=SEED)
     return Trainer(config, placement, prompts, ByteTokenizer(), initial_weights=weights,
-                   reward_fn=None if generation.agent else gold_reward)
+                   reward_fn=None if generation.multi_turn else gold_reward)
 
 
 def _first_iteration(trainer: Trainer):
@@ -124,6 +130,10 @@ def _semantics(placement, weights: dict) -> dict:
         out[f"grpo_kl{coef:g}"] = dict(trainer.step().metrics)
         actors[coef] = _actor_weights(trainer)
     out["grpo_kl_actor_diff"] = max((actors[0.0][k] - actors[1.0][k]).abs().max().item() for k in actors[0.0])
+    bonus = _trainer(placement, weights, advantage_estimator="grpo", kl_coef=0.0, entropy_coef=0.5)
+    out["grpo_entropy"] = dict(bonus.step().metrics)
+    after = _actor_weights(bonus)
+    out["grpo_entropy_actor_diff"] = max((after[k] - actors[0.0][k]).abs().max().item() for k in after)
     for temperature in (0.3, 1.0):
         trainer = _trainer(placement, weights, generation=GenerationConfig(max_response_len=8,
                                                                            temperature=temperature),
@@ -132,6 +142,38 @@ def _semantics(placement, weights: dict) -> dict:
     gates = _trainer(placement, weights, advantage_estimator="grpo", recompute_logprobs=True, tis_cap=2.0,
                      ppo_mini_batch_size=PPO["rollout_batch_size"] * PPO["n_samples_per_prompt"])
     out["gates"] = dict(gates.step().metrics)
+    return out
+
+
+class TurnOneRewarded(Environment):
+    """Two turns with the observation "ok" between them: turn 1 earns its length / 8, turn 2 earns 0."""
+
+    def turn_one_reward(self, turn: ModelTurn) -> float:
+        return len(turn.token_ids) / 8
+
+    def step(self, turn: ModelTurn) -> EnvironmentStep:
+        if turn.index == 0:
+            return EnvironmentStep(observation="ok", reward=self.turn_one_reward(turn))
+        return EnvironmentStep(reward=0.0, done=True)
+
+
+class TurnOneConstant(TurnOneRewarded):
+    """`TurnOneRewarded`, but turn 1 always earns 1.0: every episode scores the same."""
+
+    def turn_one_reward(self, turn: ModelTurn) -> float:
+        return 1.0
+
+
+def _environments(placement, weights: dict) -> dict:
+    """One GRPO step (KL in the loss) on `TurnOneRewarded`'s and on `TurnOneConstant`'s two-turn episodes: the
+    batches' masks, turn rewards, scores, prompt ids and advantages."""
+    out = {}
+    for name in ("TurnOneRewarded", "TurnOneConstant"):
+        generation = GenerationConfig(max_response_len=16, max_turn_tokens=6, max_turns=2,
+                                      environment=f"{__name__}:{name}")
+        batch = _trainer(placement, weights, generation=generation, advantage_estimator="grpo").step().batch
+        out[name] = {field: _plain(getattr(batch, field))
+                     for field in ("response_mask", "turn_rewards", "scores", "prompt_ids", "advantages")}
     return out
 
 
@@ -201,10 +243,12 @@ def run() -> dict:
     out = {"grpo_placed": _placed(grpo), "reinforce_placed": _placed(reinforce)}
     semantics = _semantics(placement, weights)
     semantics.update(_agents(placement, weights))
+    semantics["environments"] = _environments(placement, weights)
     out["agent_failure"] = semantics["agent_failure"]  # every rank's: each one must stop
     diffs = [None] * dist.get_world_size()
-    dist.all_gather_object(diffs, semantics.pop("grpo_kl_actor_diff"))  # every rank holds an actor stage
-    semantics["grpo_kl_actor_diff"] = max(diffs)
+    for key in ("grpo_kl_actor_diff", "grpo_entropy_actor_diff"):  # every rank holds an actor stage
+        dist.all_gather_object(diffs, semantics.pop(key))
+        semantics[key] = max(diffs)
     if dist.get_rank() == 0:
         reference = _unsharded_logprobs(weights["actor"], generated)
         valid = generated.response_mask > 0

@@ -1,5 +1,6 @@
 """Advantage-estimator registry and the estimators against plain loops (OpenRLHF's experience maker for the
-outcome estimators: baseline on the scores, the KL penalty of the rewards summed from each token on)."""
+outcome estimators: baseline on the scores, the KL penalty of the rewards summed from each token on), and
+against verl's outcome estimators on multi-turn episodes, the numbers written out."""
 import math
 
 import pytest
@@ -31,7 +32,7 @@ def test_grpo_group_normalisation_by_hand():
     groups = torch.tensor([7, 7, 3, 3, 9])  # last group has one sample
     mask = torch.tensor([[1, 1, 0]] * 5)
     rewards, _ = token_rewards(scores, torch.zeros(5, 3), torch.zeros(5, 3), mask, kl_coef=0.0)
-    inputs = AdvantageInputs(rewards, mask=mask, scores=scores, group_index=groups)
+    inputs = AdvantageInputs(rewards, mask=mask, scores=scores, group_index=groups, kl_penalty=torch.zeros(5, 3))
     adv, ret = compute_advantages(inputs, AdvantageConfig(estimator="grpo", eps=1e-6))
     per_sample = torch.tensor([-1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0, 0.0, 5.0])
     torch.testing.assert_close(adv, per_sample[:, None] * mask)
@@ -86,7 +87,7 @@ def _outcome_batch():
     logp, ref = -torch.rand(7, 6, generator=gen), -torch.rand(7, 6, generator=gen)
     scores = torch.tensor(SCORES)
     rewards, kl = token_rewards(scores, logp, ref, mask, kl_coef=BETA, estimator="k1")
-    return AdvantageInputs(rewards, mask, scores=scores, group_index=torch.tensor(GROUPS)), kl
+    return AdvantageInputs(rewards, mask, scores=scores, group_index=torch.tensor(GROUPS), kl_penalty=-BETA * kl), kl
 
 
 def _loop_reference(kl, mask, per_sequence):
@@ -137,7 +138,7 @@ def test_outcome_estimators_match_the_loop(estimator, per_sequence):
     torch.testing.assert_close(ret, adv)
     # The KL in the rewards acts under every outcome estimator (GRPO used to ignore it).
     no_kl = AdvantageInputs(token_rewards(inputs.scores, kl, kl, inputs.mask, 0.0)[0], inputs.mask,
-                            scores=inputs.scores, group_index=inputs.group_index)
+                            scores=inputs.scores, group_index=inputs.group_index, kl_penalty=torch.zeros_like(kl))
     assert not torch.allclose(compute_advantages(no_kl, AdvantageConfig(estimator=estimator))[0], adv)
 
 
@@ -158,7 +159,8 @@ def test_grpo_leaves_dropped_samples_out_of_their_group_by_hand():
     kept = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])
     mask = torch.tensor([[1, 1, 0]] * 5) * kept[:, None].long()
     rewards, _ = token_rewards(scores, torch.zeros(5, 3), torch.zeros(5, 3), mask, kl_coef=0.0)
-    inputs = AdvantageInputs(rewards, mask=mask, scores=scores, group_index=groups, sample_mask=kept)
+    inputs = AdvantageInputs(rewards, mask=mask, scores=scores, group_index=groups, sample_mask=kept,
+                             kl_penalty=torch.zeros(5, 3))
     adv, _ = compute_advantages(inputs, AdvantageConfig(estimator="grpo", eps=1e-6))
     per_sample = torch.tensor([1.0, 0.0, -1 / (math.sqrt(2) + 1e-6), 1 / (math.sqrt(2) + 1e-6), 0.0])
     torch.testing.assert_close(adv, per_sample[:, None] * mask)
@@ -172,8 +174,9 @@ KEPT = [1, 0, 1, 0, 0, 1, 0]
 
 
 def _inputs(scores, mask, logp, ref, values, groups, sample_mask=None):
-    rewards, _ = token_rewards(scores, logp, ref, mask, kl_coef=BETA, estimator="k1")
-    return AdvantageInputs(rewards, mask, values=values, scores=scores, group_index=groups, sample_mask=sample_mask)
+    rewards, kl = token_rewards(scores, logp, ref, mask, kl_coef=BETA, estimator="k1")
+    return AdvantageInputs(rewards, mask, values=values, scores=scores, group_index=groups, sample_mask=sample_mask,
+                           kl_penalty=-BETA * kl)
 
 
 @pytest.mark.parametrize("estimator", ["gae", "grpo", "dr-grpo", "rloo", "reinforce++", "reinforce++-baseline"])
@@ -197,3 +200,50 @@ def test_dropped_samples_train_as_if_absent(estimator):
     # the dropped samples would have moved the others: the check can tell
     assert not torch.allclose(compute_advantages(_inputs(scores, mask, logp, ref, values, groups), config)[0][rows],
                               want_adv)
+
+
+EPS = AdvantageConfig().eps
+A_MASK = [1, 1, 0, 0, 1, 1]  # A: a 2-token turn rewarded 1.0, a 2-token observation, a 2-token turn rewarded 0
+B_MASK = [1, 1, 1, 1, 0, 0]  # B: one 4-token turn scored 0 (padded to A's width)
+VERL = {  # verl's advantage on each model token of A and B (two samples of one prompt, scores 1 and 0)
+    # grpo: (score - mean) / (std + eps), std unbiased: |1 - 0.5| / (sqrt(0.5) + eps)
+    "grpo": (0.5 / (math.sqrt(0.5) + EPS), -0.5 / (math.sqrt(0.5) + EPS)),
+    "dr-grpo": (0.5, -0.5),  # score - mean
+    "rloo": (1.0, -1.0),  # score - the mean of the other samples
+    # score - mean on the 8 model tokens (four 0.5, four -0.5), whitened: x / sqrt(var + eps), var = 8 x 0.25 / 7
+    "reinforce++-baseline": (0.5 / math.sqrt(2 / 7 + EPS), -0.5 / math.sqrt(2 / 7 + EPS)),
+}
+
+
+def _review_example(a_rewards: tuple) -> AdvantageInputs:
+    """The review's two episodes as the trainer builds them (KL in the loss: no penalty in the rewards): A's turn
+    rewards ``a_rewards`` at its turns' last tokens (columns 1 and 5), B's 0 at its turn's (column 3); each
+    episode's score the sum of its rewards."""
+    mask = torch.tensor([A_MASK, B_MASK])
+    placed = torch.zeros(2, 6)
+    placed[0, 1], placed[0, 5] = a_rewards
+    rewards, kl = token_rewards(torch.zeros(2), torch.zeros(2, 6), torch.zeros(2, 6), mask, kl_coef=0.0,
+                                placed=placed)
+    return AdvantageInputs(rewards, mask, scores=torch.tensor([sum(a_rewards), 0.0]), group_index=torch.tensor([0, 0]),
+                           kl_penalty=-0.0 * kl)
+
+
+@pytest.mark.parametrize("estimator", sorted(VERL))
+def test_multi_turn_rewards_count_once_on_every_model_token_as_verl(estimator):
+    """A reward earned at turn 1 is in the episode's score, and the score's normalised advantage sits on every
+    model token of the episode (turn 2's too), 0 at the observation; as verl's outcome estimators give."""
+    inputs = _review_example((1.0, 0.0))
+    adv, _ = compute_advantages(inputs, AdvantageConfig(estimator=estimator))
+    a, b = VERL[estimator]
+    want = torch.tensor([[a * m for m in A_MASK], [b * m for m in B_MASK]])
+    torch.testing.assert_close(adv, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr-grpo", "rloo"])
+def test_episodes_scoring_alike_get_no_advantage(estimator):
+    """Both episodes score 1.0 (A earns it after turn 1 and 0 at the end): every advantage is 0."""
+    inputs = _review_example((1.0, 0.0))
+    inputs = AdvantageInputs(inputs.token_rewards, inputs.mask, scores=torch.tensor([1.0, 1.0]),
+                             group_index=inputs.group_index, kl_penalty=inputs.kl_penalty)
+    adv, _ = compute_advantages(inputs, AdvantageConfig(estimator=estimator))
+    assert torch.equal(adv, torch.zeros(2, 6)), adv

@@ -287,25 +287,28 @@ def test_validation_names_the_field(case):
 def test_advantage_inputs_from_batch_grpo_groups_by_prompt_id():
     batch = _random_batch(seed=6, n=8).with_fields(prompt_ids=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]))
     rewards = torch.randn(len(batch), batch.response_width) * batch.response_mask
+    penalty = torch.randn(len(batch), batch.response_width) * batch.response_mask
     config = AdvantageConfig(estimator="grpo")
-    got = compute_advantages(AdvantageInputs.from_batch(batch, rewards), config)
+    got = compute_advantages(AdvantageInputs.from_batch(batch, rewards, penalty), config)
     mask = torch.zeros(len(batch), batch.response_width)
     for i, length in enumerate(batch.response_lengths.tolist()):
         mask[i, :length] = 1
     mask = mask * batch.loss_mask * batch.sample_mask[:, None]  # the observations' holes, the dropped samples' rows
     assert 0 < batch.sample_mask.sum() < len(batch)
     by_hand = AdvantageInputs(rewards, mask, scores=batch.scores, group_index=torch.tensor([3, 0, 3, 0, 1, 1, 3, 2]),
-                              sample_mask=batch.sample_mask)
+                              sample_mask=batch.sample_mask, kl_penalty=penalty)
     want = compute_advantages(by_hand, config)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"token_rewards shape \(8, 1\)"):
-        AdvantageInputs.from_batch(batch, rewards[:, :1])
+        AdvantageInputs.from_batch(batch, rewards[:, :1], penalty)
+    with pytest.raises(ValueError, match=r"kl_penalty shape \(8, 1\)"):
+        AdvantageInputs.from_batch(batch, rewards, penalty[:, :1])
 
 
 def test_advantage_inputs_from_batch_gae_uses_values_and_mask():
     batch = _random_batch(seed=7, n=6)
     rewards = torch.randn(len(batch), batch.response_width)
-    inputs = AdvantageInputs.from_batch(batch, rewards)
+    inputs = AdvantageInputs.from_batch(batch, rewards, torch.zeros_like(rewards))
     assert inputs.values is batch.values and inputs.scores is batch.scores
     assert torch.equal(inputs.group_index, batch.prompt_ids)
     config = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8)

@@ -104,7 +104,7 @@ def test_gae_over_an_episode_batch_equals_verls_multi_turn_gae(batch):
     assert torch.all(kl[mask == 0] == 0) and torch.all(rewards[mask == 0] == 0)  # no KL, no reward at observations
     torch.testing.assert_close(rewards + 0.05 * kl, batch.turn_rewards)
     config = AdvantageConfig(estimator="gae", gamma=0.9, lam=0.8, whiten=False)
-    advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), config)
+    advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards, -0.05 * kl), config)
     want_adv, want_ret = verl_multi_turn_gae(rewards, values, mask, 0.9, 0.8)
     torch.testing.assert_close(advantages * mask, want_adv * mask, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(returns * mask, want_ret * mask, rtol=1e-6, atol=1e-6)

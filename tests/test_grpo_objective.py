@@ -58,7 +58,8 @@ def _trl_loss(logp, old, ref, mask, loss_type):
 def _our_loss(logp, old, ref, mask, estimator, mode):
     scores = torch.tensor(SCORES)
     rewards, _ = token_rewards(scores, old, ref, mask, kl_coef=0.0)  # the KL is in the loss, not the rewards
-    inputs = AdvantageInputs(rewards, mask, scores=scores, group_index=torch.arange(6) // GROUP)
+    inputs = AdvantageInputs(rewards, mask, scores=scores, group_index=torch.arange(6) // GROUP,
+                             kl_penalty=torch.zeros_like(rewards))
     advantages, _ = compute_advantages(inputs, AdvantageConfig(estimator=estimator, eps=1e-4))
     policy, _ = policy_loss_per_token(logp, old, advantages.double(), mask, clip_eps=EPSILON)
     per_token = policy + BETA * kl_estimate(logp, ref, "k3")

@@ -1,7 +1,8 @@
 """Trainer behaviour on 4 gloo ranks in one launch (tests/scenario_trainer_behaviour.py), against
 references written here from the definitions: the engine's old log-probs and recompute_logprobs,
-GRPO and REINFORCE++ (no critic placed; their advantages), the adaptive KL coefficient
-(Ziegler et al. 2019) and the batch statistics the metrics report.
+GRPO and REINFORCE++ (no critic placed; their advantages, GRPO's on multi-turn episodes rewarded at an
+intermediate turn too), the adaptive KL coefficient (Ziegler et al. 2019), the KL and entropy terms of the
+loss, and the batch statistics the metrics report.
 """
 
 import math
@@ -177,6 +178,51 @@ def test_grpo_update_changes_with_the_kl_coefficient(results):
         assert zero[key] == one[key], key  # the same samples, advantages and KL before the update
     assert "kl_loss" not in zero and one["kl_loss"] > 0
     assert results[0]["grpo_kl_actor_diff"] > 1e-5
+
+
+def test_grpo_update_changes_with_the_entropy_coefficient(results):
+    """--entropy-coef 0.5 against 0 on the same samples: the bonus has a gradient, so the update differs (it was
+    a constant once: both runs' second iterations were identical), and its aggregated entropy is logged."""
+    zero, bonus = results[0]["grpo_kl0"], results[0]["grpo_entropy"]
+    for key in ("reward_mean", "advantage_mean", "advantage_std", "kl_mean"):
+        assert zero[key] == bonus[key], key  # the same samples and advantages before the update
+    assert "entropy_loss" not in zero and bonus["entropy_loss"] > 0
+    assert results[0]["grpo_entropy_actor_diff"] > 1e-5
+
+
+def _grpo_by_the_definition(record: dict, eps: float) -> list:
+    """Each sample's GRPO advantage on its model tokens: its episode's score (the sum of its turns' rewards) less
+    its prompt's mean score, over the scores' unbiased std + eps; 0 at observations and padding."""
+    scores = [sum(row) for row in record["turn_rewards"]]
+    groups = {}
+    for prompt, score in zip(record["prompt_ids"], scores):
+        groups.setdefault(prompt, []).append(score)
+    out = []
+    for prompt, score, mask in zip(record["prompt_ids"], scores, record["response_mask"]):
+        group = groups[prompt]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        out.append([(score - mean) / (std + eps) * m for m in mask])
+    return out
+
+
+@pytest.mark.parametrize("environment", ["TurnOneRewarded", "TurnOneConstant"])
+def test_grpo_counts_a_turns_reward_once_on_every_model_token(results, environment):
+    """Two-turn episodes whose environment rewards turn 1 and not turn 2: every episode's score is its turn-1
+    reward, and its GRPO advantage sits on the model tokens of both turns, as the definition gives (turn 2's
+    tokens used to lose turn 1's reward). When every episode scores the same, every advantage is 0."""
+    record = results[0]["environments"][environment]
+    assert all(sum(r != 0 for r in row) <= 1 for row in record["turn_rewards"])  # turn 1's end only
+    holes = [row.index(0) < len(row) - row[::-1].index(1) for row in record["response_mask"] if 0 in row]
+    assert any(holes)  # some episodes have a second turn after the observation
+    assert record["scores"] == pytest.approx([sum(row) for row in record["turn_rewards"]])
+    want = _grpo_by_the_definition(record, results[0]["grpo_eps"])
+    assert _max_diff(record["advantages"], want) < TOL
+    if environment == "TurnOneConstant":
+        assert set(record["scores"]) == {1.0}
+        assert all(a == 0.0 for row in record["advantages"] for a in row)
+    else:
+        assert max(abs(a) for row in record["advantages"] for a in row) > 0.1
 
 
 def test_a_lower_temperature_gives_a_lower_entropy(results):

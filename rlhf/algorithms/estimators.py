@@ -2,12 +2,15 @@
 registry and the GAE, GRPO, Dr. GRPO, RLOO, REINFORCE++ and REINFORCE++-baseline
 estimators).
 
-The outcome estimators (grpo, dr-grpo, rloo, reinforce++-baseline) build one
-advantage per sequence from ``scores`` and add the KL penalty that
-``token_rewards`` holds as a reward-to-go (OpenRLHF's semantics), so they need
-``token_rewards`` exactly as ``rlhf.algorithms.token_rewards`` makes it: the
-penalty on every valid token plus the score on the last one (kl_coef = 0 when
-the KL is a loss term instead).
+GAE and REINFORCE++ read the per-token rewards ``token_rewards``: the KL
+penalty on every valid token plus the rewards at the tokens that earned them
+(a single-turn sample's score at its last token; a multi-turn episode's
+rewards at its turns' last tokens). The outcome estimators (grpo, dr-grpo,
+rloo, reinforce++-baseline) build one advantage per sequence from its whole
+score ``scores`` and broadcast it to every valid token, adding the reward-to-go
+of the KL penalty alone (``kl_penalty``), as verl and OpenRLHF do; so a reward
+earned at an intermediate turn counts once, in the score, for every token of
+the episode (all zeros when the KL acts in the loss instead).
 
     @register_advantage_estimator("name")
     def fn(inputs: AdvantageInputs, config: AdvantageConfig) -> (advantages, returns)
@@ -22,7 +25,6 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional, Tuple
 import torch
 
 from rlhf.algorithms.gae import compute_gae, discounted_returns
-from rlhf.algorithms.kl import scores_at_last_token
 from rlhf.algorithms.losses import masked_whiten
 from rlhf.config import ConfigError
 
@@ -62,10 +64,13 @@ class AdvantageConfig:
 class AdvantageInputs:
     """Per-batch inputs; an estimator uses the fields it needs.
 
-    token_rewards: [B, T] per-token rewards (KL penalty + score at the last token).
+    token_rewards: [B, T] per-token rewards (KL penalty + the rewards at the tokens that earned them; GAE
+        and REINFORCE++).
     mask: [B, T] 0/1 valid response tokens.
     values: [B, T] critic values (GAE only).
-    scores: [B] sequence scores (the outcome estimators).
+    scores: [B] sequence scores: a multi-turn episode's is the sum of its rewards (the outcome estimators).
+    kl_penalty: [B, T] the KL part of ``token_rewards`` alone (-kl_coef x KL per token; zeros when the KL is
+        a loss term): the outcome estimators add its reward-to-go.
     group_index: [B] int64 prompt id of each sample (the outcome estimators: n samples per prompt).
     sample_mask: [B] 0/1, 0 for a sample out of training (its ``mask`` row is 0 too): the outcome
         estimators leave it out of its group's statistics; None: every sample counts.
@@ -75,22 +80,24 @@ class AdvantageInputs:
     mask: torch.Tensor
     values: Optional[torch.Tensor] = None
     scores: Optional[torch.Tensor] = None
+    kl_penalty: Optional[torch.Tensor] = None
     group_index: Optional[torch.Tensor] = None
     sample_mask: Optional[torch.Tensor] = None
 
     @classmethod
-    def from_batch(cls, batch: Batch, token_rewards: torch.Tensor) -> AdvantageInputs:
-        """Inputs of one ``rlhf.batch.Batch``: token_rewards [N, R] (KL penalty +
-        score, response-aligned like the batch), mask = ``batch.response_mask``,
-        the batch's values, scores and sample_mask, group_index = ``batch.prompt_ids``."""
+    def from_batch(cls, batch: Batch, token_rewards: torch.Tensor, kl_penalty: torch.Tensor) -> AdvantageInputs:
+        """Inputs of one ``rlhf.batch.Batch``: token_rewards and kl_penalty [N, R] (response-aligned like the
+        batch), mask = ``batch.response_mask``, the batch's values, scores and sample_mask, group_index =
+        ``batch.prompt_ids``."""
         mask = batch.response_mask
-        if token_rewards.shape != mask.shape:
-            raise ValueError(f"AdvantageInputs.from_batch: token_rewards shape {tuple(token_rewards.shape)}; "
-                             f"expected the batch's response shape {tuple(mask.shape)} [N, R]")
+        for name, tensor in (("token_rewards", token_rewards), ("kl_penalty", kl_penalty)):
+            if tensor.shape != mask.shape:
+                raise ValueError(f"AdvantageInputs.from_batch: {name} shape {tuple(tensor.shape)}; "
+                                 f"expected the batch's response shape {tuple(mask.shape)} [N, R]")
         # prompt_ids is host metadata; GRPO groups on the scores' device.
         group_index = batch.prompt_ids.to(mask.device, non_blocking=True)
-        return cls(token_rewards, mask, values=batch.values, scores=batch.scores, group_index=group_index,
-                   sample_mask=batch.sample_mask)
+        return cls(token_rewards, mask, values=batch.values, scores=batch.scores, kl_penalty=kl_penalty,
+                   group_index=group_index, sample_mask=batch.sample_mask)
 
     def require(self, estimator: str, *names: str) -> None:
         missing = [name for name in names if getattr(self, name) is None]
@@ -182,11 +189,10 @@ def group_statistics(scores: torch.Tensor, group_index: torch.Tensor,
 
 
 def kl_reward_to_go(inputs: AdvantageInputs) -> torch.Tensor:
-    """[B, T] sum of the KL penalty in ``token_rewards`` from each valid token to
-    the end (undiscounted; 0 when the KL is not in the rewards). Outcome
-    estimators add it to their per-sequence advantage, as OpenRLHF does."""
-    penalty = inputs.token_rewards.float() - scores_at_last_token(inputs.scores, inputs.mask)
-    return discounted_returns(penalty, inputs.mask, 1.0)
+    """[B, T] sum of ``kl_penalty`` from each valid token to the end (undiscounted; 0 when the KL is not in
+    the rewards). Outcome estimators add it to their per-sequence advantage, as OpenRLHF does; no reward a
+    turn earned is in it (that is in the score)."""
+    return discounted_returns(inputs.kl_penalty.float(), inputs.mask, 1.0)
 
 
 def outcome_advantages(inputs: AdvantageInputs, per_sequence: torch.Tensor) -> torch.Tensor:
@@ -198,7 +204,7 @@ def outcome_advantages(inputs: AdvantageInputs, per_sequence: torch.Tensor) -> t
 
 def group_normalised(inputs: AdvantageInputs, estimator: str, norm_by_std: bool, eps: float) -> torch.Tensor:
     """GRPO's [B, T] advantages: score - group mean, divided by (group std + eps) when ``norm_by_std``."""
-    inputs.require(estimator, "scores", "group_index")
+    inputs.require(estimator, "scores", "group_index", "kl_penalty")
     scores = inputs.scores.float()
     mean, std, _ = group_statistics(scores, inputs.group_index, inputs.sample_mask)
     normalised = (scores - mean) / (std + eps) if norm_by_std else scores - mean
@@ -225,7 +231,7 @@ def dr_grpo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple
 def rloo_estimator(inputs: AdvantageInputs, config: AdvantageConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """RLOO (Ahmadian et al. 2024): score - mean of the *other* samples of its
     group (+ the KL reward-to-go); a group of one keeps its score. No critic."""
-    inputs.require("rloo", "scores", "group_index")
+    inputs.require("rloo", "scores", "group_index", "kl_penalty")
     scores = inputs.scores.float()
     mean, _, count = group_statistics(scores, inputs.group_index, inputs.sample_mask)
     others = torch.where(count > 1, (count * mean - scores) / (count - 1).clamp(min=1), torch.zeros_like(scores))

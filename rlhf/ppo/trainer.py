@@ -399,8 +399,9 @@ class Trainer:
         at_end = scores if placed is None else scores - batch.scores
         rewards, kl = token_rewards(at_end, batch.old_logprobs, batch.ref_logprobs, mask, coef, ppo.kl_estimator_name,
                                     placed)
-        scored = batch.with_fields(scores=scores)  # the estimators read the shaped score
-        advantages, returns = compute_advantages(AdvantageInputs.from_batch(scored, rewards), ppo.advantage_config)
+        scored = batch.with_fields(scores=scores)  # the outcome estimators read the shaped (episode) score
+        inputs = AdvantageInputs.from_batch(scored, rewards, kl_penalty=-coef * kl)
+        advantages, returns = compute_advantages(inputs, ppo.advantage_config)
         trained = torch.tensor(float(len(batch))) if batch.sample_mask is None else batch.sample_mask.sum()
         sequence_kl = kl.sum(dim=1).sum() / trained.clamp(min=1)  # over the samples trained on (sample_mask)
         metrics.update(kl_mean=sequence_kl, kl_coef=self.kl.value.clone())
