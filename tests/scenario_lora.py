@@ -8,7 +8,10 @@ adds adapters (rlhf.models.lora.apply_lora) and fills them from PEFT's files
 through its pipeline (token-mean cross-entropy), reduces the gradients and
 steps. Returns, per layout, the full logits and adapter gradients of the first
 batch and the full adapters after the last step (rank 0 of each stage reports),
-plus what the optimizer holds.
+plus what the optimizer holds. Then the trainer with LoRA (`_trainer_runs`,
+`_reference_from_base`), the tiny default learning with LoRA, and LoRA dropout
+(`_dropout`): off in inference passes, on in training forwards, the same masks
+when megatron recomputes a layer in backward.
 """
 
 import os
@@ -18,16 +21,20 @@ import torch.distributed as dist
 
 from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
 from rlhf.checkpoint.peft import load_peft
-from rlhf.models.gpt import build_model
+from rlhf.models import ModelConfig
+from rlhf.models.config import LoRAConfig
+from rlhf.models.gpt import build_model, stage_forward
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.models.lora import apply_lora, is_adapter
 from rlhf.models.naming import named_global_parameters
 from rlhf.optim import ModelOptimizer, OptimizerConfig
 from rlhf.parallel import Placement
-from rlhf.parallel.groups import build_task_groups
+from rlhf.parallel.groups import build_task_groups, local_groups
 from rlhf.ppo.config import AdaptersConfig
 from rlhf.parallel.reshard import ShardSpec, gather_tp_full, load_full_weights
+from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.pipeline.p2p import recv_backward, send_backward
+from rlhf.platform import seed_model_parallel_rng
 from rlhf.testing.pipeline import stage_pass
 
 PLAN = {"actor_train": {"ranks": "0-3", "tp": 2, "pp": 2}, "critic_train": {"ranks": "0-3", "tp": 2, "dp": 2}}
@@ -186,16 +193,69 @@ def _reference_from_base() -> dict:
             "models": sorted(trainer.models), "separate_models": sorted(separate.models)}
 
 
-def tiny_default_rewards(flags: list, iterations: int) -> list:
+def tiny_default_metrics(flags: list, iterations: int) -> list:
     """The tiny default job (its default placement, the random tiny actor and critic) with ``flags``, rewarded by
-    the synthetic task's gold rule (no reward model to train first): the mean reward of each iteration."""
+    the synthetic task's gold rule (no reward model to train first): each iteration's metrics."""
     from rlhf.ppo.arguments import parse_args
     from rlhf.ppo.job import build_trainer
     from rlhf.ppo.layout import build_placement
 
     config = parse_args(flags + ["--reward-fn", "rlhf.data.synthetic:gold_reward", "--iterations", str(iterations)])
     trainer = build_trainer(config, build_placement(config, dist.get_world_size()))
-    return [trainer.step().metrics["reward_mean"] for _ in range(iterations)]
+    return [trainer.step().metrics for _ in range(iterations)]
+
+
+DROPOUT_CFG = ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_kv_heads=2,
+                          vocab_size=64, max_seq_len=16)
+DROPOUT_LORA = LoRAConfig(rank=4, alpha=8.0, dropout=0.5)
+
+
+def _dropout_model(recompute: str | None, b_seed: int):
+    """A one-rank DROPOUT_CFG actor with DROPOUT_LORA's adapters on every projection, B drawn from ``b_seed``
+    (not zero, so the adapters act), megatron recomputing every layer in backward when ``recompute`` is 'full'."""
+    local = local_groups()
+    model = build_model(DROPOUT_CFG, "lm", local.pg_collection, local.stage, seed=5, recompute_granularity=recompute)
+    apply_lora(model, DROPOUT_LORA, DROPOUT_CFG, seed=6)
+    gen = torch.Generator().manual_seed(b_seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".B"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model, local
+
+
+def _adapter_grads(model, local, ids: torch.Tensor, seed: int) -> dict:
+    """The adapters' gradients of one training forward and backward (token-mean log-likelihood) whose dropout
+    masks are drawn from ``seed``."""
+    seed_model_parallel_rng(seed)
+    model.zero_grad()
+    (-vocab_parallel_log_probs(stage_forward(model, ids)[:, :-1], ids[:, 1:], local.tp).mean()).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if is_adapter(name)}
+
+
+def _dropout() -> dict:
+    """--lora-dropout 0.5: (1) the issue's run of the tiny default (--recompute-logprobs, B trained from zero):
+    every iteration's mismatch_kl, the engine's log-probs against actor_train's inference pass; (2) one rank's
+    adapted model: two inference passes (rlhf.pipeline.microbatch.pipeline_forward) against each other and
+    against a training forward; the adapters' gradients with every layer recomputed in backward against those
+    without recompute from the same seed, and against another seed's masks."""
+    metrics = tiny_default_metrics(["--lora-rank", "4", "--lora-dropout", "0.5", "--lora-modules-to-save", "lm_head,norm",
+                                    "--recompute-logprobs", "--ppo-mini-batch-size", "64", "--lr", "1e-2"], 3)
+    ids = torch.randint(0, DROPOUT_CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    model, local = _dropout_model(None, b_seed=4)
+    inferred = [pipeline_forward(model, local, ids) for _ in range(2)]
+    with torch.no_grad():
+        trained = stage_forward(model, ids)
+    plain = _adapter_grads(model, local, ids, seed=11)
+    other_masks = _adapter_grads(model, local, ids, seed=12)
+    recomputed_model, _ = _dropout_model("full", b_seed=4)
+    recomputed = _adapter_grads(recomputed_model, local, ids, seed=11)
+    return {"mismatch_kl": [m["mismatch_kl"] for m in metrics],
+            "inference_repeat_diff": (inferred[0] - inferred[1]).abs().max().item(),
+            "train_vs_inference": (trained - inferred[0]).abs().max().item(),
+            "still_training": model.training and all(m.training for m in model.modules()),
+            "recompute_grad_diff": max((recomputed[k] - plain[k]).abs().max().item() for k in plain),
+            "other_masks_grad_diff": max((other_masks[k] - plain[k]).abs().max().item() for k in plain)}
 
 
 def run(base_dir: str, adapter_dir: str, batches: list, lr: float, root: str, learn_flags: list,
@@ -205,5 +265,6 @@ def run(base_dir: str, adapter_dir: str, batches: list, lr: float, root: str, le
            for name, (task, distributed) in LAYOUTS.items()}
     out["trainer"] = _trainer_runs(root)
     out["reference_from_base"] = _reference_from_base()
-    out["learns"] = tiny_default_rewards(learn_flags, learn_iterations)
+    out["learns"] = [m["reward_mean"] for m in tiny_default_metrics(learn_flags, learn_iterations)]
+    out["dropout"] = _dropout()
     return out

@@ -10,6 +10,7 @@ megatron's local one elsewhere (``transformer_impl`` overrides it).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -241,3 +242,17 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor:
     if isinstance(model.output_layer, ValueHead):
         return out.squeeze(-1).float()
     return mask_vocab_padding(out, model.unpadded_vocab_size, model.pg_collection.tp.rank() * out.shape[-1])
+
+
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode for an inference pass, every module's train/eval flag restored after: dropout
+    (LoRA's ``--lora-dropout``, any module's) is off where log-probs, values or scores are inferred and on
+    in the training forwards of the same model (verl's ``compute_log_prob`` switches to eval alike)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for module, training in modes:
+            module.training = training

@@ -35,7 +35,11 @@ A is drawn as PEFT draws it (kaiming-uniform, a = sqrt(5), over the full
 input), from a generator seeded by the model seed, the global layer and the
 projection, so every TP rank draws the same full A and keeps its slice; B
 starts at zero. Dropout masks come from megatron's tracked model-parallel RNG
-(the same stream on the TP ranks of a stage, restored by activation recompute).
+(the same stream on the TP ranks of a stage, restored by activation recompute:
+the recomputed forward draws the masks of the first); a frozen embedding's
+output requires a gradient so that recomputed layers pass one to their adapters.
+Dropout acts in training forwards only: inference passes run in eval mode
+(rlhf.models.gpt.eval_mode).
 """
 
 from __future__ import annotations
@@ -223,8 +227,19 @@ def apply_lora(model: torch.nn.Module, config: LoRAConfig, model_config, seed: i
             rows, groups = _layer_plan(path, model.config, tp)
             linear.lora = LoRALayer(kind, factors, rows, groups, config, tp_group).to(linear.weight.device)
             linear.register_forward_hook(_add_adapters)
+    embedding = getattr(model, "embedding", None)  # the first pipeline stage's
+    if embedding is not None and not any(p.requires_grad for p in embedding.parameters()):
+        embedding.register_forward_hook(_output_requires_grad)
     model.lora_config = config
     return model
+
+
+def _output_requires_grad(module, args, output):
+    """Forward hook of a frozen embedding: its output requires a gradient, as PEFT's
+    ``enable_input_require_grads`` makes it. megatron's full activation recompute is a reentrant
+    checkpoint, which passes gradients back only through inputs that require them: from a frozen
+    embedding's output none would reach the recomputed layers' adapters."""
+    return output.requires_grad_(True)
 
 
 def adapted_layers(model: torch.nn.Module) -> dict:
