@@ -10,7 +10,7 @@ is refused on rank 0 with one line naming it, and exit status 2 on every rank.
 from rlhf.ppo.arguments import build_parser, config_from_args, dry_run_world_size, flag_of
 from rlhf.cli import built_and_resumed, exit_process, run_program, usage_errors
 from rlhf.ppo.dry_run import describe_placement, dry_run
-from rlhf.ppo.layout import build_placement
+from rlhf.ppo.layout import build_placement, plan_note
 
 PROGRAM = "pretrain_rlhf.py"
 
@@ -39,8 +39,8 @@ def run(config) -> None:
     with usage_errors(flag_of):
         placement = build_placement(config, world)
     if dist.get_rank() == 0:
-        print(f"world size {world}; placement:")
-        print("\n".join(describe_placement(placement)))
+        lines = [f"world size {world}; placement:", *plan_note(config, world), *describe_placement(placement)]
+        print("\n".join(lines))
     from rlhf.ppo.job import build_trainer
 
     with usage_errors(flag_of):

@@ -11,7 +11,8 @@ long-tailed lengths up to 16): the same epoch straight, with generation slowed (
 that samples are in flight when the weights of an update arrive and the learners infer streamed samples
 while they wait, and with a save and load.
 Learning: the tiny default job as pretrain_rlhf.py builds it from the flags (parse_args, build_placement,
-build_trainer; the gold rule as its reward function) with K = 1 and 2, 20 iterations each.
+build_trainer; the gold rule as its reward function) with K = 1 and 2, 20 iterations each: K = 1 with no
+placement flag (the built-in asynchronous plan), K = 2 with APART's flags.
 """
 
 import time
@@ -138,8 +139,8 @@ def run(root: str) -> dict:
                           ("corrected", dict(tis_cap=2.0))):
         t = trainer(1, 3, Recorder(), **options)
         out[name] = [t.step().metrics for _ in range(3)]
-    for k in (1, 2):
-        config = parse_args([*APART, "--max-staleness", str(k), "--iterations", str(LEARNING_ITERATIONS),
+    for k, placement_flags in ((1, []), (2, APART)):  # K = 1: the built-in asynchronous plan, no placement flags
+        config = parse_args([*placement_flags, "--max-staleness", str(k), "--iterations", str(LEARNING_ITERATIONS),
                              "--reward-fn", "rlhf.data.synthetic:gold_reward", "--no-progress"])
         t = build_trainer(config, build_placement(config, 4))
         out[f"learning_k{k}"] = [t.step().metrics for _ in range(LEARNING_ITERATIONS)]

@@ -12,6 +12,7 @@ from scenario_async import APART
 
 import pretrain_rlhf
 from rlhf.cli import UsageError
+from rlhf.ppo import layout
 from rlhf.ppo.arguments import parse_args
 from rlhf.testing.distributed import launch
 from rlhf.testing.learning import rise_in_standard_errors
@@ -93,26 +94,69 @@ def test_bad_staleness_flags_are_refused_naming_the_flag(flags, message):
         parse_args(flags)
 
 
+def dry_run(capsys, world_size: int, *flags) -> tuple:
+    """(exit status, stdout, stderr) of ``pretrain_rlhf.py --dry-run --world-size N flags``."""
+    rc = pretrain_rlhf.main(["--dry-run", "--world-size", str(world_size), *flags])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 def test_generation_sharing_ranks_with_training_is_refused(capsys):
-    """The launch check (the dry run's, which the job runs too) refuses the default placement, where every
-    task shares ranks with actor_gen, and passes generation apart."""
-    assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "1"]) == 2
-    assert ("pretrain_rlhf.py: --max-staleness: max_staleness 1 generates while the other tasks train, so "
-            "actor_gen needs ranks of its own, but ref_inf shares rank(s) [2, 3] with it"
-            ) in capsys.readouterr().err
-    assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "1", *APART]) == 0
+    """Without --placement an asynchronous job runs the built-in asynchronous plan (on 4 ranks docs/async.md's,
+    the flags of APART) and says so in one line; the launch check (the dry run's, which the job runs too)
+    still refuses a per-task flag that puts a task on actor_gen's ranks."""
+    assert layout.job_plan(parse_args(["--max-staleness", "1"]), 4) == layout.ASYNC_PLANS[4]
+    assert parse_args(APART).placement.plan() == layout.ASYNC_PLANS[4]
+    rc, out, _ = dry_run(capsys, 4, "--max-staleness", "1")
+    assert rc == 0
+    assert ("placement: the built-in asynchronous plan of 4 ranks (--max-staleness 1 without --placement): "
+            "actor_gen on ranks of its own, the other tasks on the rest (per-task flags merge into it)\n"
+            "tasks (parameters per rank: the largest pipeline stage / tp):\n"
+            "  actor_gen     ranks [0, 1] dp2xpp1xtp1; ") in out
+    assert "  critic_train  ranks [2, 3] dp1xpp2xtp1 (reversed pipeline); " in out
     assert ("generation: 2 instance(s), samples end at EOS or --max-response-len; asynchronous: 1 iteration(s) "
-            "ahead of training on ranks of its own (--max-staleness 1), the old log-probs") in capsys.readouterr().out
-    assert pretrain_rlhf.main(["--dry-run", "--world-size", "4", "--max-staleness", "2", "--partial-rollouts",
-                               *APART]) == 0
+            "ahead of training on ranks of its own (--max-staleness 1), the old log-probs") in out
+    rc, _, err = dry_run(capsys, 4, "--max-staleness", "1", "--ref-inf", "ranks=0-1")
+    assert rc == 2
+    assert ("pretrain_rlhf.py: --max-staleness: max_staleness 1 generates while the other tasks train, so "
+            "actor_gen needs ranks of its own, but ref_inf shares rank(s) [0, 1] with it") in err
+    rc, out, _ = dry_run(capsys, 4, "--max-staleness", "2", "--partial-rollouts", *APART)
+    assert rc == 0
     assert ("ahead of training on ranks of its own (--max-staleness 2), running free with partial rollouts (samples "
-            "in flight take each update's weights, K/V: recompute)") in capsys.readouterr().out
+            "in flight take each update's weights, K/V: recompute)") in out
+
+
+@pytest.mark.parametrize("world_size, flags, gen, learners", [
+    (2, [], "[0] dp1", "[1] dp1"),
+    (6, ["--rollout-batch-size", "12", "--ppo-mini-batch-size", "48"], "[0, 1, 2] dp3", "[3, 4, 5] dp3"),
+])
+def test_other_world_sizes_get_generation_apart(capsys, world_size, flags, gen, learners):
+    """Other world sizes: actor_gen data parallel on the first half of the ranks, every other task on the rest."""
+    rc, out, _ = dry_run(capsys, world_size, "--max-staleness", "1", *flags)
+    assert rc == 0
+    assert f"placement: the built-in asynchronous plan of {world_size} ranks (--max-staleness 1" in out
+    assert f"  actor_gen     ranks {gen}xpp1xtp1; " in out
+    for task in ("ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train"):
+        assert f"  {task:13s} ranks {learners}xpp1xtp1; " in out
+
+
+def test_one_rank_cannot_generate_apart(capsys):
+    """On 1 rank no plan puts actor_gen apart: refused, showing the flags of the 4-rank plan (APART's plan)."""
+    rc, _, err = dry_run(capsys, 1, "--max-staleness", "1")
+    assert rc == 2
+    flags = ("--actor-gen ranks=0-1,tp=1,dp=2 --actor-train ranks=2-3,tp=1,pp=2 --critic-train "
+             "ranks=2-3,dp=1,pp=2,reverse_pp --ref-inf ranks=2-3 --reward-inf ranks=2-3 --critic-inf ranks=2-3,tp=1")
+    assert err == ("pretrain_rlhf.py: --max-staleness: max_staleness 1 generates while the other tasks train, so "
+                   "actor_gen needs ranks of its own, which 1 rank cannot give; launch on 2 or more ranks, where the "
+                   f"job puts actor_gen apart by itself (on 4 ranks: {flags}), or drop --max-staleness\n")
+    assert parse_args(flags.split()).placement.plan() == layout.ASYNC_PLANS[4]
 
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_tiny_default_learns_asynchronously(results, k):
-    """The main job's trainer built from the flags with generation on ranks 0-1 and training on 2-3, the
-    synthetic task's gold rule as the reward: over 20 iterations the reward of the last 10 is above the first
+    """The main job's trainer built from the flags with generation on ranks 0-1 and training on 2-3 (K = 1: no
+    placement flag, the built-in asynchronous plan; K = 2: APART's flags), the synthetic task's gold rule as the
+    reward: over 20 iterations the reward of the last 10 is above the first
     10's by more than 3 standard errors, every iteration's staleness is at most K (K from iteration K + 1 on)
     and each side reports how long it waited for the other."""
     records = results[f"learning_k{k}"]

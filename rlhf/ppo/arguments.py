@@ -179,7 +179,8 @@ SECTIONS = {
                                    "Megatron-LM's) do not count"),
         ("recompute_logprobs", bool, "recompute the old log-probs on actor_train instead of taking the "
                                      "engine's (also reports mismatch_kl: the engine vs the trainer)"),
-        ("max_staleness", int, "asynchronous RL: actor_gen, placed on ranks of its own, generates the next K "
+        ("max_staleness", int, "asynchronous RL: actor_gen, placed on ranks of its own (without --placement "
+                               "the built-in plan does so on 2 or more ranks), generates the next K "
                                "iterations' batches while the other ranks train, so a batch is trained at most "
                                "K policy versions after the weights that generated it; the old log-probs are "
                                "recomputed (decoupled PPO's proximal policy; --tis-cap weights proximal over "
@@ -291,7 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="JSON/YAML plan mapping each task to {ranks, dp, pp, tp, reverse_pp}; "
                             "see examples/placement_4ranks.json. Per-task flags below merge into its entries "
                             "field by field (default: that file's plan on 4 ranks, else every task data "
-                            "parallel on all ranks)")
+                            "parallel on all ranks; with --max-staleness, a plan with actor_gen on ranks of its "
+                            "own, docs/async.md)")
     for task in TASKS:
         place.add_argument(flag_name(task), metavar="SPEC", default=None,
                            help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]', or 'none' "

@@ -61,6 +61,7 @@ def dry_run(config: JobConfig, world_size: int) -> str:
                      f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.num_attention_heads} heads "
                      f"({cfg.num_kv_heads} KV), vocab {cfg.vocab_size}, context {cfg.max_seq_len}"
                      + (f"; from {source}" if source else "") + ("" if used else "; not used by this job"))
+    lines += layout.plan_note(config, world_size)
     lines.append("tasks (parameters per rank: the largest pipeline stage / tp):")
     trained = set(config.trained_tasks().values())
     for task, line in zip(placement.meshes, describe_placement(placement)):

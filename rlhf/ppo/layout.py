@@ -6,12 +6,13 @@ each model's padded vocabulary, and the fused actor/critic schedule's
 problem. ``build_placement`` is the one gate a launch passes before any
 model is built: the plan on N ranks checked against the models' shapes,
 the batch sizes and the fused schedule (the dry run and the job both call
-it).
+it). Without a plan file the job starts from a built-in plan (``built_in_plan``).
 """
 
 from __future__ import annotations
 
 from rlhf import platform
+from rlhf.cli import flag_name
 from rlhf.config import ConfigError
 from rlhf.engine.types import EngineConfig
 from rlhf.models.config import padded_vocab_size as padded_size
@@ -23,7 +24,7 @@ from rlhf.schedule.generators import serial_1f1b
 from rlhf.schedule.io import load_schedule
 from rlhf.schedule.problem import ModelSpec, Problem, ProblemError
 from rlhf.schedule.schedule import Schedule, ScheduleError
-from rlhf.tasks import MODELS, TASK_MODEL
+from rlhf.tasks import MODELS, TASK_MODEL, TASKS
 
 DEFAULT_PLANS = {
     4: {"actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
@@ -33,15 +34,66 @@ DEFAULT_PLANS = {
         "reward_inf": {"ranks": "0-1"},
         "critic_inf": {"ranks": "0-3", "tp": 2}},
 }
-"""The built-in plan per world size when no plan file is given (4 ranks: every kind of layout at once,
-as examples/placement_4ranks.json); other world sizes run every task data parallel on all ranks."""
+"""The built-in plan per world size of a synchronous job without a plan file (4 ranks: every kind of layout
+at once, as examples/placement_4ranks.json); other world sizes run every task data parallel on all ranks."""
+
+ASYNC_PLANS = {
+    4: {"actor_gen": {"ranks": "0-1", "tp": 1, "dp": 2},
+        "actor_train": {"ranks": "2-3", "tp": 1, "pp": 2},
+        "critic_train": {"ranks": "2-3", "dp": 1, "pp": 2, "reverse_pp": True},
+        "ref_inf": {"ranks": "2-3"},
+        "reward_inf": {"ranks": "2-3"},
+        "critic_inf": {"ranks": "2-3", "tp": 1}},
+}
+"""The built-in plan per world size of an asynchronous job (``--max-staleness`` K > 0) without a plan file:
+actor_gen on ranks of its own (4 ranks: docs/async.md's plan); other world sizes of 2 or more get
+:func:`generation_apart_plan`."""
+
+
+def generation_apart_plan(world_size: int) -> dict:
+    """actor_gen data parallel on the first ``world_size // 2`` ranks, every other task data parallel on the
+    rest (the learners keep the odd rank: training is the heavier side)."""
+    half = world_size // 2
+    learners = {"ranks": f"{half}-{world_size - 1}"}
+    return {task: {"ranks": f"0-{half - 1}"} if task == "actor_gen" else dict(learners) for task in TASKS}
+
+
+def plan_flags(plan: dict) -> str:
+    """A plan as the per-task flags that place it (``--actor-gen ranks=0-1,tp=1,dp=2 ...``)."""
+    specs = {task: ",".join(key if value is True else f"{key}={value}" for key, value in entry.items())
+             for task, entry in plan.items()}
+    return " ".join(f"{flag_name(task)} {spec}" for task, spec in specs.items())
+
+
+def built_in_plan(config: JobConfig, world_size: int) -> dict | None:
+    """The plan a job without a plan file starts from: ``DEFAULT_PLANS``' when synchronous (None: every task
+    data parallel on all ranks); with ``max_staleness`` > 0, ``ASYNC_PLANS``' or :func:`generation_apart_plan`,
+    and on 1 rank, where actor_gen cannot have ranks of its own, a ConfigError naming ppo.max_staleness."""
+    staleness = config.ppo.max_staleness
+    if not staleness:
+        return DEFAULT_PLANS.get(world_size)
+    if world_size < 2:
+        raise ConfigError(f"max_staleness {staleness} generates while the other tasks train, so actor_gen needs "
+                          f"ranks of its own, which 1 rank cannot give; launch on 2 or more ranks, where the "
+                          f"job puts actor_gen apart by itself (on 4 ranks: {plan_flags(ASYNC_PLANS[4])}), or "
+                          "drop --max-staleness", "ppo.max_staleness")
+    return ASYNC_PLANS.get(world_size) or generation_apart_plan(world_size)
+
+
+def plan_note(config: JobConfig, world_size: int) -> list[str]:
+    """The one start-up line saying the job runs the built-in asynchronous plan (none for any other plan)."""
+    if config.placement.file or not config.ppo.max_staleness:
+        return []
+    return [f"placement: the built-in asynchronous plan of {world_size} ranks (--max-staleness "
+            f"{config.ppo.max_staleness} without --placement): actor_gen on ranks of its own, the other tasks on "
+            "the rest (per-task flags merge into it)"]
 
 
 def job_plan(config: JobConfig, world_size: int) -> dict:
-    """The job's plan dict on ``world_size`` ranks: its plan file, else the built-in plan of that world
-    size (``DEFAULT_PLANS``), with the per-task flags merged in; without the tasks the job does not run
+    """The job's plan dict on ``world_size`` ranks: its plan file, else the built-in plan
+    (:func:`built_in_plan`), with the per-task flags merged in; without the tasks the job does not run
     that hold a model of their own (ref_inf under ``lora.reference_from_actor_base``)."""
-    plan = config.placement.plan(DEFAULT_PLANS.get(world_size))
+    plan = config.placement.plan(None if config.placement.file else built_in_plan(config, world_size))
     if "ref_inf" not in config.needed_tasks():
         plan = {task: layout for task, layout in plan.items() if task != "ref_inf"}
     return plan
