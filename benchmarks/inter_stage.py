@@ -253,11 +253,10 @@ def real_rank(thresholds: list, repeats: int) -> dict:
     from rlhf.ppo.config import FusionConfig, GenerationConfig, JobConfig, ModelsConfig, PPOConfig
     from rlhf.data import ByteTokenizer, PromptBatchIterator
     from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, gold_reward
-    from rlhf.models.config import preset
     from rlhf.parallel import Placement
     from rlhf.ppo.trainer import Trainer
 
-    config = JobConfig(models=ModelsConfig(actor=preset("tiny"), critic=preset("tiny-critic")), run=RunConfig(seed=3),
+    config = JobConfig(models=ModelsConfig(), run=RunConfig(seed=3),  # the tiny presets at the byte tokenizer's ids
                        generation=GenerationConfig(max_prompt_len=16, max_response_len=96, long_tail_median=12),
                        ppo=PPOConfig(rollout_batch_size=16, n_samples_per_prompt=4, ppo_mini_batch_size=64,
                                      micro_batch_size=8),

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from rlhf.checks import finite_float
 from rlhf.config import ConfigError, LoggingConfig
@@ -306,11 +306,12 @@ def parse_task_spec(task: str, spec: str) -> dict | None:
     return entry
 
 
-def load_model_config(value: str, flag: str) -> ModelConfig:
-    """A preset name or a JSON file of ModelConfig fields."""
+def load_model_config(value: str, flag: str, tokenizer_ids: Callable[[], int]) -> ModelConfig:
+    """A preset name, its vocab_size the job tokenizer's ``tokenizer_ids()`` (called for a preset only), or a
+    JSON file of ModelConfig fields (its own vocab_size)."""
+    if value in MODEL_PRESETS:
+        return preset(value, tokenizer_ids())
     try:
-        if value in MODEL_PRESETS:
-            return preset(value)
         return ModelConfig.from_dict(json.loads(Path(value).read_text()))
     except (OSError, ValueError, ModelConfigError) as exc:
         raise UsageError(f"{flag} {value}: {exc} (give a preset: {', '.join(sorted(MODEL_PRESETS))}, "

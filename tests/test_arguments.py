@@ -8,21 +8,25 @@ import pytest
 
 from rlhf.cli import UsageError, usage_errors
 from rlhf.config import ConfigError, PlacementConfig, RunConfig
-from rlhf.models.config import preset
+from rlhf.data import ByteTokenizer
+from rlhf.models.config import MODEL_PRESETS
 from rlhf.parallel import Placement, PlacementError
 from rlhf.ppo import layout
 from rlhf.ppo.arguments import build_parser, flag_of, parse_args
 from rlhf.ppo.config import FusionConfig, JobConfig, PPOConfig
 from rlhf.reward_model.arguments import reward_flag_of
 from rlhf.reward_model.config import RewardTrainingConfig
+from rlhf.tasks import MODELS
+from test_tokenizers import make_hf_dir
 
 
 def test_defaults_are_the_tiny_job():
     cfg = parse_args([])
     assert cfg == JobConfig()
     assert cfg.run == RunConfig(iterations=30, seed=1234)
-    assert cfg.models["actor"] == cfg.models["reference"] == preset("tiny")
-    assert cfg.models["critic"] == cfg.models["reward"] == preset("tiny-critic")
+    assert cfg.models["actor"] == cfg.models["reference"] == dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=259)
+    assert cfg.models["critic"] == cfg.models["reward"] == dataclasses.replace(MODEL_PRESETS["tiny-critic"],
+                                                                               vocab_size=259)
     assert cfg.ppo.rollout_samples == 64 and cfg.ppo.minibatches == 2 and cfg.ppo.uses_critic
     assert cfg.logging.progress and cfg.logging.metrics_file is None
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -116,6 +120,40 @@ def test_bad_values_name_their_flag(argv, message):
     with pytest.raises(UsageError) as exc:
         parse_args(argv)
     assert str(exc.value).startswith(message)
+
+
+def test_preset_models_have_the_tokenizers_ids(tmp_path):
+    """A preset's vocabulary is the job tokenizer's ids (the byte tokenizer's 259 by default, an HF one's with
+    --tokenizer), for all four models and train_reward.py's; a JSON shape keeps its own vocab_size."""
+    from rlhf.reward_model.arguments import parse_args as reward_args
+
+    assert ByteTokenizer().vocab_size == 259
+    assert {m: parse_args([]).models[m].vocab_size for m in MODELS} == dict.fromkeys(MODELS, 259)
+    hf = make_hf_dir(tmp_path / "tok")  # 14 ids
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n")
+    cfg = parse_args(["--tokenizer", hf, "--prompt-data", str(prompts), "--reward-fn", "m:f"])
+    assert {m: cfg.models[m].vocab_size for m in MODELS} == dict.fromkeys(MODELS, 14)
+    shape = tmp_path / "critic.json"
+    shape.write_text(json.dumps({"vocab_size": 300}))
+    cfg = parse_args(["--critic-model", str(shape)])
+    assert {m: cfg.models[m].vocab_size for m in MODELS} == {"actor": 259, "reference": 259, "critic": 300,
+                                                              "reward": 300}
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "Q", "chosen": "a", "rejected": "b"}) + "\n")
+    assert reward_args(["--train-data", str(pairs)]).model.vocab_size == 259
+    assert reward_args(["--train-data", str(pairs), "--model", "tiny-critic", "--tokenizer", hf]).model.vocab_size == 14
+    assert reward_args(["--train-data", str(pairs), "--model", str(shape)]).model.vocab_size == 300
+
+
+def test_dry_run_reports_the_tokenizers_vocabulary():
+    """The dry run describes the models the job builds: the tiny presets at the byte tokenizer's 259 ids."""
+    from rlhf.ppo.dry_run import dry_run
+
+    lines = dry_run(parse_args([]), 4).splitlines()
+    for model in MODELS:
+        line = next(line for line in lines if line.startswith(f"  {model} "))
+        assert ", vocab 259, context 256" in line, line
 
 
 def test_usage_errors_turn_job_errors_into_flag_errors(tmp_path):

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf.ppo.arguments import flag_of, parse_args
+from rlhf.ppo.arguments import flag_of, parse_args, tokenizer_name
 from rlhf.checkpoint.convert import hf_to_ours
 from rlhf.checkpoint.hf import read_hf_config, read_hf_state
 from rlhf.checkpoint.sources import open_source, read_weights
@@ -273,7 +273,7 @@ def test_shapes_come_from_the_directories(files, tmp_path):
                                         "critic": files["actor_dir"], "reward": files["reward_dir"]}
     odd = str(tmp_path / "odd")
     LlamaConfig(**dict(SHAPE, vocab_size=321), architectures=["LlamaForCausalLM"]).save_pretrained(odd)
-    cfg = parse_args(["--actor-model", odd])
+    cfg = parse_args(["--actor-model", odd, "--critic-model", odd])  # a preset critic would have 259 ids
     placement = Placement.from_plan(layout.job_plan(cfg, 4), 4)
     placement.validate_models({m: cfg.models[m] for m in MODELS})  # tp 2 need not divide 321: rows are padded
     assert layout.padded_vocab_size(cfg, "actor", placement) == 322
@@ -283,7 +283,7 @@ def test_smaller_vocabulary_than_the_actor_is_refused(tmp_path):
     shape = tmp_path / "critic.json"
     shape.write_text(json.dumps({"vocab_size": 256}))
     assert _refusal(["--critic-model", str(shape)]).startswith(
-        "--critic-model: the critic model's vocab_size=256 is smaller than the actor's 512")
+        "--critic-model: the critic model's vocab_size=256 is smaller than the actor's 259")
     # GRPO builds no critic, and a reward function replaces the reward model: neither shape matters
     parse_args(["--critic-model", str(shape), "--advantage-estimator", "grpo",
                 "--reward-fn", "rlhf.data.synthetic:gold_reward"])
@@ -318,15 +318,21 @@ def test_tokenizer_beyond_the_actors_vocabulary_is_refused(tmp_path):
 
 
 def test_default_tokenizer_comes_with_the_actor(files, tmp_path):
-    from rlhf.ppo.job import default_tokenizer
+    """With prompt data the actor directory's tokenizer is the job's, and a preset model has its ids."""
+    def tokenizer(actor, *flags):
+        cfg = parse_args(["--actor-model", actor, "--critic-model", files["actor_dir"], *flags])
+        return tokenizer_name(cfg.data, cfg.models.weights)
 
     with_data = ["--prompt-data", files["prompts"], "--reward-fn", "m:f"]
-    assert default_tokenizer(parse_args(["--actor-model", files["actor_dir"], *with_data])) == files["actor_dir"]
-    assert default_tokenizer(parse_args(["--actor-model", files["actor_dir"]])) == "byte"  # the synthetic task
+    assert tokenizer(files["actor_dir"], *with_data) == files["actor_dir"]
+    assert tokenizer(files["actor_dir"]) == "byte"  # the synthetic task
     ckpt = str(tmp_path / "ckpt")  # a converted checkpoint keeps the tokenizer in <root>/tokenizer
     hf_to_ours(files["actor_dir"], ckpt)
-    assert default_tokenizer(parse_args(["--actor-model", ckpt, *with_data])) == os.path.join(ckpt, "tokenizer")
-    assert default_tokenizer(parse_args(["--actor-model", files["reference_ckpt"], *with_data])) == "byte"
+    assert tokenizer(ckpt, *with_data) == os.path.join(ckpt, "tokenizer")
+    assert tokenizer(files["reference_ckpt"], *with_data) == "byte"
+    # a tiny-critic preset beside the HF actor (GRPO builds no critic: the actor's 320 ids need not fit in it)
+    cfg = parse_args(["--actor-model", files["actor_dir"], *with_data, "--advantage-estimator", "grpo"])
+    assert (cfg.models.critic.vocab_size, cfg.models.actor.vocab_size) == (len(WORDS) + 3, 320)
 
 
 # ---- weights from either format, and reward functions ------------------------------------

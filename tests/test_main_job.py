@@ -31,7 +31,7 @@ def run_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def default_run(run_dir):
     metrics = run_dir / "metrics.jsonl"
-    out = _torchrun("--iterations", "12", "--metrics-file", str(metrics), "--no-progress",
+    out = _torchrun("--iterations", "12", "--metrics-file", str(metrics), "--no-progress", "--log-samples", "1",
                     "--save", str(run_dir / "ckpt"), "--save-interval", "6", "--tensorboard-dir", str(run_dir / "tb"),
                     "--trace-iteration", "2", "--trace-file", str(run_dir / "trace.json"))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -71,6 +71,18 @@ def test_trace_and_tensorboard_of_the_run(default_run, run_dir):
     tb.Reload()
     gold = [s.value for s in tb.Scalars("gold_reward_mean")]
     assert gold == pytest.approx([r["gold_reward_mean"] for r in default_run[1]], rel=1e-6)
+
+
+def test_models_have_the_tokenizers_ids_and_samples_decode(default_run, run_dir):
+    """The tiny presets take the byte tokenizer's 259 ids (the actor's layouts pad a 260th, never sampled), so
+    every sampled id has a token: each iteration's decoded response shows no ``<id N>``."""
+    from rlhf.checkpoint.rlhf_state import saved_model_config
+
+    lines, _ = default_run
+    models = ("actor", "reference", "critic", "reward")
+    assert {m: saved_model_config(str(run_dir / "ckpt"), m)[0].vocab_size for m in models} == dict.fromkeys(models, 259)
+    responses = [line for line in lines if line.startswith("  response: ")]
+    assert len(responses) == 12 and not [r for r in responses if "<id " in r], responses
 
 
 def test_gold_reward_rises(default_run):

@@ -178,7 +178,7 @@ def test_job_refusal_names_the_flag(tmp_path):
 def test_defaults_and_flags(tmp_path):
     path = _write(tmp_path, [GOOD])
     cfg = parse_args(["--train-data", path])
-    assert cfg.model == preset("tiny-critic") and cfg.model_dir is None
+    assert cfg.model == preset("tiny-critic", 259) and cfg.model_dir is None  # the byte tokenizer's ids
     assert (cfg.training.global_batch_size, cfg.training.micro_batch_size, cfg.optimizer.lr) == (64, 4, 1e-5)
     assert cfg.max_length == 256 and build_placement(cfg, 4)[TASK].strategy.dp == 4  # every rank, data parallel
     plan = tmp_path / "plan.json"

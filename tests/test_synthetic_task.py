@@ -77,10 +77,11 @@ def test_gold_reward_is_the_fraction_of_lower_case_letters_eos_included():
     assert GOLD_TARGET_IDS == tuple(range(97, 123))
 
 
-def test_gold_reward_of_a_uniform_policy_is_about_26_of_512():
-    ids = torch.randint(512, (4000, 32), generator=torch.Generator().manual_seed(0)).tolist()
+def test_gold_reward_of_a_uniform_policy_is_about_26_of_259():
+    """The tiny default's untrained actor is near-uniform over the byte tokenizer's 259 ids."""
+    ids = torch.randint(259, (4000, 32), generator=torch.Generator().manual_seed(0)).tolist()
     mean = sum(gold_reward([[BOS]] * len(ids), ids)) / len(ids)
-    assert abs(mean - 26 / 512) < 0.003  # standard error ~0.0006
+    assert abs(mean - 26 / 259) < 0.003  # standard error ~0.0008
 
 
 def test_gold_reward_needs_one_prompt_per_response():
@@ -108,6 +109,18 @@ def test_preference_pairs_follow_the_gold_rule_and_drop_ties():
     for prompt, chosen, rejected in pairs:
         assert prompt in prompts
         assert gold_reward([prompt], [chosen])[0] > gold_reward([prompt], [rejected])[0]
+
+
+def test_tiny_default_reward_model_trains_on_the_tokenizers_ids():
+    """The pairs pretrain_rlhf.py trains the tiny default's reward model on draw from the preset's vocabulary,
+    the byte tokenizer's ids: every id they hold has a token, and each of the 259 occurs."""
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.job import prompt_dataset, synthetic_preferences
+
+    config, tokenizer = parse_args([]), ByteTokenizer()
+    held_out, train = synthetic_preferences(config, prompt_dataset(config, tokenizer), tokenizer, 1000)
+    assert (len(held_out), len(train)) == (483, 955)  # 512 and 1000 draws, ties dropped (the run prints 483)
+    assert {i for pairs in (held_out, train) for p in pairs for i in p.chosen + p.rejected} == set(range(259))
 
 
 def test_preference_records_are_text_ordered_by_the_rule():

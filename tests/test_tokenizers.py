@@ -195,8 +195,8 @@ def test_hf_bad_generation_config_names_the_file_and_value(tmp_path, content, ma
 
 
 def test_readable_text_shows_ids_past_the_vocabulary():
-    """The tiny default's actor has 512 ids and the byte tokenizer 259: logged samples and the episodes' turn
-    text must still decode."""
+    """A model may have more ids than its tokenizer (a JSON shape, an HF model's padded vocabulary): logged
+    samples and the episodes' turn text must still decode."""
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode("AB cd")
     text = tokenizer.decode(ids)

@@ -84,11 +84,14 @@ def test_flag_sets_the_padding_per_model(odd_vocab_job):
         "actor": 128, "reference": 128, "critic": 96, "reward": 128}
 
 
-def test_default_keeps_the_tiny_job_unpadded():
+def test_tiny_default_pads_the_byte_vocabulary_where_tp_needs_it():
+    """The tiny presets have the byte tokenizer's 259 ids; on the built-in 4-rank plan the actor's layouts
+    (generation and training tp 2) and the critic's (critic_inf tp 2) pad one row, the reward model's (tp 1)
+    none."""
     job = JobConfig()
-    placement = layout.build_placement(job, 4)  # the built-in 4-rank plan: actor tp 2, vocab 512
-    assert all(layout.padded_vocab_size(job, m, placement) == job.models[m].vocab_size
-               for m in ("actor", "reference", "critic", "reward"))
+    placement = layout.build_placement(job, 4)
+    assert {m: layout.padded_vocab_size(job, m, placement) for m in ("actor", "reference", "critic", "reward")} \
+        == {"actor": 260, "reference": 260, "critic": 260, "reward": 259}
 
 
 @pytest.mark.parametrize("value", ["0", "-3"])

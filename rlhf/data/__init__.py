@@ -33,6 +33,7 @@ from .tokenizer import (
     build_tokenizer,
     checked_tokenizer,
     copy_tokenizer_files,
+    named_tokenizer,
     validate_messages,
 )
 
@@ -63,5 +64,6 @@ __all__ = [
     "encode_prompt",
     "gold_reward",
     "load_prompt_records",
+    "named_tokenizer",
     "validate_messages",
 ]

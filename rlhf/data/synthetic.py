@@ -23,7 +23,8 @@ Gold reward
         "aB"              97 66               1/2
         "abcd"            97 98 99 100        1
 
-    Why this rule: a near-uniform policy over 512 ids scores 26/512 ~= 0.05;
+    Why this rule: a near-uniform policy over the byte tokenizer's 259 ids (the
+    tiny default's vocabulary) scores 26/259 ~= 0.10;
     the way up is to move probability mass onto 26 tokens, the easiest thing a
     policy can learn; every position of the response counts equally, so the
     policy is rewarded for letters over the whole response; and stopping early
@@ -37,9 +38,9 @@ Preference pairs (the reward model's training data)
     other pool; each response draws from a random subset of each pool (1..all
     of its ids), so a policy that later piles its mass onto a few ids is still
     inside the training distribution, and the scores cover all of [0, 1], not
-    only the 0.05 of an untrained policy. :func:`preference_pairs` gives token
-    ids (the tiny default: the other pool is the model's whole vocabulary, and
-    the last token is EOS with ``eos_probability``); :func:`preference_records`
+    only the 0.10 of an untrained policy. :func:`preference_pairs` gives token
+    ids (the tiny default: the other pool is the model's whole vocabulary, the
+    tokenizer's ids, and the last token is EOS with ``eos_probability``); :func:`preference_records`
     gives text records for files (the other pool is printable ASCII).
 """
 from __future__ import annotations

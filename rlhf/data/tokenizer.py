@@ -36,6 +36,7 @@ __all__ = [
     "TokenizerError",
     "checked_tokenizer",
     "build_tokenizer",
+    "named_tokenizer",
     "copy_tokenizer_files",
     "is_tokenizer_dir",
     "validate_messages",
@@ -159,6 +160,7 @@ class ByteTokenizer(Tokenizer):
     """
 
     PAD, BOS, EOS = 256, 257, 258
+    VOCAB_SIZE = 259
     _NAMES = {PAD: "<pad>", BOS: "<s>", EOS: "</s>"}
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -184,7 +186,7 @@ class ByteTokenizer(Tokenizer):
 
     @property
     def vocab_size(self) -> int:
-        return 259
+        return self.VOCAB_SIZE
 
     @property
     def eos_id(self) -> int:
@@ -203,7 +205,7 @@ class ByteTokenizer(Tokenizer):
         return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
     def __repr__(self) -> str:
-        return "ByteTokenizer(vocab_size=259, pad=256, bos=257, eos=258)"
+        return f"ByteTokenizer(vocab_size={self.VOCAB_SIZE}, pad={self.PAD}, bos={self.BOS}, eos={self.EOS})"
 
 
 class HFTokenizer(Tokenizer):
@@ -336,7 +338,7 @@ class HFTokenizer(Tokenizer):
 
 def readable_text(tokenizer: Tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     """``ids`` decoded by ``tokenizer``; an id past its vocabulary (a model may have more ids than its
-    tokenizer, as the tiny default's actor has) shows as ``<id N>`` instead of failing."""
+    tokenizer: a JSON shape's, an HF model's padded vocabulary) shows as ``<id N>`` instead of failing."""
     text, run = [], []
     for i in [*ids, None]:
         if i is not None and i < tokenizer.vocab_size:
@@ -436,14 +438,19 @@ def build_tokenizer(name_or_path: Union[str, os.PathLike], *, backend: str = "au
     return HFTokenizer(name_or_path, backend=backend)
 
 
-def checked_tokenizer(name: str, vocab: int, model: str, model_flag: str) -> Tokenizer:
-    """``build_tokenizer(name)``, refused when it cannot be built or has more ids than ``model``'s vocabulary
-    ``vocab`` (set by ``model_flag``): a ConfigError naming ``data.tokenizer``, the field of both programs'
-    data sections that names the tokenizer."""
+def named_tokenizer(name: str) -> Tokenizer:
+    """``build_tokenizer(name)``, or a ConfigError naming ``data.tokenizer`` (the field of both programs'
+    data sections that names the tokenizer) when it cannot be built."""
     try:
-        tokenizer = build_tokenizer(name)
+        return build_tokenizer(name)
     except TokenizerError as exc:
         raise ConfigError(str(exc), "data.tokenizer") from None
+
+
+def checked_tokenizer(name: str, vocab: int, model: str, model_flag: str) -> Tokenizer:
+    """:func:`named_tokenizer`, refused when it has more ids than ``model``'s vocabulary ``vocab`` (set by
+    ``model_flag``): a ConfigError naming ``data.tokenizer``."""
+    tokenizer = named_tokenizer(name)
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"tokenizer {name!r} has {tokenizer.vocab_size} ids, more than {model}'s vocab_size="
                           f"{vocab} ({model_flag}); give a tokenizer of {model}'s vocabulary (--tokenizer) or "

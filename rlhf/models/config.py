@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Iterable
 
 
@@ -74,7 +74,9 @@ class ModelConfig:
 
 
 MODEL_PRESETS = {
-    # name -> ModelConfig: the shapes a flag may name instead of a JSON file or a model directory
+    # name -> ModelConfig: the shapes a flag may name instead of a JSON file or a model directory. A job's
+    # preset takes its vocabulary from the job's tokenizer (preset()); the vocab_size here is ModelConfig's
+    # default, what the planner's tools assume for a preset.
     # The built-in tiny default: runs on two CPU cores in seconds.
     "tiny": ModelConfig(),
     "tiny-critic": ModelConfig(num_layers=2, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4,
@@ -82,10 +84,11 @@ MODEL_PRESETS = {
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """A named model shape; the error lists the presets that exist."""
+def preset(name: str, vocab_size: int) -> ModelConfig:
+    """The named model shape with ``vocab_size`` ids: a job gives a preset its tokenizer's number of ids, so
+    that every id the model can sample has a token. The error lists the presets that exist."""
     try:
-        return MODEL_PRESETS[name]
+        return replace(MODEL_PRESETS[name], vocab_size=vocab_size)
     except KeyError:
         raise ModelConfigError(f"unknown model preset {name!r}; available: {', '.join(sorted(MODEL_PRESETS))}") from None
 

@@ -10,14 +10,17 @@ flag. The placement and model flags are built here.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
+from typing import Mapping
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
 from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, add_section_flags, flag_name,
                       fraction_or_auto, load_model_config, optional_float, parse_task_spec, section_configs,
                       section_flag, usage_errors)
-from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
+from rlhf.config import CheckpointConfig, ConfigError, PlacementConfig, RunConfig
+from rlhf.data import named_tokenizer
 from rlhf.models.config import LORA_MODULES_TO_SAVE, LORA_TARGET_MODULES, MODEL_PRESETS
 from rlhf.ppo.config import (AdaptersConfig, DataConfig, FusionConfig, GenerationConfig, JobConfig, MemoryConfig,
                              ModelsConfig, PPOConfig, RewardConfig)
@@ -231,7 +234,7 @@ SECTIONS = {
     ]),
     "data": (DataConfig, "tokenizer and prompts", [
         ("tokenizer", str, "'byte' or an HF tokenizer directory (None: the actor directory's tokenizer with "
-                           "--prompt-data, when it has one; else byte)"),
+                           "--prompt-data, when it has one; else byte); a model given as a preset has its ids"),
         ("prompt_data", str, "JSONL or Parquet file of prompt records (None: the built-in synthetic task)"),
         ("prompt_field", str, "record field holding the prompt text"),
         ("messages_field", str, "record field holding chat messages [{role, content}] to render with the "
@@ -303,9 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "and weights from it)")
     pairs = {name: model.add_mutually_exclusive_group() for name in MODELS}  # --<model>-model or -load-megatron
     pairs["actor"].add_argument("--actor-model", default="tiny", metavar="PRESET|JSON|DIR",
-                       help=f"the actor: a preset ({', '.join(sorted(MODEL_PRESETS))}) or a JSON file of ModelConfig "
-                            "fields (a shape: seeded random weights), or a DIR with a *ForCausalLM or our "
-                            "model 'actor' (default: tiny)")
+                       help=f"the actor: a preset ({', '.join(sorted(MODEL_PRESETS))}; its vocabulary is the "
+                            "tokenizer's ids) or a JSON file of ModelConfig fields (a shape: seeded random weights), "
+                            "or a DIR with a *ForCausalLM or our model 'actor' (default: tiny)")
     pairs["critic"].add_argument("--critic-model", default="tiny-critic", metavar="PRESET|JSON|DIR",
                        help="the critic, same forms; a DIR with a *ForSequenceClassification (value head from "
                             "score.weight), a *ForCausalLM (a new value head) or our model 'critic' (else "
@@ -342,9 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def models_config(args: argparse.Namespace) -> ModelsConfig:
-    """The four models' shapes and weight directories of the --<model>-model flags (ConfigError: bad shapes)."""
-    shapes, weights = {}, {}
+def models_config(args: argparse.Namespace, data: DataConfig) -> ModelsConfig:
+    """The four models' shapes and weight directories of the --<model>-model flags: a directory's shape and
+    a JSON file's are their own, a preset's has the job tokenizer's ids (:func:`tokenizer_name` of ``data``;
+    ConfigError: bad shapes, a tokenizer that cannot be built)."""
+    shapes, weights, shape_flags = {}, {}, {}
     for model in MODELS:
         value, flag = getattr(args, f"{model}_model"), f"--{model}-model"
         megatron = getattr(args, f"{model}_load_megatron", None)
@@ -359,10 +364,27 @@ def models_config(args: argparse.Namespace) -> ModelsConfig:
             except ModelSourceError as exc:
                 raise UsageError(f"{flag} {value}: {exc}") from None
         elif model in ("actor", "critic"):  # the two models with a shape of their own by default
-            shapes[model] = load_model_config(value, flag)
+            shape_flags[model] = value, flag
         else:
             raise UsageError(f"{flag} {value}: not a directory; give an HF model directory or our checkpoint root")
+    tokenizer_ids = functools.cache(lambda: named_tokenizer(tokenizer_name(data, weights)).vocab_size)
+    for model, (value, flag) in shape_flags.items():
+        shapes[model] = load_model_config(value, flag, tokenizer_ids)
     return ModelsConfig(**shapes, weights=weights, make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+
+
+def tokenizer_name(data: DataConfig, weights: Mapping[str, str]) -> str:
+    """The job's tokenizer: ``data.tokenizer``; else, with prompt data, the one that comes with the actor's
+    directory (``weights``: ModelsConfig.weights), when it has one; else "byte" (ConfigError: an actor
+    directory that cannot be read)."""
+    if data.tokenizer is not None:
+        return data.tokenizer
+    if data.prompt_data is None or "actor" not in weights:
+        return "byte"
+    try:
+        return open_source(weights["actor"], "actor").tokenizer_dir() or "byte"
+    except ModelSourceError as exc:
+        raise ConfigError(str(exc), "models.actor") from None
 
 
 def _refuse_quantized(args: argparse.Namespace, model: str, value: str, flag: str) -> None:
@@ -408,8 +430,8 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
     """The JobConfig of parsed flags; a bad value exits naming its flag."""
     overrides = {t: parse_task_spec(t, getattr(args, t)) for t in TASKS if getattr(args, t)}
     with usage_errors(flag_of):
-        models = models_config(args)
         sections = section_configs(args, SECTIONS)
+        models = models_config(args, sections["data"])
         return JobConfig(placement=PlacementConfig(args.placement, overrides), models=models, **sections)
 
 

@@ -20,7 +20,7 @@ from rlhf.algorithms.losses import LOSS_AGGREGATIONS
 from rlhf.checks import is_int
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
                          check_positive_ints, check_range, check_recompute, check_recompute_stage)
-from rlhf.data import PromptDatasetConfig
+from rlhf.data import ByteTokenizer, PromptDatasetConfig
 from rlhf.models.config import LORA_TARGET_MODULES, LoRAConfig, ModelConfig, ModelConfigError, preset
 from rlhf.models.precision import PrecisionConfig
 from rlhf.optim import OptimizerConfig
@@ -339,7 +339,10 @@ class ModelsConfig:
     """Shapes of the four models and the directories their starting weights come from.
 
     The reference has the actor's shape and the reward model the critic's
-    unless given their own (``None``: the same). ``weights`` maps a model to an
+    unless given their own (``None``: the same). A model given as a preset has
+    the job tokenizer's number of ids (rlhf/ppo/arguments.py; by default the
+    tiny presets at the byte tokenizer's, the default job's); a JSON shape or
+    a directory keeps its own vocab_size. ``weights`` maps a model to an
     HF model directory or our checkpoint root (rlhf/checkpoint/sources.py, the
     flags ``--<model>-model DIR``); a model without an entry starts from seeded
     random weights, except the reference (a copy of the actor's start) and the
@@ -350,8 +353,8 @@ class ModelsConfig:
     (``rlhf.ppo.layout.padded_vocab_size``; 1 pads only what tp needs).
     """
 
-    actor: ModelConfig = field(default_factory=lambda: preset("tiny"))
-    critic: ModelConfig = field(default_factory=lambda: preset("tiny-critic"))
+    actor: ModelConfig = field(default_factory=lambda: preset("tiny", ByteTokenizer.VOCAB_SIZE))
+    critic: ModelConfig = field(default_factory=lambda: preset("tiny-critic", ByteTokenizer.VOCAB_SIZE))
     reference: ModelConfig | None = None
     reward: ModelConfig | None = None
     weights: Mapping[str, str] = field(default_factory=dict)

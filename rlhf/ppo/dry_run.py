@@ -6,11 +6,12 @@ against the models' shapes and the batch sizes, the fused schedule against
 the training placements: ``rlhf.ppo.layout.build_placement``) and describes
 the result: each model's size, each task's ranks and layout. It starts no
 process, opens no process group and builds no model: shapes come from
-presets, JSON files or the config files of model directories, parameters
-are counted from the shapes by the planner's count (rlhf/planner/shapes.py).
-Not checked here (the job checks them at start-up, before any model is
-built): the tokenizer, the prompt file's records, the reward function's
-import and a ``--load`` root's checkpoints.
+presets (with the job tokenizer's ids, as the job's), JSON files or the
+config files of model directories, parameters are counted from the shapes
+by the planner's count (rlhf/planner/shapes.py). Not checked here (the job
+checks them at start-up, before any model is built): that the tokenizer's
+ids fit the actor's vocabulary, the prompt file's records, the reward
+function's import and a ``--load`` root's checkpoints.
 
 It also prints the planner's predicted memory per rank (rlhf/planner/cost.py
 ``task_memory``) in the parts the job measures and logs (``memory_training_*``

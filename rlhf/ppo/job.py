@@ -3,7 +3,7 @@ then the Trainer (docs/training.md, "Models, tokenizer, prompts and rewards").
 
 - tokenizer: ``--tokenizer`` (byte or an HF directory); by default the actor
   directory's with ``--prompt-data``, else the byte tokenizer. Its ids must
-  fit the actor's vocabulary.
+  fit the actor's vocabulary (a preset's vocabulary is its ids).
 - prompts: ``--prompt-data`` through rlhf.data.PromptDataset, else the
   synthetic task's seeded prompts.
 - starting weights: a model given as a directory is read by
@@ -35,6 +35,7 @@ from rlhf.config import ConfigError, LoggingConfig, RunConfig
 from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
                        PromptDataset, Tokenizer, checked_tokenizer)
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
+from rlhf.ppo.arguments import tokenizer_name
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.reward_fn import describe_rewards, job_reward_fn
 from rlhf.ppo.trainer import Trainer
@@ -67,16 +68,10 @@ def build_trainer(config: JobConfig, placement) -> Trainer:
 
 
 def job_tokenizer(config: JobConfig) -> Tokenizer:
-    """``--tokenizer`` or its default, refused when its ids do not fit the actor's vocabulary."""
-    return checked_tokenizer(config.data.tokenizer or default_tokenizer(config), config.models.actor.vocab_size,
+    """``--tokenizer`` or its default (rlhf.ppo.arguments.tokenizer_name, which also gave the preset models
+    their vocabulary), refused when its ids do not fit the actor's vocabulary."""
+    return checked_tokenizer(tokenizer_name(config.data, config.models.weights), config.models.actor.vocab_size,
                              "the actor", "--actor-model")
-
-
-def default_tokenizer(config: JobConfig) -> str:
-    """The actor directory's tokenizer with prompt data, when it has one; else "byte"."""
-    if config.data.prompt_data is None or "actor" not in config.models.weights:
-        return "byte"
-    return _source(config, "actor").tokenizer_dir() or "byte"
 
 
 def prompt_dataset(config: JobConfig, tokenizer: Tokenizer):
@@ -153,8 +148,9 @@ def trained_reward_weights(config: JobConfig, dataset, tokenizer, placement) -> 
 
 def synthetic_preferences(config: JobConfig, dataset, tokenizer, n: int) -> tuple:
     """(held-out, training) preference pairs of the synthetic task: the seed's first SYNTHETIC_HELD_OUT
-    draws, then ``n`` more (rlhf.data.synthetic.preference_pairs over the reward model's whole vocabulary,
-    responses as long as the actor's, a quarter ending with EOS)."""
+    draws, then ``n`` more (rlhf.data.synthetic.preference_pairs over the reward model's whole vocabulary:
+    for the tiny default's preset, the tokenizer's ids; responses as long as the actor's, a quarter ending
+    with EOS)."""
     gen = torch.Generator().manual_seed(config.run.seed)
     prompts = [p.token_ids for p in dataset]
     model = config.models["reward"]

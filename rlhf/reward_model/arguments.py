@@ -18,11 +18,12 @@ from rlhf.checkpoint.sources import ModelSourceError, open_source
 from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, add_section_flags, load_model_config,
                       parse_task_spec, section_configs, section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, PlacementConfig, RunConfig
+from rlhf.data import named_tokenizer
 from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.reward_model.config import TASK, RewardDataConfig, RewardJobConfig, RewardOptimizerConfig, RewardTrainingConfig
 
 TINY = "tiny-critic"
-"""``--model tiny``: the tiny RLHF default's reward-model shape (the byte tokenizer's ids fit it)."""
+"""``--model tiny``: the tiny RLHF default's reward-model shape (a preset: its vocabulary is the tokenizer's)."""
 
 REWARD_SECTIONS = {
     "run": (RunConfig, "run", [
@@ -55,7 +56,7 @@ REWARD_SECTIONS = {
     ]),
     "data": (RewardDataConfig, "tokenizer and preference data", [
         ("tokenizer", str, "'byte' or an HF tokenizer directory (None: the --model directory's tokenizer, when "
-                           "it has one; else byte)"),
+                           "it has one; else byte); a --model preset has its ids"),
         ("train_data", str, "JSONL or Parquet file of preference records: prompt, chosen, rejected (strings, "
                             "or chat messages: HH-RLHF, UltraFeedback layouts); required"),
         ("eval_data", str, "held-out preference records, scored every --eval-interval iterations"),
@@ -101,22 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
                             "file's entry (default: every rank, data parallel)")
     parser.add_argument("--model", default="tiny", metavar="PRESET|JSON|DIR",
                         help=f"the model to train: 'tiny' (the tiny RLHF default's reward model, preset {TINY}), a "
-                             f"preset ({', '.join(sorted(MODEL_PRESETS))}) or a JSON file of ModelConfig fields (seeded "
-                             "random weights), or a DIR: an HF *ForSequenceClassification (head from score.weight) or "
-                             "*ForCausalLM (a new value head), or our checkpoint's model 'reward' (default: tiny)")
+                             f"preset ({', '.join(sorted(MODEL_PRESETS))}; its vocabulary is the --tokenizer's ids) "
+                             "or a JSON file of ModelConfig fields (seeded random weights), or a DIR: an HF "
+                             "*ForSequenceClassification (head from score.weight) or *ForCausalLM (a new value "
+                             "head), or our checkpoint's model 'reward' (default: tiny)")
     add_section_flags(parser, REWARD_SECTIONS)
     parser.add_argument("--train-iters", dest="iterations", type=int, help=argparse.SUPPRESS)
     return parser
 
 
-def model_source(value: str) -> tuple[ModelConfig, str | None]:
-    """(shape, weights directory or None) of ``--model``."""
+def model_source(value: str, data: RewardDataConfig) -> tuple[ModelConfig, str | None]:
+    """(shape, weights directory or None) of ``--model``: a preset has the ids of the tokenizer ``data``
+    names (a preset has no directory whose tokenizer would be the default: byte)."""
     if Path(value).is_dir() and value not in MODEL_PRESETS:
         try:
             return open_source(value, "reward", trained=True).config, value
         except ModelSourceError as exc:
             raise UsageError(f"--model {value}: {exc}") from None
-    return load_model_config(TINY if value == "tiny" else value, "--model"), None
+    return load_model_config(TINY if value == "tiny" else value, "--model",
+                             lambda: named_tokenizer(data.tokenizer or "byte").vocab_size), None
 
 
 def reward_flag_of(field_name: str) -> str:
@@ -132,10 +136,11 @@ def config_from_args(args: argparse.Namespace) -> RewardJobConfig:
                          "(tools/synthetic_preferences.py writes one from a hidden rule)")
     spec = getattr(args, TASK)
     overrides = {TASK: parse_task_spec(TASK, spec)} if spec else {}
-    model, model_dir = model_source(args.model)
     with usage_errors(reward_flag_of):
+        sections = section_configs(args, REWARD_SECTIONS)
+        model, model_dir = model_source(args.model, sections["data"])
         return RewardJobConfig(placement=PlacementConfig(args.placement, overrides), model=model, model_dir=model_dir,
-                               **section_configs(args, REWARD_SECTIONS))
+                               **sections)
 
 
 def parse_args(argv=None) -> RewardJobConfig:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from rlhf.config import (CheckpointConfig, ConfigError, LoggingConfig, PlacementConfig, RunConfig, check_field_types,
                          check_positive_ints, check_recompute)
 from rlhf.data.preferences import PreferenceDatasetConfig
+from rlhf.data.tokenizer import ByteTokenizer
 from rlhf.models.config import ModelConfig, preset
 from rlhf.models.precision import PrecisionConfig
 from rlhf.optim import OptimizerConfig
@@ -111,10 +112,11 @@ class RewardDataConfig:
 class RewardJobConfig:
     """Everything ``train_reward.py`` runs with: the placement, the model (``model``: its shape;
     ``model_dir``: an HF model directory or our checkpoint root its weights start from, else seeded
-    random weights), and the sections above."""
+    random weights; by default the tiny preset at the byte tokenizer's ids, as ``--model tiny``), and the
+    sections above."""
 
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    model: ModelConfig = field(default_factory=lambda: preset("tiny-critic"))
+    model: ModelConfig = field(default_factory=lambda: preset("tiny-critic", ByteTokenizer.VOCAB_SIZE))
     model_dir: str | None = None
     run: RunConfig = field(default_factory=RunConfig)
     training: RewardTrainingConfig = field(default_factory=RewardTrainingConfig)
