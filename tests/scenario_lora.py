@@ -23,7 +23,7 @@ from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
 from rlhf.checkpoint.peft import load_peft
 from rlhf.models import ModelConfig
 from rlhf.models.config import LoRAConfig
-from rlhf.models.gpt import build_model, stage_forward
+from rlhf.models.gpt import build_model, eval_mode, stage_forward
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.models.lora import apply_lora, is_adapter
 from rlhf.models.naming import named_global_parameters
@@ -236,14 +236,15 @@ def _adapter_grads(model, local, ids: torch.Tensor, seed: int) -> dict:
 def _dropout() -> dict:
     """--lora-dropout 0.5: (1) the issue's run of the tiny default (--recompute-logprobs, B trained from zero):
     every iteration's mismatch_kl, the engine's log-probs against actor_train's inference pass; (2) one rank's
-    adapted model: two inference passes (rlhf.pipeline.microbatch.pipeline_forward) against each other and
-    against a training forward; the adapters' gradients with every layer recomputed in backward against those
+    adapted model: two forward passes in eval mode, as inference passes run, against each other and against a
+    training forward; the adapters' gradients with every layer recomputed in backward against those
     without recompute from the same seed, and against another seed's masks."""
     metrics = tiny_default_metrics(["--lora-rank", "4", "--lora-dropout", "0.5", "--lora-modules-to-save", "lm_head,norm",
                                     "--recompute-logprobs", "--ppo-mini-batch-size", "64", "--lr", "1e-2"], 3)
     ids = torch.randint(0, DROPOUT_CFG.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     model, local = _dropout_model(None, b_seed=4)
-    inferred = [pipeline_forward(model, local, ids) for _ in range(2)]
+    with eval_mode(model):  # as the inference passes run (rlhf.pipeline.inference.InferenceRunner)
+        inferred = [pipeline_forward(model, local, ids) for _ in range(2)]
     with torch.no_grad():
         trained = stage_forward(model, ids)
     plain = _adapter_grads(model, local, ids, seed=11)

@@ -17,6 +17,7 @@ import torch
 
 from rlhf.batch import OPTIONAL_FIELDS, Batch
 from rlhf.memory import StageMemory
+from rlhf.models.gpt import eval_mode
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.pipeline.microbatch import pipeline_forward
@@ -67,10 +68,11 @@ class InferenceRunner:
     def infer(self, task: str, part: Batch, field: str | None = None) -> Batch | None:
         """``task``'s outputs for the samples of ``part``, which this rank's replica runs (collective over
         it): on the last stage's TP rank 0, ``part`` on the host with ``field`` (None:
-        ``INFERENCE_FIELDS[task]``) set and no other optional field; None on the replica's other ranks."""
+        ``INFERENCE_FIELDS[task]``) set and no other optional field; None on the replica's other ranks.
+        The model runs in eval mode (dropout, e.g. LoRA's, off: the log-probs are the policy's)."""
         g, model = self.groups[task], self.models[task]
         outputs = []
-        with self.memory.on_device(task):
+        with self.memory.on_device(task), eval_mode(model):
             for mb in part.micro_batches(self.micro_batch_size, self.max_tokens):
                 packed = None if self.max_tokens is None else PackedLayout.of(mb)
                 out = pipeline_forward(model, g, mb.tokens, packed)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from rlhf.models.gpt import eval_mode, stage_forward
+from rlhf.models.gpt import stage_forward
 from rlhf.models.packing import PackedLayout, sequence_shape
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.p2p import recv_backward, recv_forward, send_backward, send_forward
@@ -28,9 +28,10 @@ def _receive_input(model, groups: TaskGroups, input_ids: torch.Tensor, packed: P
 
 def pipeline_forward(model, groups: TaskGroups, input_ids: torch.Tensor,
                      packed: PackedLayout | None = None) -> torch.Tensor | None:
-    """Inference through the pipeline (``packed``: the samples as one packed row, stage_forward), in eval mode
-    (dropout off); the last stage returns its output, others None."""
-    with torch.no_grad(), eval_mode(model):
+    """Inference through the pipeline (``packed``: the samples as one packed row, stage_forward); the last
+    stage returns its output, others None. Callers put the model in eval mode for the whole pass
+    (rlhf.models.gpt.eval_mode: dropout off)."""
+    with torch.no_grad():
         out = stage_forward(model, input_ids, _receive_input(model, groups, input_ids, packed), packed)
         if groups.is_last_stage:
             return out

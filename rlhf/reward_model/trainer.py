@@ -33,7 +33,7 @@ from rlhf.config import ConfigError, check_recompute_stage
 from rlhf.data import PromptBatchIterator
 from rlhf.data.preferences import PreferenceDataset, PreferencePair
 from rlhf.metrics import MetricsWriter, StageTimer, reduce_metrics, with_rates, write_trace
-from rlhf.models.gpt import build_model
+from rlhf.models.gpt import build_model, eval_mode
 from rlhf.models.naming import named_global_parameters
 from rlhf.models.vocab import drop_vocab_padding
 from rlhf.optim import ModelOptimizer
@@ -212,15 +212,16 @@ class RewardTrainer:
             return {}
         share, size = shares(len(data), g.mesh.strategy.dp)[g.coord.dp], self.config.training.micro_batch_size
         records = []
-        for k in range(0, len(share), size):
-            pairs = [data[i] for i in share[k:k + size]]
-            mb = pair_batch(pairs, 0, self.pad_id)
-            values = pipeline_forward(self.model, g, mb.tokens)
-            if values is not None and g.tp_rank == 0:
-                chosen, rejected = pair_scores(values, mb)
-                margin = torch.tensor([p.margin for p in pairs], device=chosen.device)
-                loss = preference_loss(chosen, rejected, margin, self.config.training.center_rewards_coef)
-                records.append(pair_statistics(loss, chosen, rejected))
+        with eval_mode(self.model):
+            for k in range(0, len(share), size):
+                pairs = [data[i] for i in share[k:k + size]]
+                mb = pair_batch(pairs, 0, self.pad_id)
+                values = pipeline_forward(self.model, g, mb.tokens)
+                if values is not None and g.tp_rank == 0:
+                    chosen, rejected = pair_scores(values, mb)
+                    margin = torch.tensor([p.margin for p in pairs], device=chosen.device)
+                    loss = preference_loss(chosen, rejected, margin, self.config.training.center_rewards_coef)
+                    records.append(pair_statistics(loss, chosen, rejected))
         return _add(records)
 
     # ---- weights and checkpoints -----------------------------------------------------
