@@ -246,9 +246,9 @@ class ModelLoss:
         names = self.term_names()
         if not steps or not names:
             return {}
-        counted = g.is_last_stage and g.tp_rank == 0
-        sums = torch.stack([torch.as_tensor(self.terms.get(name, 0.0), dtype=torch.float32, device=platform.device())
-                            if counted else torch.zeros((), device=platform.device()) for name in names])
+        zero = torch.zeros((), device=platform.device())
+        counted = self.terms if g.is_last_stage and g.tp_rank == 0 else {}
+        sums = torch.stack([counted.get(name, zero) for name in names]).float()
         dist.all_reduce(sums, group=g.mesh_group)
         return dict(zip(names, sums / steps))
 
