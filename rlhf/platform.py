@@ -15,7 +15,11 @@ megatron-core assumes CUDA in a handful of places that our CPU runs reach:
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``;
 * ``tensor.type()`` strings checked against ``torch.cuda.FloatTensor`` in its
   DDP / optimizer code, and scalars its optimizers allocate on ``device="cuda"``
-  (those two run under :func:`megatron_scope`, a torch-function mode).
+  (those two run under :func:`megatron_scope`, a torch-function mode);
+* the MoE all-to-all token dispatcher's side stream for its device-to-host
+  copies of the token counts (``torch.cuda.Stream``, ``current_stream``,
+  ``stream``): on the CPU there is one stream, the host's, and its events are
+  complete when recorded.
 
 When CUDA is unavailable, `setup_megatron()` points exactly these at their CPU
 equivalents (the CPU generator plays the part of the device generator). When
@@ -220,6 +224,8 @@ def setup_megatron() -> None:
     global _MEGATRON_READY
     if not _MEGATRON_READY and not has_accelerator():
         _adapt_megatron_to_cpu()
+    if not _MEGATRON_READY:
+        _define_missing_te_gemm()
     _MEGATRON_READY = True
     from megatron.core import parallel_state
 
@@ -242,6 +248,16 @@ def seed_model_parallel_rng(seed: int) -> None:
     )
 
 
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's MoE router asks ``te_general_gemm is not None`` but binds the name only when
+    TransformerEngine imports (a NameError on any device without TE): bind it to None there, so the router's
+    torch matmul runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def _adapt_megatron_to_cpu() -> None:
     """Point megatron's CUDA-only calls at CPU equivalents (CUDA absent only)."""
     from megatron.core.fusions import fused_softmax
@@ -257,10 +273,31 @@ def _adapt_megatron_to_cpu() -> None:
     # A new mask per call, as megatron's CUDA version makes one: a cache shared across micro-batches would
     # make the activation bytes measured (rlhf.memory.SavedActivations) depend on what ran before.
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    # The MoE all-to-all dispatcher copies token counts to the host on a side stream: the host's own here.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    host = _HostStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
+    torch.cuda.current_stream = lambda *args, **kwargs: host
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
     # megatron's DDP/optimizer compare tensor.type() with these names.
     torch.cuda.FloatTensor = torch.FloatTensor
     torch.cuda.HalfTensor = torch.HalfTensor
     torch.cuda.BFloat16Tensor = torch.BFloat16Tensor
+
+
+class _HostStream:
+    """The one stream of CPU work, as megatron's MoE dispatcher uses a CUDA side stream: work on it is done
+    when issued, so waiting and events are no-ops."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self):
+        return self
+
+    def synchronize(self) -> None:
+        pass
 
 
 class _CpuMegatron(TorchFunctionMode):

@@ -22,11 +22,20 @@ class ModelConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """LLaMA/Qwen2-style decoder: RMSNorm, RoPE, SwiGLU, GQA, untied embeddings.
+    """LLaMA/Qwen2/Qwen3-style decoder: RMSNorm, RoPE, SwiGLU, GQA, untied embeddings, dense or MoE.
 
-    ``qkv_bias`` is Qwen2's bias on the Q, K, V projections. ``tie_embeddings``
-    is recorded for HF export; our models always keep a separate output layer
-    (a tied checkpoint's embedding is copied into it on import).
+    ``qkv_bias`` is Qwen2's bias on the Q, K, V projections; ``qk_norm`` Qwen3's RMSNorm of each query and
+    key head (one weight of ``head_dim`` per projection, before RoPE); ``kv_channels`` the head dimension
+    where it is not hidden_size / num_attention_heads (None: it is). ``tie_embeddings`` is recorded for HF
+    export; our models always keep a separate output layer (a tied checkpoint's embedding is copied into
+    it on import).
+
+    Mixture of experts (megatron-core's MoE layer, ``num_experts`` > 0; 0: every layer's MLP is dense):
+    each token goes to ``moe_router_topk`` of ``num_experts`` SwiGLU experts of ``moe_ffn_hidden_size``
+    (None: ``ffn_hidden_size``), weighted by the router's softmax probabilities of the chosen experts,
+    renormalised to sum to 1 when ``moe_norm_topk_prob`` (HF's norm_topk_prob); a shared expert of
+    ``moe_shared_expert_intermediate_size`` (0: none) sees every token. ``moe_aux_loss_coeff`` weights
+    the load-balancing loss and ``moe_z_loss_coeff`` the router z-loss in training (docs/moe.md).
     """
 
     num_layers: int = 2
@@ -41,25 +50,68 @@ class ModelConfig:
     qkv_bias: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.02
+    qk_norm: bool = False
+    kv_channels: int | None = None
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_kv_heads", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ModelConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ModelConfigError(
-                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads}"
+                f"hidden_size={self.hidden_size} must be divisible by num_attention_heads={self.num_attention_heads} "
+                "(or give the head dimension as kv_channels)"
             )
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ModelConfigError(f"kv_channels must be >= 1 (or None: hidden_size / num_attention_heads), "
+                                   f"got {self.kv_channels}", "kv_channels")
+        self._check_moe()
         if self.num_attention_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads={self.num_attention_heads} must be divisible by "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)"
             )
 
+    def _check_moe(self) -> None:
+        if self.num_experts < 0 or self.num_experts == 1:
+            raise ModelConfigError(f"num_experts must be 0 (dense) or >= 2, got {self.num_experts}", "num_experts")
+        if not self.is_moe:
+            return
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ModelConfigError(f"moe_router_topk={self.moe_router_topk} must be in 1..num_experts="
+                                   f"{self.num_experts}", "moe_router_topk")
+        if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
+            raise ModelConfigError(f"moe_ffn_hidden_size must be >= 1 (or None: ffn_hidden_size), got "
+                                   f"{self.moe_ffn_hidden_size}", "moe_ffn_hidden_size")
+        if self.moe_shared_expert_intermediate_size < 0:
+            raise ModelConfigError("moe_shared_expert_intermediate_size must be >= 0 (0: no shared expert), got "
+                                   f"{self.moe_shared_expert_intermediate_size}", "moe_shared_expert_intermediate_size")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ModelConfigError(f"{name} must be a finite number >= 0, got {getattr(self, name)}", name)
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """The dimension of one attention head (kv_channels, or hidden_size / num_attention_heads)."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_moe(self) -> bool:
+        """True when the MLPs are mixtures of experts."""
+        return self.num_experts > 0
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """The intermediate size of one routed expert."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -69,10 +69,38 @@ def recompute_fields(granularity: str | None, num_layers: int | None, stage_laye
     return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": chunk}
 
 
+def moe_fields(cfg: ModelConfig, ep: int) -> dict:
+    """TransformerConfig's MoE fields for ``cfg`` with its experts split over ``ep`` ranks ({} when dense).
+
+    HF's norm_topk_prob is megatron's top-k before the softmax (the softmax over the chosen logits is the
+    chosen probabilities renormalised); without it, the softmax over all experts comes first. The
+    all-to-all dispatcher moves each token to its experts' ranks; no capacity limit, no jitter, and the
+    router's probabilities in fp32 (docs/moe.md).
+    """
+    if not cfg.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.expert_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
+        moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=ep,
+    )
+
+
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = torch.float32,
-                       recompute_granularity: str | None = None, recompute_num_layers: int | None = None):
-    """megatron TransformerConfig for ``cfg`` sharded tp x pp (no fusions, no dropout), recomputing
-    activations as :func:`recompute_fields` says."""
+                       recompute_granularity: str | None = None, recompute_num_layers: int | None = None,
+                       ep: int = 1):
+    """megatron TransformerConfig for ``cfg`` sharded tp x pp (experts over ``ep``; no fusions, no
+    dropout), recomputing activations as :func:`recompute_fields` says."""
     from megatron.core.transformer import TransformerConfig
 
     recompute = recompute_fields(recompute_granularity, recompute_num_layers, cfg.num_layers // pp)
@@ -89,6 +117,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = 
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=cfg.qkv_bias,
+        qk_layernorm=cfg.qk_norm,
         init_method_std=cfg.init_std,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -105,14 +134,16 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = 
         pipeline_model_parallel_size=pp,
         pipeline_dtype=dtype,
         **recompute,
+        **moe_fields(cfg, ep),
     )
 
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
-def _layer_spec(transformer_impl: str):
-    """megatron's local layer spec, or the TransformerEngine one (GPU, TE installed).
+def _layer_spec(transformer_impl: str, cfg: ModelConfig):
+    """megatron's local layer spec, or the TransformerEngine one (GPU, TE installed), with ``cfg``'s
+    QK-norm and MoE MLP (megatron's SequentialMLP experts: one local MLP per expert).
 
     The local spec's core attention also takes packed samples
     (rlhf.models.packing.packed_core_attention), as TE's does. The TE spec
@@ -122,12 +153,13 @@ def _layer_spec(transformer_impl: str):
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    experts = cfg.num_experts or None
     if transformer_impl == "local":
-        spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
         spec.submodules.self_attention.submodules.core_attention = packed_core_attention()  # THD input too
         return spec
     if transformer_impl == "transformer_engine":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
+        return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=cfg.qk_norm)
     raise ValueError(f"unknown transformer_impl {transformer_impl!r}; valid: {TRANSFORMER_IMPLS}")
 
 
@@ -188,7 +220,7 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     platform.seed_model_parallel_rng(seed + 1000 * stage.index)
     model = GPTModel(
         config=transformer_config(cfg, tp, stage.count, dtype, recompute_granularity, recompute_num_layers),
-        transformer_layer_spec=_layer_spec(transformer_impl or platform.transformer_impl()),
+        transformer_layer_spec=_layer_spec(transformer_impl or platform.transformer_impl(), cfg),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_seq_len,
         pre_process=stage.is_first,
