@@ -274,8 +274,13 @@ def _adapt_megatron_to_cpu() -> None:
     # make the activation bytes measured (rlhf.memory.SavedActivations) depend on what ran before.
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
     # The MoE all-to-all dispatcher copies token counts to the host on a side stream: the host's own here.
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
     host = _HostStream()
     MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
     torch.cuda.current_stream = lambda *args, **kwargs: host

@@ -27,11 +27,12 @@ from rlhf.models.gpt import build_model, eval_mode, stage_forward
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.models.lora import apply_lora, is_adapter
 from rlhf.models.naming import named_global_parameters
+from rlhf.models.sharding import ShardSpec
 from rlhf.optim import ModelOptimizer, OptimizerConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
 from rlhf.ppo.config import AdaptersConfig
-from rlhf.parallel.reshard import ShardSpec, gather_tp_full, load_full_weights
+from rlhf.parallel.reshard import gather_tp_full, load_full_weights
 from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.pipeline.p2p import recv_backward, send_backward
 from rlhf.platform import seed_model_parallel_rng

@@ -26,10 +26,11 @@ from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_sta
 from rlhf.models import ModelConfig
 from rlhf.models.gpt import build_model
 from rlhf.models.naming import named_global_parameters
+from rlhf.models.sharding import ShardSpec, full_to_shard
 from rlhf.optim import ModelOptimizer
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups, local_groups
-from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full_weights
+from rlhf.parallel.reshard import gather_tp_full_weights
 from scenario_optim import OPT, lr_at, make_data, reference_step, sharded_step, torch_adamw
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

@@ -2,6 +2,9 @@
 
 Every check compares a sharded computation against an unsharded model with
 the same weights, built on each rank from one seed. Returns max abs errors.
+A mixture of experts (MOE_CFG) is built on MOE_PLAN's layouts from one seed:
+the same weights everywhere, the unsharded logits, the unsharded gradient at
+EP2 x DP4, and a reshard from EP2 x DP4 to TP2 x EP2.
 """
 
 import torch
@@ -18,6 +21,15 @@ from rlhf.pipeline.microbatch import pipeline_forward_backward
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=256, max_seq_len=64, qkv_bias=True)
+MOE_CFG = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                      vocab_size=256, max_seq_len=64, qk_norm=True, kv_channels=24, num_experts=4,
+                      moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48)
+MOE_PLAN = {  # tasks as names of layouts (the models are all MOE_CFG LMs)
+    "actor_train": {"ranks": "0-3", "dp": 4, "ep": 2},
+    "ref_inf": {"ranks": "0-3", "tp": 2, "dp": 2, "ep": 2},
+    "critic_train": {"ranks": "0-3", "pp": 2, "dp": 2},
+    "reward_inf": {"ranks": "0-3", "tp": 2, "pp": 2},
+}
 PLAN = {
     "actor_train": {"ranks": "0-3", "tp": 2, "pp": 2},
     "critic_train": {"ranks": "0-3", "dp": 2, "pp": 2, "reverse_pp": True},
@@ -117,5 +129,46 @@ def run():
             loss = _lm_loss(stage_forward(target, ids[part]), ids[part], g.tp)
             loss.backward()
             results[f"{task}_loss"] = abs(loss.item() - _lm_loss(ref_logits, ids[part]).item())
+    results.update(_moe_layouts(ids))
     results["rank"] = rank
     return results
+
+
+def _moe_layouts(ids) -> dict:
+    """MOE_CFG on every MOE_PLAN layout: {layout: (weights err, logits err)} against an unsharded build from
+    the same seed, the EP2 x DP4 gradient error (one sequence per replica; experts' gradients reduced over the
+    replicas holding them, the rest over DP) and the weights error after resharding EP2 -> TP2 x EP2."""
+    from rlhf.models.gpt import eval_mode
+    from rlhf.testing.models import full_weights, unsharded
+    from rlhf.testing.pipeline import stage_pass
+
+    placement = Placement.from_plan(MOE_PLAN, dist.get_world_size())
+    groups = build_task_groups(placement)
+    full = full_weights("lm", MOE_CFG, 5)
+    ref = unsharded("lm", MOE_CFG, full)
+    with torch.no_grad():
+        expected = stage_forward(ref, ids)
+    sum(_lm_loss(stage_forward(ref, ids[q:q + 1]), ids[q:q + 1]) for q in range(4)).div(4).backward()
+    ref_grads = gather_tp_full_weights(ref, local_groups(), grads=True)
+    out, models = {}, {}
+    for task in MOE_PLAN:
+        g = groups[task]
+        models[task] = model = build_model(MOE_CFG, "lm", g.pg_collection, g.stage, seed=5)
+        weights_err = _max_err(gather_tp_full_weights(model, g), full)
+        with eval_mode(model), torch.no_grad():
+            _, logits = stage_pass(model, g, ids, MOE_CFG.hidden_size)
+        logits_err = (_gather_logits(logits, g) - expected).abs().max().item() if g.is_last_stage else None
+        out[f"moe_{task}"] = (weights_err, logits_err)
+    g, model = groups["actor_train"], models["actor_train"]
+    mine = ids[g.coord.dp:g.coord.dp + 1]
+    _lm_loss(stage_forward(model, mine), mine).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, group=g.pg_collection.expt_dp if p.is_expert else g.dp)
+        p.grad /= g.mesh.strategy.dp
+    out["moe_ep2_grad"] = _max_err(gather_tp_full_weights(model, g, grads=True), ref_grads)
+    g = groups["ref_inf"]
+    target = build_model(MOE_CFG, "lm", g.pg_collection, g.stage, seed=6)
+    reshard(placement["actor_train"], (groups["actor_train"], model), placement["ref_inf"], (g, target),
+            MOE_CFG.num_layers, num_experts=MOE_CFG.num_experts)
+    out["moe_reshard"] = _max_err(gather_tp_full_weights(target, g), full)
+    return out

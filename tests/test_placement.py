@@ -45,6 +45,39 @@ def test_tp_not_dividing_attention_heads():
         placement.validate_models({"actor": cfg})
 
 
+MOE = ModelConfig(num_layers=4, num_attention_heads=4, num_kv_heads=2, hidden_size=64, vocab_size=256, num_experts=4)
+
+
+@pytest.mark.parametrize("plan, models, message", [
+    ({"actor_train": {"ranks": "0-3", "dp": 4, "ep": 3}}, {"actor": MOE},
+     r"actor_train: ep=3 does not divide dp=4; expert parallelism splits the experts over ep of the data-parallel"),
+    ({"actor_train": {"ranks": "0-3", "ep": 0}}, {"actor": MOE}, r"actor_train: ep=0 must be a positive integer"),
+    ({"actor_train": {"ranks": "0-3", "dp": 4, "ep": 2}}, {"actor": CFG},
+     r"actor_train: ep=2 needs a mixture-of-experts model \(num_experts > 0\); this one is dense"),
+    ({"critic_train": {"ranks": "0-7", "dp": 8, "ep": 8}}, {"critic": MOE},
+     r"critic_train: ep=8 does not divide num_experts=4"),
+    ({"actor_gen": {"ranks": "0-3", "dp": 4, "ep": 2}}, {"actor": MOE},
+     r"actor_gen: ep=2: the engine's replicas step independently and hold every expert; use ep=1"),
+    ({"actor_train": {"ranks": "0-3", "tp": 2}}, {"actor": MOE},
+     r"actor_train: tp=2 with a mixture of experts: megatron trains MoE layers at tp > 1 only with sequence "
+     r"parallelism"),
+])
+def test_invalid_expert_parallel_layouts_name_the_task_and_rule(plan, models, message):
+    with pytest.raises(PlacementError, match=message):
+        Placement.from_plan(plan, 8).validate_models(models)
+
+
+def test_expert_parallel_groups_are_carved_out_of_data_parallel_replicas():
+    """EP2 over DP4 (TP2): replicas {0, 1} and {2, 3} split the experts; replicas holding the same experts
+    ({0, 2}, {1, 3}) are the expert-data-parallel groups; inference tasks may use tp with MoE."""
+    placement = Placement.from_plan({"ref_inf": {"ranks": "0-7", "tp": 2, "dp": 4, "ep": 2}}, 8)
+    placement.validate_models({"reference": MOE})
+    mesh = placement["ref_inf"]
+    assert str(mesh.strategy) == "dp4xpp1xtp2xep2"
+    assert mesh.ep_ranks(0, 3, 1) == [5, 7] and mesh.ep_index(0, 3, 1) == 1
+    assert mesh.expert_dp_ranks(0, 1, 0) == [2, 6]
+
+
 def test_pp_larger_than_layers():
     with pytest.raises(PlacementError, match=r"critic_train: pp=8 is larger than num_layers=4"):
         Placement.from_plan({"critic_train": {"pp": 8}}, 8).validate_models(MODELS)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.models.naming import owning_stage
-from rlhf.parallel.reshard import ShardSpec, full_to_shard, shard_overlaps, shards_to_full
+from rlhf.models.sharding import ShardSpec, full_to_shard, shard_overlaps, shards_to_full
 
 
 @pytest.mark.parametrize("stride, dim", [(1, 0), (2, 0), (1, 1)])

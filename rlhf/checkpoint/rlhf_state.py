@@ -54,9 +54,10 @@ import torch.distributed as dist
 from rlhf.checkpoint import rng, storage
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.models.sharding import ShardSpec, full_to_shard
 from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows
 from rlhf.optim import StateSlice
-from rlhf.parallel.reshard import ShardSpec, full_to_shard, gather_tp_full
+from rlhf.parallel.reshard import gather_tp_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TOKENIZER_DIR = "tokenizer"

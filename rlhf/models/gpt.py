@@ -10,6 +10,8 @@ megatron's local one elsewhere (``transformer_impl`` overrides it).
 
 from __future__ import annotations
 
+import math
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -18,7 +20,9 @@ import torch.nn.functional as F
 
 from rlhf import platform
 from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, padded_vocab_size
+from rlhf.models.naming import named_global_parameters
 from rlhf.models.packing import PackedLayout, packed_core_attention
+from rlhf.models.sharding import ShardSpec, full_to_shard
 from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding
 from rlhf.tasks import KINDS
 
@@ -219,7 +223,8 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     platform.setup_megatron()
     platform.seed_model_parallel_rng(seed + 1000 * stage.index)
     model = GPTModel(
-        config=transformer_config(cfg, tp, stage.count, dtype, recompute_granularity, recompute_num_layers),
+        config=transformer_config(cfg, tp, stage.count, dtype, recompute_granularity, recompute_num_layers,
+                                  ep=pg_collection.ep.size()),
         transformer_layer_spec=_layer_spec(transformer_impl or platform.transformer_impl(), cfg),
         vocab_size=padded_vocab,
         max_sequence_length=cfg.max_seq_len,
@@ -234,9 +239,40 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
         model.output_layer = ValueHead(cfg.hidden_size, cfg.init_std)
     for param in model.parameters():  # megatron's local norms are built fp32 whatever params_dtype says;
         param.data = param.data.to(dtype)  # Megatron-LM's Float16Module casts every parameter, so do we
+    if cfg.is_moe:
+        _mark_experts(model)
+        _draw_by_name(model, cfg, seed, pg_collection.tp)
     _zero_vocab_padding(model, cfg.vocab_size, pg_collection.tp.rank())
     model.unpadded_vocab_size = cfg.vocab_size
     return model.to(platform.device())
+
+
+def _mark_experts(model: torch.nn.Module) -> None:
+    """Set ``is_expert`` on the routed experts' parameters: whole tensors on every TP rank
+    (rlhf.models.sharding), split between expert-parallel ranks by expert (rlhf.models.naming)."""
+    for name, param in model.named_parameters():
+        param.is_expert = ".mlp.experts." in name
+
+
+@torch.no_grad()
+def _draw_by_name(model: torch.nn.Module, cfg: ModelConfig, seed: int, tp_group) -> None:
+    """Redraw a mixture of experts' weights as a function of (``seed``, global name) alone, with megatron's
+    initialisation (normal(0, init_std); the residual-branch outputs ``linear_proj`` and ``linear_fc2`` with
+    init_std / sqrt(2 num_layers); norms 1, biases 0), each rank keeping its TP shard. megatron draws weights
+    in construction order from one generator, and an expert-parallel rank constructs only its own experts,
+    so without this every ep would build another model from the same seed."""
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    for name, param in named_global_parameters(model).items():
+        spec = ShardSpec.of(param, tp_group.size())
+        shape = list(param.shape)
+        shape[spec.dim] = spec.full_size(param)
+        if name.endswith("layernorm.weight") or name.endswith(".bias"):
+            full = torch.full(shape, 1.0 if name.endswith("weight") else 0.0)
+        else:
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            std = residual_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else cfg.init_std
+            full = torch.randn(shape, generator=generator) * std
+        param.copy_(full_to_shard(full, spec, tp_group.rank()))
 
 
 @torch.no_grad()

@@ -9,6 +9,11 @@ Reversed pipelines: ``new_group`` orders members by global rank, so
 ``group.rank()`` is the sorted index. megatron derives a stage's layers from
 ``pg_collection.pp.rank()/size()`` only, so the collection gets a thin view
 reporting the logical stage; our own p2p code uses the mesh's peer ranks.
+
+Experts: megatron's expert groups are ``ep`` (the replicas splitting the
+experts), ``expt_tp`` (one rank: experts are not tensor-parallel) and
+``expt_dp`` (the replicas holding the same experts); its ``tp_ep`` is the
+expert-tensor x expert group, so with ``expt_tp`` of one rank it is ``ep``.
 """
 
 from __future__ import annotations
@@ -106,6 +111,8 @@ def _rank_sets(mesh: TaskMesh) -> dict[str, list[list[int]]]:
         "pp": [mesh.pp_ranks(d, t) for d in range(s.dp) for t in range(s.tp)],
         "mp": [mesh.mp_ranks(d) for d in range(s.dp)],
         "tp_dp": [[mesh.rank(p, d, t) for d in range(s.dp) for t in range(s.tp)] for p in range(s.pp)],
+        "ep": [mesh.ep_ranks(p, d, t) for p in range(s.pp) for d in range(0, s.dp, s.ep) for t in range(s.tp)],
+        "expert_dp": [mesh.expert_dp_ranks(p, e, t) for p in range(s.pp) for e in range(s.ep) for t in range(s.tp)],
         "mesh": [list(mesh.ranks)],
     }
 
@@ -141,7 +148,7 @@ def local_groups(task: str = "local") -> TaskGroups:
     rank = dist.get_rank()
     mesh = TaskMesh(task, (rank,), ParallelStrategy())
     single = _CACHE.get([rank], create=False)
-    mine = {kind: single for kind in ("tp", "dp", "pp", "mp", "tp_dp", "mesh")}
+    mine = {kind: single for kind in ("tp", "dp", "pp", "mp", "tp_dp", "ep", "expert_dp", "mesh")}
     return _task_groups(mesh, Coord(0, 0, 0), mine, single)
 
 
@@ -152,8 +159,8 @@ def _task_groups(mesh: TaskMesh, coord: Coord, mine: dict, single) -> TaskGroups
     pgc = ProcessGroupCollection(
         tp=mine["tp"], pp=pp_view, cp=single, tp_cp=mine["tp"], hcp=None,
         embd=None, pos_embd=None, mp=mine["mp"], dp=mine["dp"], dp_cp=mine["dp"],
-        tp_dp_cp=mine["tp_dp"], intra_dp_cp=mine["dp"], ep=single, expt_tp=single,
-        tp_ep=mine["tp"], tp_ep_pp=None, expt_dp=single, intra_expt_dp=single,
+        tp_dp_cp=mine["tp_dp"], intra_dp_cp=mine["dp"], ep=mine["ep"], expt_tp=single,
+        tp_ep=mine["ep"], tp_ep_pp=None, expt_dp=mine["expert_dp"], intra_expt_dp=mine["expert_dp"],
         intra_dist_opt=mine["mesh"],
     )
     return TaskGroups(

@@ -25,24 +25,31 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True)
 class ParallelStrategy:
-    """Data, pipeline and tensor parallel degrees of one task."""
+    """Data, pipeline and tensor parallel degrees of one task, and the expert-parallel degree ``ep`` carved
+    out of the data-parallel ranks (megatron's way: ``ep`` consecutive DP replicas split a mixture of
+    experts' experts between them, each holding num_experts / ep whole experts; the replicas holding the
+    same experts are the expert-data-parallel group). ``ep`` must divide ``dp``."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "pp", "tp"):
+        for name in ("dp", "pp", "tp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise PlacementError(f"{name} must be a positive integer, got {value!r}")
+        if self.dp % self.ep:
+            raise PlacementError(f"ep={self.ep} does not divide dp={self.dp}; expert parallelism splits the "
+                                 "experts over ep of the data-parallel replicas, so choose ep dividing dp")
 
     @property
     def size(self) -> int:
         return self.dp * self.pp * self.tp
 
     def __str__(self) -> str:
-        return f"dp{self.dp}xpp{self.pp}xtp{self.tp}"
+        return f"dp{self.dp}xpp{self.pp}xtp{self.tp}" + (f"xep{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,22 @@ class TaskMesh:
     def pp_ranks(self, dp: int, tp: int) -> list[int]:
         """Ranks of one pipeline, in logical stage order."""
         return [self.rank(p, dp, tp) for p in range(self.strategy.pp)]
+
+    def ep_ranks(self, pp: int, dp: int, tp: int) -> list[int]:
+        """The expert-parallel group of replica ``dp``: the ``ep`` consecutive replicas that split the experts,
+        in expert-parallel rank order."""
+        first = dp - dp % self.strategy.ep
+        return [self.rank(pp, first + e, tp) for e in range(self.strategy.ep)]
+
+    def ep_index(self, pp: int, dp: int, tp: int) -> int:
+        """The expert-parallel rank of position (pp, dp, tp): its index in its sorted EP group, as megatron
+        numbers it (it holds experts ep_index * E / ep .. (ep_index + 1) * E / ep - 1 of E)."""
+        return sorted(self.ep_ranks(pp, dp, tp)).index(self.rank(pp, dp, tp))
+
+    def expert_dp_ranks(self, pp: int, dp: int, tp: int) -> list[int]:
+        """The replicas holding the same experts as replica ``dp`` (its expert-data-parallel group)."""
+        s = self.strategy
+        return [self.rank(pp, dp % s.ep + k * s.ep, tp) for k in range(s.dp // s.ep)]
 
     def mp_ranks(self, dp: int) -> list[int]:
         """The tp x pp ranks holding one full copy of the model."""

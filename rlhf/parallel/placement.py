@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rlhf.checks import is_int
 from rlhf.parallel.mesh import ParallelStrategy, PlacementError, TaskMesh
-from rlhf.tasks import TASK_MODEL, TASKS
+from rlhf.tasks import TASK_MODEL, TASKS, TRAIN_TASK
 
 
 def parse_ranks(spec, task: str, world_size: int) -> tuple[int, ...]:
@@ -121,8 +121,8 @@ def load_plan(path: str | Path) -> dict:
 
 def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
     if not isinstance(entry, dict):
-        raise PlacementError(f"{task}: expected a mapping with ranks/dp/pp/tp, got {entry!r}")
-    allowed = {"ranks", "dp", "pp", "tp", "reverse_pp"}
+        raise PlacementError(f"{task}: expected a mapping with ranks/dp/pp/tp/ep, got {entry!r}")
+    allowed = {"ranks", "dp", "pp", "tp", "ep", "reverse_pp"}
     extra = set(entry) - allowed
     if extra:
         raise PlacementError(f"{task}: unknown key(s) {sorted(extra, key=str)}; allowed: {sorted(allowed)}")
@@ -130,7 +130,7 @@ def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
     if "ranks" in entry and not ranks:
         raise PlacementError(f"{task}: ranks {entry['ranks']!r} names no rank; give e.g. '0-3' or null to leave "
                              f"{task} unplaced")
-    for key in ("dp", "pp", "tp"):
+    for key in ("dp", "pp", "tp", "ep"):
         if key in entry and not (is_int(entry[key]) and entry[key] >= 1):
             raise PlacementError(f"{task}: {key}={entry[key]!r} must be a positive integer (e.g. {key}=2)")
     if not isinstance(entry.get("reverse_pp", False), bool):
@@ -145,7 +145,11 @@ def _mesh_from_entry(task: str, entry: dict, world_size: int) -> TaskMesh:
                 "choose pp and tp whose product divides the number of ranks"
             )
         dp = len(ranks) // (tp * pp)
-    return TaskMesh(task, ranks, ParallelStrategy(dp=dp, pp=pp, tp=tp), entry.get("reverse_pp", False))
+    try:
+        strategy = ParallelStrategy(dp=dp, pp=pp, tp=tp, ep=entry.get("ep", 1))
+    except PlacementError as exc:
+        raise PlacementError(f"{task}: {exc}") from None
+    return TaskMesh(task, ranks, strategy, entry.get("reverse_pp", False))
 
 
 def check_strategy_fits_model(task: str, strategy: ParallelStrategy, cfg) -> None:
@@ -158,6 +162,16 @@ def check_strategy_fits_model(task: str, strategy: ParallelStrategy, cfg) -> Non
         (cfg.ffn_hidden_size % tp == 0, f"tp={tp} does not divide ffn_hidden_size={cfg.ffn_hidden_size}"),
         (pp <= cfg.num_layers, f"pp={pp} is larger than num_layers={cfg.num_layers}"),
         (cfg.num_layers % pp == 0, f"pp={pp} does not divide num_layers={cfg.num_layers}"),
+        (strategy.ep == 1 or cfg.is_moe, f"ep={strategy.ep} needs a mixture-of-experts model (num_experts > 0); "
+                                         "this one is dense"),
+        (not cfg.is_moe or cfg.num_experts % strategy.ep == 0,
+         f"ep={strategy.ep} does not divide num_experts={cfg.num_experts}"),
+        (task != "actor_gen" or strategy.ep == 1,
+         f"ep={strategy.ep}: the engine's replicas step independently and hold every expert; use ep=1 (tp shards "
+         "the generation model)"),
+        (not cfg.is_moe or tp == 1 or task not in TRAIN_TASK.values(),
+         f"tp={tp} with a mixture of experts: megatron trains MoE layers at tp > 1 only with sequence "
+         "parallelism, which this system does not run; split the experts with ep instead (tp=1)"),
     ]
     for ok, message in rules:
         if not ok:

@@ -1,18 +1,14 @@
 """Move a model's weights between (mesh, strategy) layouts with point-to-point collectives.
 
 Vocabulary: a *global name* (rlhf/models/naming.py) is a parameter's name in
-the unsharded model; its *full* tensor is the unsharded one.
-megatron splits a TP-parallel parameter along ``partition_dim`` into ``tp``
-slices; with ``partition_stride`` k (SwiGLU's fc1 has k=2: [gate; up]) the full
-dimension is k blocks, each split into tp parts, and a rank keeps its part of
-every block::
-
-    full fc1 rows:  [ gate_0 gate_1 | up_0 up_1 ]      (tp=2, k=2)
-    tp rank 0:      [ gate_0 | up_0 ]    tp rank 1: [ gate_1 | up_1 ]
+the unsharded model; its *full* tensor is the unsharded one. How megatron
+slices a parameter over TP ranks is rlhf/models/sharding.py's.
 
 Fused QKV is laid out per query group, so its TP slices are contiguous along
 dim 0 (stride 1) and need no special case. Non-TP parameters (norms, the value
-head) are copied whole. A padded vocabulary (rlhf.models.vocab) is resharded
+head) are copied whole. A mixture of experts' routed experts are whole tensors
+held by the ranks of one expert-parallel index (rlhf/models/naming.py's
+``expert_owner``): each goes only to the ranks that hold it. A padded vocabulary (rlhf.models.vocab) is resharded
 like any dimension: both layouts must be built with the same padded size.
 
 Resharding computes, on every participating rank, the same plan of transfers
@@ -29,71 +25,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.models.naming import expert_index, expert_owner, named_global_parameters, owning_stage
+from rlhf.models.sharding import ShardSpec, full_to_shard, shard_overlaps, shards_to_full
 from rlhf.models.vocab import fit_vocab_rows
 from rlhf.parallel.groups import TaskGroups
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """How one parameter is split across TP ranks."""
-
-    tp: int
-    dim: int = 0
-    stride: int = 1
-    parallel: bool = True
-
-    @classmethod
-    def of(cls, param: torch.Tensor, tp: int) -> "ShardSpec":
-        if not getattr(param, "tensor_model_parallel", False):
-            return cls(tp=tp, parallel=False)
-        return cls(tp=tp, dim=param.partition_dim, stride=getattr(param, "partition_stride", 1))
-
-    def with_tp(self, tp: int) -> "ShardSpec":
-        return ShardSpec(tp=tp, dim=self.dim, stride=self.stride, parallel=self.parallel)
-
-    def full_size(self, local: torch.Tensor) -> int:
-        return local.shape[self.dim] * (self.tp if self.parallel else 1)
+def _holders(mesh, stage: int, tp: int, owner: int | None) -> list[int]:
+    """Ranks of ``mesh`` at ``stage`` and TP index ``tp`` holding a parameter: every replica's, or for a routed
+    expert those whose expert-parallel rank is its ``owner``."""
+    return [mesh.rank(stage, d, tp) for d in range(mesh.strategy.dp)
+            if owner is None or mesh.ep_index(stage, d, tp) == owner]
 
 
-def shard_ranges(spec: ShardSpec, full_size: int, tp_rank: int) -> list[tuple[int, int, int]]:
-    """(start in full tensor, start in local shard, length) pieces of TP rank ``tp_rank``."""
-    if not spec.parallel or spec.tp == 1:
-        return [(0, 0, full_size)]
-    block = full_size // spec.stride
-    part = block // spec.tp
-    return [(j * block + tp_rank * part, j * part, part) for j in range(spec.stride)]
-
-
-def full_to_shard(full: torch.Tensor, spec: ShardSpec, tp_rank: int) -> torch.Tensor:
-    """Slice a full tensor down to TP rank ``tp_rank``'s shard."""
-    pieces = [full.narrow(spec.dim, s, n) for s, _, n in shard_ranges(spec, full.shape[spec.dim], tp_rank)]
-    return torch.cat(pieces, dim=spec.dim)
-
-
-def shards_to_full(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
-    """Reassemble the full tensor from the shards of all TP ranks (in TP order)."""
-    if not spec.parallel or len(shards) == 1:
-        return shards[0]
-    k = spec.stride
-    blocks = [list(s.chunk(k, dim=spec.dim)) for s in shards]
-    return torch.cat([blocks[t][j] for j in range(k) for t in range(len(shards))], dim=spec.dim)
-
-
-def shard_overlaps(src: ShardSpec, src_rank: int, dst: ShardSpec, dst_rank: int, full_size: int):
-    """Pieces (src local start, dst local start, length) that src shard sends to dst shard."""
-    out = []
-    for s_full, s_loc, s_len in shard_ranges(src, full_size, src_rank):
-        for d_full, d_loc, d_len in shard_ranges(dst, full_size, dst_rank):
-            lo, hi = max(s_full, d_full), min(s_full + s_len, d_full + d_len)
-            if lo < hi:
-                out.append((s_loc + lo - s_full, d_loc + lo - d_full, hi - lo))
-    return out
-
-
-def _source_rank(src_mesh, stage: int, src_tp: int, dst_rank: int) -> int:
+def _source_rank(candidates: list[int], dst_rank: int) -> int:
     """The src replica that serves ``dst_rank``: itself when colocated, else spread by rank."""
-    candidates = [src_mesh.rank(stage, d, src_tp) for d in range(src_mesh.strategy.dp)]
     return dst_rank if dst_rank in candidates else candidates[dst_rank % len(candidates)]
 
 
@@ -104,20 +50,25 @@ class _Layouts:
     src_mesh: object
     dst_mesh: object
     num_layers: int
+    num_experts: int
 
     def src_tp_serving(self, spec: ShardSpec, dst_rank: int) -> list[int]:
         """Source TP indices whose shards a destination rank reads."""
         s_tp = self.src_mesh.strategy.tp
         return list(range(s_tp)) if spec.parallel else [self.dst_mesh.coord(dst_rank).tp % s_tp]
 
+    def _owner(self, name: str, mesh) -> int | None:
+        return expert_owner(name, self.num_experts, mesh.strategy.ep) if self.num_experts else None
+
     def src_rank(self, name: str, src_tp: int, dst_rank: int) -> int:
-        stage = owning_stage(name, self.num_layers, self.src_mesh.strategy.pp)
-        return _source_rank(self.src_mesh, stage, src_tp, dst_rank)
+        m = self.src_mesh
+        stage = owning_stage(name, self.num_layers, m.strategy.pp)
+        return _source_rank(_holders(m, stage, src_tp, self._owner(name, m)), dst_rank)
 
     def dst_ranks(self, name: str) -> list[int]:
         m = self.dst_mesh
         stage = owning_stage(name, self.num_layers, m.strategy.pp)
-        return [m.rank(stage, d, t) for d in range(m.strategy.dp) for t in range(m.strategy.tp)]
+        return [r for t in range(m.strategy.tp) for r in _holders(m, stage, t, self._owner(name, m))]
 
 
 def _sends(lay: _Layouts, params: dict, my_tp: int, me: int) -> list:
@@ -164,7 +115,7 @@ def _recvs(lay: _Layouts, params: dict, local_src: dict, my_tp: int, me: int) ->
 
 @torch.no_grad()
 def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int,
-            src_params: dict | None = None) -> dict[str, int]:
+            src_params: dict | None = None, num_experts: int = 0) -> dict[str, int]:
     """Copy weights of the model laid out on ``src_mesh`` into the one on ``dst_mesh``.
 
     ``src`` / ``dst`` are this rank's ``(TaskGroups, model)`` in each layout, or
@@ -178,12 +129,14 @@ def reshard(src_mesh, src: tuple, dst_mesh, dst: tuple, num_layers: int,
 
     ``src_params``: what the source sends instead of its model's parameters, by global name (tensors with
     the parameters' TP attributes; a LoRA model's merged weights, rlhf.models.lora.merged_parameters).
+    ``num_experts``: a mixture of experts' routed experts (0: dense), each sent only to the ranks of the
+    destination's expert-parallel rank that holds it.
 
     Returns the bytes this rank received from other ranks, by global parameter
     name (local copies are free; rlhf.planner.reshard_bytes predicts them).
     """
     me = dist.get_rank()
-    lay = _Layouts(src_mesh, dst_mesh, num_layers)
+    lay = _Layouts(src_mesh, dst_mesh, num_layers, num_experts)
     (src_groups, src_model), (dst_groups, dst_model) = src, dst
     if src_params is None:
         src_params = named_global_parameters(src_model) if src_model is not None else {}
@@ -251,7 +204,28 @@ def gather_tp_full(local: torch.Tensor, spec: ShardSpec, tp_group) -> torch.Tens
 
 def gather_tp_full_weights(model: torch.nn.Module, groups: TaskGroups, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors of this stage's parameters (or their gradients), all-gathered over TP, padded
-    vocabulary rows included (``rlhf.models.vocab.drop_vocab_padding`` cuts them)."""
+    vocabulary rows included (``rlhf.models.vocab.drop_vocab_padding`` cuts them); with expert parallelism
+    every expert of the stage, all-gathered over the EP group too."""
     tp = groups.mesh.strategy.tp
-    return {name: gather_tp_full(param.grad if grads else param.data, ShardSpec.of(param, tp), groups.tp)
-            for name, param in named_global_parameters(model).items()}
+    out = {name: gather_tp_full(param.grad if grads else param.data, ShardSpec.of(param, tp), groups.tp)
+           for name, param in named_global_parameters(model).items()}
+    ep_group = groups.pg_collection.ep
+    if ep_group.size() > 1:
+        out.update(_gather_experts(out, ep_group))
+    return out
+
+
+def _gather_experts(local: dict[str, torch.Tensor], ep_group) -> dict[str, torch.Tensor]:
+    """Every expert's tensors from the local ones (global names) of each rank of ``ep_group``: EP rank r
+    holds experts r * n .. r * n + n - 1, in the same order on every rank."""
+    names = [n for n in local if expert_index(n) is not None]
+    first = min(expert_index(n) for n in names)
+    per_rank = max(expert_index(n) for n in names) - first + 1
+    out = {}
+    for name in names:
+        parts = [torch.empty_like(local[name]) for _ in range(ep_group.size())]
+        dist.all_gather(parts, local[name].contiguous(), group=ep_group)
+        offset = expert_index(name) - first
+        for r, part in enumerate(parts):
+            out[name.replace(f".local_experts.{first + offset}.", f".local_experts.{r * per_rank + offset}.")] = part
+    return out

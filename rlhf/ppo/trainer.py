@@ -423,11 +423,11 @@ class Trainer:
             return
         if self.groups[src] is None and self.groups[dst] is None:
             return
-        source = self.models.get(src)
+        source, cfg = self.models.get(src), self.config.models[TASK_MODEL[src]]
         merged = merged_parameters(source) if has_adapters(source) else None  # W + s B A: dst has no adapters
         reshard(self.placement[src], (self.groups[src], source),
                 self.placement[dst], (self.groups[dst], self.models.get(dst)),
-                self.config.models[TASK_MODEL[src]].num_layers, src_params=merged)
+                cfg.num_layers, src_params=merged, num_experts=cfg.num_experts)
 
     # ---- checkpoints -----------------------------------------------------------------
 
