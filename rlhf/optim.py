@@ -151,6 +151,10 @@ class ModelOptimizer:
         if module.config.params_dtype != precision.dtype:
             raise ValueError(f"ModelOptimizer: the module is {module.config.params_dtype}, the precision "
                              f"{precision.name} ({precision.dtype}); build the model in the job's dtype")
+        if config.use_distributed_optimizer and groups.mesh.strategy.ep > 1:
+            raise ValueError(f"{groups.mesh.task}: the distributed optimizer with ep={groups.mesh.strategy.ep} is "
+                             "not supported (its state would be sharded over two groups); drop "
+                             "--use-distributed-optimizer or use ep=1")
         self.module, self.groups, self.config, self.precision = module, groups, config, precision
         overlap = config.overlap_grad_reduce
         ddp_config = DistributedDataParallelConfig(
@@ -165,10 +169,14 @@ class ModelOptimizer:
         self.skipped_in_a_row = 0  # steps skipped since the last update (step; a resumed run starts at 0)
 
     def _build_optimizer(self):
+        """megatron's ChainedOptimizer of the dense parameters' optimizer and, with expert parallelism, the
+        routed experts' (megatron's split: the experts' gradients live in DDP's expert buffers, averaged over
+        the expert-data-parallel replicas, and their norm is summed over the ranks holding one copy of every
+        expert)."""
         from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig as MegatronConfig
         from megatron.core.optimizer import _get_megatron_optimizer_based_on_param_groups
 
-        c, p, pgc = self.config, self.precision, self.groups.pg_collection
+        c, p, pgc, g = self.config, self.precision, self.groups.pg_collection, self.groups
         mcfg = MegatronConfig(optimizer=c.optimizer, lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay,
                               adam_beta1=c.adam_beta1, adam_beta2=c.adam_beta2, adam_eps=c.adam_eps,
                               sgd_momentum=0.0, clip_grad=c.clip_grad,
@@ -176,20 +184,29 @@ class ModelOptimizer:
                               bf16=p.bf16, fp16=p.fp16, params_dtype=p.dtype, loss_scale=p.loss_scale,
                               initial_loss_scale=p.initial_loss_scale, min_loss_scale=p.min_loss_scale,
                               loss_scale_window=p.loss_scale_window, hysteresis=p.hysteresis)
-        inner = _get_megatron_optimizer_based_on_param_groups(
-            mcfg, [self.ddp], self._param_groups(), per_model_buffers={0: self.ddp.buffers},
+        inner = [_get_megatron_optimizer_based_on_param_groups(
+            mcfg, [self.ddp], self._param_groups(expert=False), per_model_buffers={0: self.ddp.buffers},
             model_parallel_group=pgc.mp, data_parallel_group=pgc.intra_dp_cp, data_parallel_group_gloo=None,
             data_parallel_group_idx=pgc.mp.rank(), intra_dist_opt_group=pgc.intra_dist_opt,
-            distributed_optimizer_instance_id=0, pg_collection=pgc)
-        return ChainedOptimizer([inner])
+            distributed_optimizer_instance_id=0, pg_collection=pgc)]
+        if self.ddp.expert_parallel_buffers:
+            inner.append(_get_megatron_optimizer_based_on_param_groups(
+                mcfg, [self.ddp], self._param_groups(expert=True),
+                per_model_buffers={0: self.ddp.expert_parallel_buffers}, model_parallel_group=g.expert_mp,
+                data_parallel_group=pgc.expt_dp, data_parallel_group_gloo=None,
+                data_parallel_group_idx=g.expert_mp.rank(), intra_dist_opt_group=pgc.expt_dp,
+                distributed_optimizer_instance_id=0, pg_collection=pgc))
+        return ChainedOptimizer(inner)
 
-    def _param_groups(self) -> list[dict]:
-        """megatron-style groups: weight decay on matrices, none on 1-D parameters (both groups always exist)."""
-        params = [p for p in self.ddp.module.parameters() if p.requires_grad]
+    def _param_groups(self, expert: bool) -> list[dict]:
+        """megatron-style groups of the dense (or, ``expert``, the expert-parallel) parameters: weight decay on
+        matrices, none on 1-D parameters (both groups always exist)."""
+        params = [p for p in self.ddp.module.parameters()
+                  if p.requires_grad and (not getattr(p, "allreduce", True)) == expert]
         groups = []
         for wd_mult, members in ((1.0, [p for p in params if p.dim() > 1]),
                                  (0.0, [p for p in params if p.dim() <= 1])):
-            groups.append({"params": members, "wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": False,
+            groups.append({"params": members, "wd_mult": wd_mult, "lr_mult": 1.0, "is_expert_parallel": expert,
                            "is_decoupled_lr": False, "default_config": True,
                            "max_lr": self.config.lr, "min_lr": self.config.min_lr})
         return groups
@@ -223,7 +240,7 @@ class ModelOptimizer:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale, for backward (unchanged without loss scaling)."""
-        (opt,) = self.optimizer.chained_optimizers
+        opt = self.optimizer.chained_optimizers[0]  # an expert optimizer's scaler moves with the dense one's
         return loss if getattr(opt, "grad_scaler", None) is None else loss * opt.get_loss_scale()
 
     def step(self) -> dict[str, float]:
@@ -246,7 +263,7 @@ class ModelOptimizer:
         from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
         lr = get_canonical_lr_for_logging(self.optimizer.param_groups)
-        (opt,) = self.optimizer.chained_optimizers
+        opt = self.optimizer.chained_optimizers[0]
         scaler = getattr(opt, "grad_scaler", None)
         scale = float(scaler.scale) if scaler is not None else None
         with platform.megatron_scope():
@@ -269,15 +286,16 @@ class ModelOptimizer:
         an update whose norm is not finite is not made: (updated, norm; None on an fp16 overflow)."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        (opt,) = self.optimizer.chained_optimizers
+        config = self.optimizer.chained_optimizers[0].config
         if self.optimizer.prepare_grads():  # an fp16 overflow: the loss scale backs off
             return False, None
         grad_norm = self.optimizer.get_grad_norm()
         if not math.isfinite(grad_norm):
             return False, grad_norm
-        if opt.config.clip_grad > 0.0:
-            clip_grad_by_total_norm_fp32(opt.get_parameters(), max_norm=opt.config.clip_grad, total_norm=grad_norm,
-                                         use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if config.clip_grad > 0.0:
+            params = [p for opt in self.optimizer.chained_optimizers for p in opt.get_parameters()]
+            clip_grad_by_total_norm_fp32(params, max_norm=config.clip_grad, total_norm=grad_norm,
+                                         use_decoupled_grad=config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         return self.optimizer.step_with_ready_grads(), grad_norm
 
     def zero_grad(self) -> None:
@@ -313,7 +331,12 @@ class ModelOptimizer:
 
         With the distributed optimizer a parameter wholly in other DP ranks' shares is absent.
         """
-        (opt,) = self.optimizer.chained_optimizers
+        out = {}
+        for opt in self.optimizer.chained_optimizers:
+            out.update(self._state_slices(opt))
+        return out
+
+    def _state_slices(self, opt) -> dict[torch.nn.Parameter, StateSlice]:
         if self.config.use_distributed_optimizer:
             out = {}
             for param, (group, index) in opt.model_param_group_index_map.items():

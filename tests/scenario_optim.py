@@ -27,7 +27,8 @@ from rlhf.pipeline.microbatch import pipeline_forward_backward
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                   num_kv_heads=2, vocab_size=64, max_seq_len=16, qkv_bias=True)
-SEEDS = {"lm": 21, "value": 22}
+MOE_CFG = replace(CFG, num_layers=2, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+SEEDS = {"lm": 21, "value": 22, "moe": 23}  # "moe": an MoE LM (MOE_CFG)
 STEPS, MICROBATCHES, MB_SIZE, SEQ, CLIP = 4, (4, 2, 6, 4), 2, 8, 0.05
 OPT = OptimizerConfig(lr=1e-3, min_lr=1e-4, lr_warmup_init=2e-4, lr_warmup_iters=1, lr_decay_iters=3,
                       lr_decay_style="cosine", weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
@@ -41,7 +42,14 @@ LAYOUTS = {  # name: (task, strategy on ranks 0-3, model kind, OptimizerConfig o
     "tp2_dp2_distopt": ("critic_train", {"tp": 2, "dp": 2}, "value", DISTOPT),
     "pp2_dp2_overlap": ("critic_train", {"pp": 2, "dp": 2, "reverse_pp": True}, "value", OVERLAP),
     "tp2_dp2_distopt_overlap": ("actor_train", {"tp": 2, "dp": 2}, "lm", {**DISTOPT, **OVERLAP}),
+    "pp2_dp2_ep2": ("actor_train", {"pp": 2, "dp": 2, "ep": 2}, "moe", {}),  # dense and expert optimizers
 }
+
+
+def _model(kind: str, groups, seed: int):
+    """A ``kind`` model ("moe": an LM of MOE_CFG) on ``groups``."""
+    cfg, model_kind = (MOE_CFG, "lm") if kind == "moe" else (CFG, kind)
+    return build_model(cfg, model_kind, groups.pg_collection, groups.stage, seed=seed)
 
 
 def lr_at(n: int) -> float:
@@ -63,14 +71,14 @@ def make_data(seed: int) -> list:
 
 
 def sharded_loss(kind: str, out, tokens, target, tp_group):
-    """Mean next-token NLL from vocab-parallel logits (lm), or MSE of the values (value)."""
-    if kind == "lm":
+    """Mean next-token NLL from vocab-parallel logits (lm, moe), or MSE of the values (value)."""
+    if kind != "value":
         return -vocab_parallel_log_probs(out[:, :-1], tokens[:, 1:], tp_group).mean()
     return (out - target).square().mean()
 
 
 def reference_loss(kind: str, out, tokens, target):
-    if kind == "lm":
+    if kind != "value":
         return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), tokens[:, 1:].reshape(-1))
     return (out - target).square().mean()
 
@@ -98,7 +106,7 @@ def reference_step(model, opt, kind: str, microbatches: list, n: int) -> float:
 def reference(kind: str, data: list) -> dict:
     """Unsharded training: full weights before and after, gradient norm per step."""
     local = local_groups()
-    model = build_model(CFG, kind, local.pg_collection, local.stage, seed=SEEDS[kind])
+    model = _model(kind, local, SEEDS[kind])
     before = gather_tp_full_weights(model, local)
     opt = torch_adamw(model, OPT)
     norms = [reference_step(model, opt, kind, mbs, n) for n, mbs in enumerate(data)]
@@ -121,7 +129,7 @@ def sharded_step(module, groups, opt: ModelOptimizer, kind: str, microbatches: l
 
 
 def train(groups, kind: str, options: dict, data: list, ref: dict) -> dict:
-    module = build_model(CFG, kind, groups.pg_collection, groups.stage, seed=SEEDS[kind] + 100)
+    module = _model(kind, groups, SEEDS[kind] + 100)
     load_full_weights(module, groups, ref["before"])
     opt = ModelOptimizer(module, groups, replace(OPT, **options))
     stats, poisoned, in_a_row = [], [], []

@@ -58,6 +58,7 @@ class TaskGroups:
     pp: dist.ProcessGroup
     mp: dist.ProcessGroup
     mesh_group: dist.ProcessGroup
+    expert_mp: dist.ProcessGroup  # the ranks holding one copy of every expert (mp with its ep group)
 
     @property
     def stage(self) -> PipelineStage:
@@ -111,6 +112,8 @@ def _rank_sets(mesh: TaskMesh) -> dict[str, list[list[int]]]:
         "pp": [mesh.pp_ranks(d, t) for d in range(s.dp) for t in range(s.tp)],
         "mp": [mesh.mp_ranks(d) for d in range(s.dp)],
         "tp_dp": [[mesh.rank(p, d, t) for d in range(s.dp) for t in range(s.tp)] for p in range(s.pp)],
+        "expert_mp": [[r for p in range(s.pp) for t in range(s.tp) for r in mesh.ep_ranks(p, d, t)]
+                      for d in range(0, s.dp, s.ep)],
         "ep": [mesh.ep_ranks(p, d, t) for p in range(s.pp) for d in range(0, s.dp, s.ep) for t in range(s.tp)],
         "expert_dp": [mesh.expert_dp_ranks(p, e, t) for p in range(s.pp) for e in range(s.ep) for t in range(s.tp)],
         "mesh": [list(mesh.ranks)],
@@ -148,7 +151,7 @@ def local_groups(task: str = "local") -> TaskGroups:
     rank = dist.get_rank()
     mesh = TaskMesh(task, (rank,), ParallelStrategy())
     single = _CACHE.get([rank], create=False)
-    mine = {kind: single for kind in ("tp", "dp", "pp", "mp", "tp_dp", "ep", "expert_dp", "mesh")}
+    mine = {kind: single for kind in ("tp", "dp", "pp", "mp", "tp_dp", "ep", "expert_dp", "expert_mp", "mesh")}
     return _task_groups(mesh, Coord(0, 0, 0), mine, single)
 
 
@@ -165,5 +168,5 @@ def _task_groups(mesh: TaskMesh, coord: Coord, mine: dict, single) -> TaskGroups
     )
     return TaskGroups(
         mesh=mesh, coord=coord, pg_collection=pgc, tp=mine["tp"], dp=mine["dp"],
-        pp=mine["pp"], mp=mine["mp"], mesh_group=mine["mesh"],
+        pp=mine["pp"], mp=mine["mp"], mesh_group=mine["mesh"], expert_mp=mine["expert_mp"],
     )
