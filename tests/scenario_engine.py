@@ -7,7 +7,10 @@ the source side of migration. Rank 1: prefix-sharing block accounting for
 n=8, seeded sampling independent of batching, two stop ids, capacity errors,
 the destination side of migration, and a bf16 engine's log-probs vs the bf16 model. Both: TP2 engine (weights resharded
 from a DP2 training layout) vs a TP1 engine, and its tempered log-probs vs the
-plain TP1 model; multi-turn episodes (scripted environments) on TP2 and TP1 engines.
+plain TP1 model; multi-turn episodes (scripted environments) on TP2 and TP1 engines; a Qwen3-shaped
+model (QK-norm, head_dim 24 != 64 / 4) and two tiny MoE models (4 experts, top-2, with and without
+norm_topk_prob, one with a shared expert) against the training model at TP1 (rank 0: Qwen3 and the normed
+MoE; rank 1: the other MoE and bf16) and at TP2, with the engine's routing record against megatron's router.
 Every check returns small values; the test module asserts.
 """
 
@@ -416,6 +419,168 @@ def check_episodes(groups, placement, local) -> dict:
     return out
 
 
+# ---- Qwen3 (QK-norm, an explicit head dimension) and MoE ---------------------------------------------------
+
+QWEN3 = replace(CFG, qkv_bias=False, qk_norm=True, kv_channels=24)  # head_dim 24, not 64 / 4 = 16
+VARIANTS = {
+    "qwen3": QWEN3,
+    # Qwen3-MoE-like: the top-2 of the logits, softmax over the two; a shared expert beside them
+    "moe_norm": replace(QWEN3, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                        moe_shared_expert_intermediate_size=48),
+    # softmax over the 4 experts, its top-2 unnormalised; no shared expert, no QK-norm
+    "moe_plain": replace(CFG, qkv_bias=False, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                         moe_norm_topk_prob=False),
+}
+
+
+def variant_model(name, local, dtype=torch.float32):
+    """The TP1 model of ``VARIANTS[name]`` (seed SEED); its RMSNorm weights drawn in [0.5, 1.5] (they start at
+    1, where the query and key norms could be swapped unnoticed)."""
+    model = build_model(VARIANTS[name], "lm", local.pg_collection, local.stage, seed=SEED, dtype=dtype)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "layernorm" in n:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return model
+
+
+@torch.no_grad()
+def copy_into_tp_shards(dst, src, tp_rank, tp):
+    """Fill ``dst`` (a TP model) with this rank's slices of ``src`` (the same model at TP1), by megatron's
+    partition_dim and partition_stride (fc1 [gate; up] slices each half); parameters of the same shape (norms,
+    the router, the experts: expert TP is 1) are copied whole."""
+    full = dict(src.named_parameters())
+    for name, p in dst.named_parameters():
+        w = full[name]
+        if p.shape != w.shape:
+            dim = p.partition_dim
+            w = torch.cat([c.chunk(tp, dim)[tp_rank] for c in w.chunk(getattr(p, "partition_stride", 1), dim)], dim)
+        p.copy_(w)
+
+
+def training_routing(model, ids) -> torch.Tensor:
+    """megatron's routing map [len(ids), moe layers, E] (bool) of the training model's forward on ``ids``."""
+    maps = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out: maps.append(out[1]))
+             for layer in model.decoder.layers]
+    with torch.no_grad():
+        stage_forward(model, torch.tensor([list(ids)]))
+    for h in hooks:
+        h.remove()
+    return torch.stack(maps, dim=1)
+
+
+def generate_recording_routing(engine, requests):
+    """``engine.generate(requests)`` with the decoder's routing record on: the results and, per request id,
+    the experts of each position it computed [positions, moe layers, k], from each step's ``last_routing``
+    (rows in the step's flat order: the scheduled sequences' token ranges, one after another)."""
+    engine.decoder.record_routing = True
+    spans, records = [], []
+    prepare, forward = engine._prepare, engine.decoder.forward
+
+    def prepare_and_note(out):
+        spans.append([(seq.request_id, seq.num_computed, n) for seq, n in out.scheduled])
+        return prepare(out)
+
+    def forward_and_record(inp):
+        logits = forward(inp)
+        records.append(engine.decoder.last_routing)
+        return logits
+
+    engine._prepare, engine.decoder.forward = prepare_and_note, forward_and_record
+    results = engine.generate(requests)
+    per_request = {}
+    for step, record in zip(spans, records):
+        if record is None:  # a dense model records nothing
+            continue
+        assert record.shape[0] == sum(n for _, _, n in step)
+        row = 0
+        for rid, start, n in step:
+            for j in range(n):
+                per_request.setdefault(rid, {})[start + j] = record[row + j]
+            row += n
+    return results, {rid: torch.stack([pos[k] for k in sorted(pos)]) for rid, pos in per_request.items()}
+
+
+def routing_mismatches(model, results, routing) -> tuple[int, int]:
+    """(tokens whose recorded experts differ from megatron's router on the training model, tokens compared)
+    over every computed position (the prompt and each generated token but the last) of ``results``."""
+    bad = total = 0
+    for r in results:
+        ids = list(r.prompt) + list(r.tokens)[:-1]
+        want = training_routing(model, ids)
+        rec = routing[r.request_id].long()
+        got = torch.zeros_like(want).scatter_(2, rec, True)
+        bad += int((got != want).any(dim=(1, 2)).sum())
+        total += len(ids)
+    return bad, total
+
+
+def check_variant(name, local) -> dict:
+    """``VARIANTS[name]`` at TP1 against its training model: greedy and raw log-probs (chunked prefill beside
+    decodes), and for MoE: the routing record against megatron's router on every computed token, a
+    norm_topk_prob mismatch seen, static decode (``cuda_graphs``) not applied and the same tokens."""
+    cfg, model = VARIANTS[name], variant_model(name, local)
+    prompts = _prompts(4, seed=12)
+    ecfg = EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16)
+    greedy = Engine(model, local, cfg, ecfg).generate(_requests(prompts, GREEDY))
+    raw = Engine(model, local, cfg, ecfg).generate(_requests(prompts, replace(TEMPERED, logprobs_of="raw")))
+    out = {f"{name}_naive_equal": _tokens(greedy[:2]) == [naive_greedy(model, p, GREEDY.max_new_tokens)
+                                                         for p in prompts[:2]],
+           f"{name}_logprob_err": logprob_err(model, greedy + raw, local.tp)}
+    if not cfg.is_moe:
+        return out
+    recorded, routing = generate_recording_routing(Engine(model, local, cfg, ecfg), _requests(prompts, GREEDY))
+    flipped = replace(cfg, moe_norm_topk_prob=not cfg.moe_norm_topk_prob)
+    graphs = Engine(model, local, cfg, replace(ecfg, cuda_graphs=True))
+    out.update({f"{name}_recorded_tokens_equal": _tokens(recorded) == _tokens(greedy),
+                f"{name}_routing_mismatch": routing_mismatches(model, recorded, routing),
+                f"{name}_routing_dtype": str(routing[recorded[0].request_id].dtype),
+                f"{name}_flipped_norm_err": logprob_err(model, Engine(model, local, flipped, ecfg).generate(
+                    _requests(prompts, replace(TEMPERED, logprobs_of="raw"))), local.tp),
+                f"{name}_graphs_static": graphs.decoder.static is not None,
+                f"{name}_graphs_equal": _tokens(graphs.generate(_requests(prompts, GREEDY))) == _tokens(greedy)})
+    return out
+
+
+def check_moe_bf16(local) -> dict:
+    """The bf16 engine on the bf16 MoE models (router in fp32, probabilities applied before fc2 in fp32 and
+    cast back, as megatron) against the bf16 training models, and the fp32 ones' distance."""
+    out = {}
+    for name in ("moe_norm", "moe_plain"):
+        model = variant_model(name, local, torch.bfloat16)
+        ecfg = EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16)
+        engine = Engine(model, local, VARIANTS[name], ecfg)
+        results = engine.generate(_requests(_prompts(4, seed=13), replace(SAMPLED, logprobs_of="raw")))
+        out[f"{name}_bf16_logprob_err"] = logprob_err(model, results, local.tp)
+        out[f"{name}_bf16_vs_fp32_logprob"] = logprob_err(variant_model(name, local), results, local.tp)
+    return out
+
+
+def check_variants_tp2(groups, local) -> dict:
+    """Each variant's TP2 engine (its TP2 model filled with slices of the TP1 model: every rank holds every
+    expert) against the TP1 engine and the training model; the MoE routing records of the two equal."""
+    g, out = groups["actor_gen"], {}
+    reqs = _requests(_prompts(3, seed=14), GREEDY) + _requests(_prompts(2, seed=15), TEMPERED, tag="s")
+    ecfg = EngineConfig(num_blocks=64, block_size=4, max_tokens_per_step=24)
+    for name, cfg in VARIANTS.items():
+        plain = variant_model(name, local)
+        gen = build_model(cfg, "lm", g.pg_collection, g.stage, seed=999)
+        copy_into_tp_shards(gen, plain, g.tp.rank(), g.tp.size())
+        tp2, routing2 = generate_recording_routing(Engine(gen, g, cfg, ecfg), reqs)
+        tp1, routing1 = generate_recording_routing(Engine(plain, local, cfg, ecfg), reqs)
+        out[f"{name}_tp2_equal"] = _tokens(tp2) == _tokens(tp1)
+        out[f"{name}_tp2_logprob_err"] = max(abs(a - b) for x, y in zip(tp1, tp2)
+                                             for a, b in zip(x.logprobs, y.logprobs))
+        out[f"{name}_tp2_vs_training"] = max(logprob_err(plain, tp2[:3], local.tp),
+                                             logprob_err(plain, tp2[3:], local.tp, TEMPERED.temperature))
+        if cfg.is_moe:
+            out[f"{name}_tp2_routing_equal"] = (routing1.keys() == routing2.keys() and all(
+                torch.equal(routing1[k], routing2[k]) for k in routing1))
+    return out
+
+
 def run():
     rank = dist.get_rank()
     placement = Placement.from_plan(PLAN, dist.get_world_size())
@@ -426,12 +591,17 @@ def run():
     out.update(check_tp2(groups, placement, local))
     out.update(check_migration(model, local))
     out.update(check_episodes(groups, placement, local))
+    out.update(check_variants_tp2(groups, local))
     if rank == 0:
         out.update(check_vs_training_model(model, local))
         out.update(check_vs_hf(local))
+        out.update(check_variant("qwen3", local))
+        out.update(check_variant("moe_norm", local))
     else:
         out.update(check_prefix_sharing(model, local))
         out.update(check_sampling_and_errors(model, local))
         out.update(check_bf16(local))
         out.update(check_weight_refresh(local))
+        out.update(check_variant("moe_plain", local))
+        out.update(check_moe_bf16(local))
     return out

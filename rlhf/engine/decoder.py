@@ -6,15 +6,42 @@ reference, so a later reshard into that model is seen without reloading. Per
 TP rank it computes, on flat tokens ``[T]``:
 
     embedding (vocab slice; out-of-slice ids masked; all-reduce over TP)
-    per layer: RMSNorm -> fused QKV (local heads) -> RoPE -> write K/V to cache
+    per layer: RMSNorm -> fused QKV (local heads) -> [QK-norm] -> RoPE -> write K/V to cache
                -> paged attention -> proj (row parallel; all-reduce) -> +residual
-               RMSNorm -> fc1 [gate; up] -> silu(gate) * up -> fc2 (all-reduce) -> +residual
+               RMSNorm -> MLP -> +residual
     final RMSNorm and output layer on the rows that need logits -> all-gather over TP
     -> padded vocabulary ids -inf (rlhf.models.vocab, as the training forward masks them)
 
-which is the math of megatron's local layer spec, so the logits match
-`rlhf.models.gpt.stage_forward` on the same tokens. PP is not supported (the
-generation mesh is TP x DP).
+where the MLP is dense, fc1 [gate; up] -> silu(gate) * up -> fc2 (all-reduce), or a mixture of experts
+(``cfg.is_moe``, megatron's MoE layer with SequentialMLP experts, all of them on every TP rank):
+
+    router logits in fp32 (fp32 input and weight) -> top-k: with ``moe_norm_topk_prob`` the top k logits,
+    then a softmax over those k; without it, a softmax over all experts, then its top k (unnormalised)
+    -> per expert, on its tokens: fc1 -> silu(gate) * up -> * prob (fp32, cast back) -> fc2
+    -> summed per token (index_add in the model's dtype, experts in ascending order, as megatron's
+       unpermute) -> + the shared expert (TP-sharded like the dense MLP, all-reduced), if any
+
+The routed part needs no collective: every TP rank holds every expert (expert TP 1) and computes the
+same full sum, which is added after the shared expert's all-reduce, as megatron adds it.
+
+QK-norm (Qwen3, ``cfg.qk_norm``) is megatron's q_layernorm / k_layernorm: an RMSNorm over head_dim of each
+query head and each key head (one weight for the queries, one for the keys), before RoPE, so the cache
+holds normed, rotated keys. The head dimension is ``cfg.head_dim`` (kv_channels may differ from
+hidden / heads: the QKV rows and the projection's input are heads x head_dim).
+
+This is the math of megatron's local layer spec, so the logits match `rlhf.models.gpt.stage_forward` on
+the same tokens. PP is not supported (the generation mesh is TP x DP).
+
+Routing record (MoE, for routing replay): with ``record_routing`` set (constructor argument or the
+attribute), every `logits` call (so every `forward`) leaves in ``last_routing`` the experts each MoE layer
+chose for each token it computed: an int tensor [T, num_moe_layers, k] (int16, int32 past 32767 experts;
+on the model's device) in the step's flat token order (``StepInputs.input_ids``: prefill and decode rows
+alike), the k experts of a token in megatron's top-k order (highest score first). ``last_routing[:, l]``
+is the ``top_indices`` megatron's RouterReplay records for MoE layer l. Off (the default), or for a dense
+model, it stays None and costs nothing.
+
+A MoE model never takes the static decode path (``static_decode`` is ignored): the tokens per expert
+change every step, which a CUDA graph cannot replay.
 """
 
 from __future__ import annotations
@@ -51,17 +78,34 @@ class StepInputs:
 
 
 class _Layer:
-    """References to one layer's local weight shards."""
+    """References to one layer's local weight shards.
 
-    def __init__(self, p: dict[str, torch.Tensor], i: int):
+    Dense: ``fc1``, ``fc2``. MoE (``router`` not None): ``router`` [E, hidden] (and its bias, if any),
+    ``experts`` [(fc1, fc2)] of every expert, whole on every TP rank, ``shared`` (fc1, fc2) of the shared
+    expert (TP-sharded) or None. QK-norm: ``q_norm`` / ``k_norm`` [head_dim], else None.
+    """
+
+    def __init__(self, p: dict[str, torch.Tensor], i: int, num_experts: int = 0):
         pre = f"decoder.layers.{i}."
         self.norm1 = p[pre + "input_layernorm.weight"]
         self.qkv = p[pre + "self_attention.linear_qkv.weight"]
         self.qkv_bias = p.get(pre + "self_attention.linear_qkv.bias")
+        self.q_norm = p.get(pre + "self_attention.q_layernorm.weight")
+        self.k_norm = p.get(pre + "self_attention.k_layernorm.weight")
         self.proj = p[pre + "self_attention.linear_proj.weight"]
         self.norm2 = p[pre + "pre_mlp_layernorm.weight"]
-        self.fc1 = p[pre + "mlp.linear_fc1.weight"]
-        self.fc2 = p[pre + "mlp.linear_fc2.weight"]
+        self.router = p.get(pre + "mlp.router.weight") if num_experts else None
+        if self.router is None:
+            self.fc1 = p[pre + "mlp.linear_fc1.weight"]
+            self.fc2 = p[pre + "mlp.linear_fc2.weight"]
+            return
+        self.router_bias = p.get(pre + "mlp.router.bias")
+        experts = pre + "mlp.experts.local_experts."
+        self.experts = [(p[f"{experts}{e}.linear_fc1.weight"], p[f"{experts}{e}.linear_fc2.weight"])
+                        for e in range(num_experts)]
+        shared = pre + "mlp.shared_experts."
+        self.shared = ((p[shared + "linear_fc1.weight"], p[shared + "linear_fc2.weight"])
+                       if shared + "linear_fc1.weight" in p else None)
 
 
 class TorchOps:
@@ -105,16 +149,20 @@ class TPDecoder:
     """This TP rank's share of the decoder plus its slice of the KV cache."""
 
     def __init__(self, model: torch.nn.Module, tp_group, cfg: ModelConfig, num_blocks: int,
-                 block_size: int, max_len: int, attention_backend: str = "auto", static_decode: bool = False):
+                 block_size: int, max_len: int, attention_backend: str = "auto", static_decode: bool = False,
+                 record_routing: bool = False):
         if not (model.pre_process and model.post_process):
             raise ValueError("the generation decoder needs a whole model (pp=1); got a pipeline stage")
+        static_decode = static_decode and not cfg.is_moe  # MoE steps run eagerly (module doc)
         self.cfg, self.group = cfg, tp_group
+        self.record_routing = record_routing
+        self.last_routing: torch.Tensor | None = None  # [T, num_moe_layers, k] of the last step, when recording
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         p = {n: t.data for n, t in named_global_parameters(model).items()}
         self.embed, self.out = p["embedding.word_embeddings.weight"], p["output_layer.weight"]
         self.final_norm = p["decoder.final_layernorm.weight"]
-        self.layers = [_Layer(p, i) for i in range(cfg.num_layers)]
+        self.layers = [_Layer(p, i, cfg.num_experts) for i in range(cfg.num_layers)]
         self.kv_heads = cfg.num_kv_heads // self.tp
         self.q_per_kv = cfg.num_attention_heads // cfg.num_kv_heads
         dev, dtype = self.embed.device, self.embed.dtype
@@ -153,20 +201,74 @@ class TPDecoder:
     def _attention(self, layer: _Layer, i: int, h: torch.Tensor, inp: StepInputs, rope, plan) -> torch.Tensor:
         T, hd = h.shape[0], self.cfg.head_dim
         qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None:
+            self._qk_norm(layer, qkv.view(T, self.kv_heads, self.q_per_kv + 2, hd))
         k_cache, v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         q = self.ops.rope_and_cache(qkv, *rope, k_cache.view(self.kv_heads, -1, hd),
                                     v_cache.view(self.kv_heads, -1, hd), inp.slots, self.q_per_kv)
         o = self.attention(q, k_cache, v_cache, plan, self.scale)
         return self._all_reduce(F.linear(o.reshape(T, -1), layer.proj))
 
-    def _mlp(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(F.linear(self.ops.silu_and_mul(F.linear(h, layer.fc1)), layer.fc2))
+    def _qk_norm(self, layer: _Layer, x: torch.Tensor) -> None:
+        """RMSNorm in place of each query head and each key head of ``x`` [T, kv_heads, q_per_kv + 2, D]
+        (per KV group: its query heads, key, value), as megatron's q_layernorm / k_layernorm (torch's
+        RMSNorm) on the split projection."""
+        eps, q = self.cfg.norm_eps, self.q_per_kv
+        x[:, :, :q] = TorchOps.rms_norm(x[:, :, :q], layer.q_norm, eps)
+        x[:, :, q] = TorchOps.rms_norm(x[:, :, q], layer.k_norm, eps)
+
+    def _swiglu(self, h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        """fc2(silu(gate) * up) of fc1(h) = [gate | up], without the all-reduce."""
+        return F.linear(self.ops.silu_and_mul(F.linear(h, fc1)), fc2)
+
+    def _mlp(self, layer: _Layer, h: torch.Tensor, routing: list | None = None) -> torch.Tensor:
+        """The layer's MLP of ``h`` [T, hidden], complete on every TP rank; a MoE layer appends its top-k
+        expert indices [T, k] to ``routing`` when that is a list."""
+        if layer.router is not None:
+            return self._moe(layer, h, routing)
+        return self._all_reduce(self._swiglu(h, layer.fc1, layer.fc2))
+
+    def route(self, layer: _Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(probs [T, k] float32, expert indices [T, k] int64) of megatron's top-k router (softmax score,
+        router in fp32) on ``h`` [T, hidden]."""
+        logits = F.linear(h.float(), layer.router.float(),
+                          None if layer.router_bias is None else layer.router_bias.float())
+        k = self.cfg.moe_router_topk
+        if self.cfg.moe_norm_topk_prob:  # megatron's moe_router_pre_softmax=False
+            top, idx = torch.topk(logits, k, dim=1)
+            return torch.softmax(top, dim=-1, dtype=torch.float32), idx
+        return torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=1)
+
+    def _moe(self, layer: _Layer, h: torch.Tensor, routing: list | None) -> torch.Tensor:
+        """megatron's MoE layer on ``h`` [T, hidden]: the routed experts (all local, no collective) plus
+        the shared expert (all-reduced), in megatron's arithmetic and dtypes (module doc)."""
+        probs, idx = self.route(layer, h)
+        if routing is not None:
+            routing.append(idx)
+        k = idx.shape[1]
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)  # by expert, then by token: megatron's permutation
+        counts = torch.bincount(flat, minlength=len(layer.experts)).tolist()  # one host sync a layer
+        tokens, weights = order // k, probs.flatten()[order]
+        out = torch.zeros_like(h)
+        start = 0
+        for (fc1, fc2), n in zip(layer.experts, counts):
+            if n:
+                rows = tokens[start:start + n]
+                act = self.ops.silu_and_mul(F.linear(h.index_select(0, rows), fc1))
+                act = (act * weights[start:start + n, None]).to(h.dtype)  # megatron's per_token_scale
+                out.index_add_(0, rows, F.linear(act, fc2))
+                start += n
+        if layer.shared is not None:
+            out = out + self._all_reduce(self._swiglu(h, *layer.shared))
+        return out
 
     @torch.no_grad()
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Full-vocabulary logits [S, V] (float32; V padded, padded ids -inf) for ``inp.logits_rows``;
         fills the KV cache (copy-on-write copies first). A decode step runs at its bucket's static shapes
-        when the decoder was made with ``static_decode`` (rlhf/engine/static_decode.py)."""
+        when the decoder was made with ``static_decode`` (rlhf/engine/static_decode.py; never for MoE).
+        With ``record_routing``, ``last_routing`` holds the step's expert choices (module doc)."""
         self.copy_blocks(inp.copies)
         if self.static is not None and StaticDecode.applies(inp):
             return self.static.run(inp)
@@ -174,14 +276,20 @@ class TPDecoder:
 
     @torch.no_grad()
     def logits(self, inp: StepInputs) -> torch.Tensor:
-        """`forward` without its block copies: the model on ``inp``'s tokens."""
+        """`forward` without its block copies: the model on ``inp``'s tokens (and, with ``record_routing``
+        on a MoE model, ``last_routing`` of them)."""
         eps = self.cfg.norm_eps
         x = self._embed(inp.input_ids)
         rope = (self.cos[inp.positions], self.sin[inp.positions])
         plan = self.attention.prepare(inp.attn)
+        routing = [] if self.record_routing and self.cfg.is_moe else None
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer, i, self.ops.rms_norm(x, layer.norm1, eps), inp, rope, plan)
-            x = x + self._mlp(layer, self.ops.rms_norm(x, layer.norm2, eps))
+            x = x + self._mlp(layer, self.ops.rms_norm(x, layer.norm2, eps), routing)
+        self.last_routing = None
+        if routing is not None:
+            dtype = torch.int16 if self.cfg.num_experts <= torch.iinfo(torch.int16).max else torch.int32
+            self.last_routing = torch.stack(routing, dim=1).to(dtype)
         x = self.ops.rms_norm(x[inp.logits_rows], self.final_norm, eps)
         logits = F.linear(x, self.out).float()
         if self.tp > 1:

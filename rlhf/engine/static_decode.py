@@ -8,7 +8,8 @@ has one block more than the pool), and their logits are dropped. Every tensor th
 one of these buffers and every shape is the bucket's, so `rlhf.platform.capture_graph` records the
 forward once per bucket on a GPU and replays it for every later step of that size, without launching
 its kernels one by one. Without a GPU the same padded step runs eagerly: the CPU tests compare it with
-the unpadded step. Prefill steps, and steps whose sequences do not all sample, run unpadded.
+the unpadded step. Prefill steps, and steps whose sequences do not all sample, run unpadded. A MoE model
+never comes here (`TPDecoder` drops the flag): its tokens per expert change every step.
 """
 
 from __future__ import annotations

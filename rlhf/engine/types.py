@@ -48,6 +48,7 @@ class EngineConfig:
     ``cuda_graphs=True`` runs decode steps padded to static shapes, which a GPU
     records once per batch-size bucket and replays (rlhf/engine/static_decode.py);
     without a GPU the padded steps run eagerly (callers turn it on only with one).
+    A MoE model ignores it: its steps run eagerly (tokens per expert change each step).
     The n-1 samples forked off a prompt join the running batch at once, so it
     may exceed ``max_num_seqs`` by up to n-1 until they finish.
     """
