@@ -51,6 +51,7 @@ def _check(case: dict, groups, layout: str, out_root: str, seed: int) -> dict:
                         padded_vocab=case.get("padded"))
     head_before = model.output_layer.weight.clone() if groups.is_last_stage else None
     load_hf_weights(model, groups, case["dir"], case["role"])
+    model.eval()  # inference (megatron refuses an MoE layer training at tp > 1 without sequence parallelism)
     result = {}
     out = _forward(model, groups, case["ids"], cfg.hidden_size)
     if out is not None and case.get("expected") is not None:

@@ -3,7 +3,8 @@
 A tiny random Llama and a tiny random Qwen2 (QKV bias), vocab_size=320, are
 each saved with a byte-level BPE tokenizer of 300 ids that defines ``<s>`` but
 adds nothing ("plain"), and with the same tokenizer plus a post-processor that
-prepends ``<s>`` ("bos"). generate.py must tokenize like
+prepends ``<s>`` ("bos"); a tiny Qwen3 (QK-norm, head_dim 24 != 64 / 4) and a
+tiny Qwen3-MoE (4 experts, top-2) with the plain one. generate.py must tokenize like
 ``AutoTokenizer(dir)(text)`` and may pick ids 300..319 (past the tokenizer,
 inside the model's vocabulary) exactly when transformers does. A copy of
 the plain Llama whose generation_config.json adds an end-of-turn id to
@@ -39,7 +40,8 @@ PROMPTS = [  # 1, 2, 7, 14, 16, 25, 32 and 40 tokens without the BOS
     "The critic estimates the value of each token.",
     "Reinforcement learning trains a policy; the critic scores it.",
 ]
-CONFIGS = [(family, tok) for family in ("llama", "qwen2") for tok in ("plain", "bos")]
+CONFIGS = [(family, tok) for family in ("llama", "qwen2") for tok in ("plain", "bos")] + [
+    ("qwen3", "plain"), ("qwen3_moe", "plain")]
 
 
 def _tokenizer_object():
@@ -66,13 +68,18 @@ def _save_tokenizer(tok, path: str, prepend_bos: bool) -> None:
 
 
 def _tiny_model(family: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    config_cls, model_cls, extra = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}), "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 24}),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "norm_topk_prob": True, "moe_intermediate_size": 32}),
+    }[family]
     cfg = config_cls(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                     bos_token_id=BOS, eos_token_id=EOS)
+                     bos_token_id=BOS, eos_token_id=EOS, **extra)
     model = model_cls(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -81,9 +88,9 @@ def _tiny_model(family: str):
 
 
 def build_dirs(tmp) -> dict:
-    """(family, tokenizer) -> (HF directory, model) for the four CONFIGS."""
+    """(family, tokenizer) -> (HF directory, model) for the CONFIGS."""
     torch.manual_seed(5)
-    models = {family: _tiny_model(family) for family in ("llama", "qwen2")}
+    models = {family: _tiny_model(family) for family in ("llama", "qwen2", "qwen3", "qwen3_moe")}
     dirs = {}
     for family, tok_kind in CONFIGS:
         path = str(tmp / f"{family}_{tok_kind}")

@@ -1,4 +1,4 @@
-"""HF interop: tiny random Llama / Qwen2 checkpoints -> our model at TP2 and PP2 -> HF again.
+"""HF interop: tiny random Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoints -> our model at TP2 and PP2 -> HF again.
 
 transformers is the oracle: our logits (and per-token values of a sequence
 classifier) must match its to 1e-4 in fp32, and exporting the sharded model
@@ -6,19 +6,22 @@ back must reproduce the original safetensors exactly. ``llama_v67`` has a
 vocabulary of 67 ids, which tp=2 does not divide: it runs padded (68 rows, and
 256 with a whole TP slice of padding), its engine's greedy tokens must be
 transformers' ``generate``, and its log-probs and entropy transformers'.
+``qwen3`` has QK-norm and a head dimension of 24 (4 heads x 24 != hidden 64);
+``qwen3_moe`` 4 experts, top-2, norm_topk_prob.
 """
 
 import json
 import os
 import re
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.checkpoint.hf import (HFConversionError, export_hf, export_saved_model, fuse_qkv, hf_sources,
-                               read_hf_config, read_hf_state, split_qkv)
+from rlhf.checkpoint.hf import (HFConversionError, export_hf, export_saved_model, fuse_qkv, hf_config_dict,
+                               hf_sources, read_hf_config, read_hf_state, split_qkv)
 from rlhf.checkpoint.rlhf_state import read_full_state
 from rlhf.models import ModelConfig
 from rlhf.models.naming import owning_stage
@@ -33,9 +36,13 @@ SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_la
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
 
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "moe_intermediate_size": 32}
+
+
 def _hf_models():
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen2ForSequenceClassification)
+                              Qwen2ForSequenceClassification, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     return {
         "llama": (LlamaForCausalLM, LlamaConfig(rope_theta=5000.0, rms_norm_eps=1e-5, **SHAPE), "lm"),
@@ -43,6 +50,9 @@ def _hf_models():
         "qwen2_score": (Qwen2ForSequenceClassification, Qwen2Config(num_labels=1, pad_token_id=0, **SHAPE), "value"),
         "llama_newhead": (LlamaForCausalLM, LlamaConfig(**SHAPE), "value"),
         "llama_v67": (LlamaForCausalLM, LlamaConfig(**{**SHAPE, "vocab_size": ODD_VOCAB}), "lm"),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(head_dim=24, tie_word_embeddings=True, rope_theta=1e6, **SHAPE),
+                  "lm"),
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(router_aux_loss_coef=0.01, **MOE, **SHAPE), "lm"),
     }
 
 
@@ -104,8 +114,11 @@ def _errs(results, key, field):
     return [r[key][field] for r in results if field in r[key]]
 
 
+NAMES = ["llama", "qwen2_tied", "qwen2_score", "llama_v67", "qwen3", "qwen3_moe"]
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen2_score", "llama_v67"])
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers(setup, name, layout):
     _, results = setup
     errs = _errs(results, f"{name}/{layout}", "err")
@@ -146,7 +159,7 @@ def test_value_model_from_causal_lm_keeps_new_head(setup, layout):
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
-@pytest.mark.parametrize("name", ["llama", "qwen2_tied", "qwen2_score", "llama_v67"])
+@pytest.mark.parametrize("name", NAMES)
 def test_export_back_is_identical(setup, tmp_path, name, layout):
     cases, results = setup
     case = next(c for c in cases if c["name"] == name)
@@ -169,17 +182,51 @@ def test_padded_vocab_checkpoint_holds_the_models_own_shapes(setup, layout):
     assert sorted(saved) == sorted(want) and all(torch.equal(saved[k], want[k]) for k in want)
 
 
-def test_exported_dir_loads_in_transformers(setup, tmp_path):
+@pytest.mark.parametrize("name", ["qwen2_tied", "qwen3", "qwen3_moe"])
+def test_exported_dir_loads_in_transformers(setup, tmp_path, name):
+    """transformers loads our export (Qwen3-MoE: one tensor per expert, as published) to the same logits."""
     from transformers import AutoModelForCausalLM
 
     cases, results = setup
-    out = export_saved_model(results[0]["qwen2_tied/pp2"]["root"], str(tmp_path / "hf"))
+    out = export_saved_model(results[0][f"{name}/pp2"]["root"], str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert model.config.tie_word_embeddings
+    original = AutoModelForCausalLM.from_pretrained(next(c for c in cases if c["name"] == name)["dir"]).eval()
+    assert type(model) is type(original)
+    assert model.config.tie_word_embeddings == original.config.tie_word_embeddings
     ids = torch.randint(0, SHAPE["vocab_size"], (1, 5))
-    original = AutoModelForCausalLM.from_pretrained(cases[1]["dir"]).eval()
     with torch.no_grad():
         assert torch.equal(model(ids).logits, original(ids).logits)
+
+
+def test_qwen3_configs_round_trip(setup):
+    """config.json -> ours: QK-norm, the explicit head dimension and the MoE fields."""
+    cases, _ = setup
+    qwen3, moe = (read_hf_config(next(c for c in cases if c["name"] == n)["dir"]) for n in ("qwen3", "qwen3_moe"))
+    assert (qwen3.family, qwen3.config.qk_norm, qwen3.config.kv_channels, qwen3.config.head_dim) == \
+        ("qwen3", True, 24, 24)
+    assert qwen3.config.tie_embeddings and not qwen3.config.qkv_bias and not qwen3.config.is_moe
+    c = moe.config
+    assert moe.family == "qwen3_moe" and c.qk_norm and c.kv_channels is None
+    assert (c.num_experts, c.moe_router_topk, c.expert_ffn_hidden_size, c.moe_norm_topk_prob,
+            c.moe_aux_loss_coeff, c.moe_z_loss_coeff, c.ffn_hidden_size) == (4, 2, 32, True, 0.01, 0.0, 96)
+
+
+def test_fused_expert_layout_reads_as_per_expert(setup, tmp_path):
+    """transformers' in-memory Qwen3-MoE state dict (experts.gate_up_proj / down_proj, 3-D) reads as the
+    per-expert files that save_pretrained writes."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    cases, _ = setup
+    src = next(c for c in cases if c["name"] == "qwen3_moe")["dir"]
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in load_file(os.path.join(src, "model.safetensors"))
+    state = AutoModelForCausalLM.from_pretrained(src).state_dict()
+    assert state["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    shutil.copy(os.path.join(src, "config.json"), tmp_path / "config.json")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    info = read_hf_config(src)
+    want, got = read_hf_state(src, info), read_hf_state(str(tmp_path), info)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_export_in_bf16_is_the_saved_weights_rounded_and_loads_in_transformers(setup, tmp_path):
@@ -275,6 +322,76 @@ def test_unsupported_checkpoints_are_refused(tmp_path, capsys):
         convert_checkpoint.main(["--help"])
     help_text = capsys.readouterr().out
     assert done.value.code == 0 and "hf-to-ours" in help_text and "ours-to-hf" in help_text
+
+
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 96,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 320}
+QWEN3_MOE = {**QWEN3, "architectures": ["Qwen3MoeForCausalLM"], **MOE}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({**QWEN3, "attention_bias": True}, r"Qwen3 attention_bias=true \(bias on o_proj too\) is not supported"),
+    ({**QWEN3, "use_sliding_window": True}, "use_sliding_window=true is not supported"),
+    ({**QWEN3, "layer_types": ["full_attention", "sliding_attention"]},
+     r"layer_types \['sliding_attention'\] are not supported \(only 'full_attention'\)"),
+    ({**QWEN3, "architectures": ["Qwen2ForCausalLM"]},
+     r"head_dim=24 x heads=4 != hidden_size=64 \(Qwen2 has no separate head dimension\)"),
+    ({**QWEN3_MOE, "decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported \(every layer must be MoE"),
+    ({**QWEN3_MOE, "mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported \(every layer must be MoE"),
+    ({**QWEN3_MOE, "num_experts": 1}, "num_experts=1; a Qwen3-MoE needs at least 2"),
+    ({k: v for k, v in QWEN3_MOE.items() if k != "moe_intermediate_size"},
+     r"missing field\(s\) \['moe_intermediate_size'\]"),
+])
+def test_qwen3_checkpoints_that_cannot_convert_are_refused(tmp_path, raw, message):
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(HFConversionError, match=f"^{tmp_path}/config.json: {message}") as err:
+        read_hf_config(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_qwen3_moe_config_reads_transformers_num_local_experts(tmp_path):
+    """transformers 5 saves a Qwen3-MoE's expert count as num_local_experts; published files say num_experts."""
+    raw = {k: v for k, v in QWEN3_MOE.items() if k != "num_experts"}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_local_experts": 4}))
+    cfg = read_hf_config(str(tmp_path)).config
+    assert cfg.num_experts == 4 and cfg.moe_norm_topk_prob
+
+
+MOE_CFG = ModelConfig(qk_norm=True, num_experts=4, moe_ffn_hidden_size=32)
+
+
+@pytest.mark.parametrize("cfg, family, message", [
+    (ModelConfig(qk_norm=True), "llama",
+     "family 'llama' has no QK-norm but this model has QK-norm; export it as family 'qwen3'"),
+    (ModelConfig(qk_norm=True, qkv_bias=True), "qwen3",
+     "family 'qwen3' has no QKV bias but this model has QKV bias; no supported HF family has QKV bias and QK-norm"),
+    (ModelConfig(qk_norm=True), "qwen2",
+     "family 'qwen2' has QKV bias but this model has no QKV bias; export it as family 'qwen3'"),
+    (MOE_CFG, "qwen3", "family 'qwen3' has no experts but this model has experts; export it as family 'qwen3_moe'"),
+    (ModelConfig(qk_norm=True), "qwen3_moe",
+     "family 'qwen3_moe' has experts but this model has no experts; export it as family 'qwen3'"),
+    (ModelConfig(num_experts=4), None,
+     "family 'qwen3_moe' has QK-norm but this model has no QK-norm; no supported HF family has experts"),
+    (replace(MOE_CFG, moe_shared_expert_intermediate_size=40), None,
+     "Qwen3-MoE has no shared expert: moe_shared_expert_intermediate_size=40 cannot be exported"),
+    (ModelConfig(qkv_bias=True, kv_channels=24), None,
+     r"Qwen2 has no separate head dimension: kv_channels=24 x heads=4 != hidden_size=64"),
+])
+def test_exports_no_hf_family_can_hold_are_refused(tmp_path, cfg, family, message):
+    with pytest.raises(HFConversionError, match=f"^{message}$"):
+        export_hf(str(tmp_path / "out"), cfg, {}, family=family)
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_export_family_follows_the_model():
+    families = {cfg: hf_config_dict(cfg)["architectures"] for cfg in (
+        ModelConfig(), ModelConfig(qkv_bias=True), ModelConfig(qk_norm=True, kv_channels=24), MOE_CFG)}
+    assert list(families.values()) == [["LlamaForCausalLM"], ["Qwen2ForCausalLM"], ["Qwen3ForCausalLM"],
+                                       ["Qwen3MoeForCausalLM"]]
+    moe = hf_config_dict(MOE_CFG, "sequence_classification")
+    assert moe["architectures"] == ["Qwen3MoeForSequenceClassification"]
+    assert (moe["num_experts"], moe["num_experts_per_tok"], moe["moe_intermediate_size"], moe["intermediate_size"],
+            moe["decoder_sparse_step"], moe["mlp_only_layers"]) == (4, 2, 32, 128, 1, [])
 
 
 def test_missing_weights_and_sharded_index(setup, tmp_path):

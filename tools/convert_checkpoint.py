@@ -32,7 +32,7 @@ import sys
 
 from rlhf.checkpoint import gguf, megatron, peft, storage
 from rlhf.checkpoint.convert import check_new_iteration, gguf_to_ours, hf_to_ours
-from rlhf.checkpoint.hf import HFConversionError, export_saved_model
+from rlhf.checkpoint.hf import FAMILIES, HFConversionError, export_saved_model
 from rlhf.cli import HelpFormatter, report
 from rlhf.models.precision import DTYPES
 from rlhf.tasks import KINDS
@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="output HF directory (created; files overwritten)")
     b.add_argument("--model-name", default="actor", help="which model of the checkpoint to export")
     b.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the one 'latest' names)")
-    b.add_argument("--family", choices=("llama", "qwen2"), default=None,
-                   help="HF architecture family (default: qwen2 when the model has QKV bias, else llama)")
+    b.add_argument("--family", choices=tuple(FAMILIES), default=None,
+                   help="HF architecture family (default: qwen3_moe for an MoE, qwen3 with QK-norm, qwen2 with "
+                        "QKV bias, else llama)")
     b.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="the exported weights' dtype (default: as saved; a --bf16 run saves its trained models' "
                         "fp32 main weights)")
@@ -116,8 +117,9 @@ def add_megatron_parsers(sub) -> None:
                        formatter_class=HelpFormatter)
     d.add_argument("--megatron", required=True, help=MEGATRON_DIR_HELP)
     d.add_argument("--out", required=True, help="output HF directory (created; files overwritten)")
-    d.add_argument("--family", choices=("llama", "qwen2"), default=None,
-                   help="HF architecture family (default: qwen2 when the model has QKV bias, else llama)")
+    d.add_argument("--family", choices=tuple(FAMILIES), default=None,
+                   help="HF architecture family (default: qwen3_moe for an MoE, qwen3 with QK-norm, qwen2 with "
+                        "QKV bias, else llama)")
     e = sub.add_parser("ours-to-megatron", help="our checkpoint root -> Megatron-LM checkpoint directory",
                        formatter_class=HelpFormatter)
     e.add_argument("--load", required=True, help="our checkpoint root (the directory holding 'latest')")

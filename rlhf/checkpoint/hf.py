@@ -1,16 +1,20 @@
-"""Hugging Face <-> ours: configs, tensor names and layouts of LLaMA / Qwen2 checkpoints.
+"""Hugging Face <-> ours: configs, tensor names and layouts of LLaMA / Qwen2 / Qwen3 / Qwen3-MoE checkpoints.
 
-This module owns the mapping between an HF safetensors checkpoint
-(``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and their ``*ForSequenceClassification``)
-and our unsharded model in *global naming* (see :mod:`rlhf.parallel.reshard`).
-Per layer ``i`` (``h = model.layers.i.``, ``o = decoder.layers.i.``)::
+This module owns the mapping between an HF safetensors checkpoint (``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and their
+``*ForSequenceClassification``) and our unsharded model in *global naming* (see
+:mod:`rlhf.parallel.reshard`). Per layer ``i`` (``h = model.layers.i.``, ``o = decoder.layers.i.``)::
 
     h input_layernorm.weight           -> o input_layernorm.weight
-    h self_attn.{q,k,v}_proj.{w,b}     -> o self_attention.linear_qkv.{weight,bias}  (fused, below)
+    h self_attn.{q,k,v}_proj.{w,b}     -> o self_attention.linear_qkv.{weight,bias}  (fused, below; bias: Qwen2)
+    h self_attn.{q,k}_norm.weight      -> o self_attention.{q,k}_layernorm.weight    (Qwen3, Qwen3-MoE)
     h self_attn.o_proj.weight          -> o self_attention.linear_proj.weight
     h post_attention_layernorm.weight  -> o pre_mlp_layernorm.weight
     h mlp.{gate,up}_proj.weight        -> o mlp.linear_fc1.weight                    ([gate; up])
     h mlp.down_proj.weight             -> o mlp.linear_fc2.weight
+    h mlp.gate.weight                  -> o mlp.router.weight                        (Qwen3-MoE, below)
+    h mlp.experts.E.{gate,up}_proj.weight -> o mlp.experts.local_experts.E.linear_fc1.weight  ([gate; up])
+    h mlp.experts.E.down_proj.weight   -> o mlp.experts.local_experts.E.linear_fc2.weight
     model.embed_tokens.weight -> embedding.word_embeddings.weight
     model.norm.weight         -> decoder.final_layernorm.weight
     lm_head.weight (or the embedding when tied) / score.weight -> output_layer.weight
@@ -18,6 +22,13 @@ Per layer ``i`` (``h = model.layers.i.``, ``o = decoder.layers.i.``)::
 Fused QKV rows are grouped per KV head (G groups, q_per_group = heads / G)::
 
     [ q(g0 heads) k(g0) v(g0) | q(g1 heads) k(g1) v(g1) | ... ]
+
+A Qwen3-MoE layer's MLP is ``num_experts`` experts (E is the global expert index)
+and a router, every layer (``decoder_sparse_step`` 1, no ``mlp_only_layers``); HF's
+``norm_topk_prob`` is our ``moe_norm_topk_prob``. Files hold one tensor per expert,
+as ``save_pretrained`` writes and the published checkpoints have them; reading also
+takes transformers' in-memory layout (``mlp.experts.gate_up_proj`` [E, 2f, h] of
+[gate; up] rows, ``mlp.experts.down_proj`` [E, h, f]), slicing each expert out.
 
 HF and megatron (``rotary_interleaved=False``) both apply RoPE with
 ``rotate_half`` on the projection rows as stored, so no row permutation is
@@ -34,17 +45,20 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
-from rlhf.models.config import ModelConfig
+from rlhf.models.config import ModelConfig, ModelConfigError
 from rlhf.models.vocab import drop_vocab_padding
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2"}
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe"}
+FEATURES = {"llama": (), "qwen2": ("qkv_bias",), "qwen3": ("qk_norm",), "qwen3_moe": ("qk_norm", "moe")}
+"""What each family's layers have beyond Llama's: Qwen2's QKV bias, Qwen3's QK-norm, Qwen3-MoE's experts."""
 KINDS = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}
 ARCHITECTURES = {FAMILIES[f] + KINDS[k]: (f, k) for f in FAMILIES for k in KINDS}  # name -> (family, kind)
 WEIGHTS_FILE = "model.safetensors"
@@ -60,7 +74,7 @@ class HFModelInfo:
     """What an HF directory holds: our config, its model family and head kind."""
 
     config: ModelConfig
-    family: str  # "llama" | "qwen2"
+    family: str  # a key of FAMILIES
     kind: str  # "causal_lm" | "sequence_classification"
 
     @property
@@ -93,20 +107,49 @@ def _check_unsupported(raw: dict, family: str, kind: str, path: str) -> None:
         raise HFConversionError(f"{path}: hidden_act={raw['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
     if raw.get("mlp_bias"):
         raise HFConversionError(f"{path}: mlp_bias=true is not supported")
-    if family == "llama" and raw.get("attention_bias"):
-        raise HFConversionError(f"{path}: Llama attention_bias=true (bias on o_proj too) is not supported")
+    if family != "qwen2" and raw.get("attention_bias"):
+        raise HFConversionError(f"{path}: {FAMILIES[family]} attention_bias=true (bias on o_proj too) is not supported")
     if raw.get("use_sliding_window"):
         raise HFConversionError(f"{path}: use_sliding_window=true is not supported")
+    windowed = sorted({t for t in raw.get("layer_types") or () if t != "full_attention"})
+    if windowed:
+        raise HFConversionError(f"{path}: layer_types {windowed} are not supported (only 'full_attention')")
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    if head_dim * heads != raw["hidden_size"]:
-        raise HFConversionError(f"{path}: head_dim={head_dim} x heads={heads} != hidden_size={raw['hidden_size']}")
+    if family == "qwen2" and head_dim * heads != raw["hidden_size"]:
+        raise HFConversionError(f"{path}: head_dim={head_dim} x heads={heads} != hidden_size={raw['hidden_size']} "
+                                "(Qwen2 has no separate head dimension)")
     labels = raw.get("num_labels") or len(raw.get("id2label") or {0: 0})
     if kind == "sequence_classification" and labels != 1:
         raise HFConversionError(f"{path}: a value head needs num_labels=1, got {labels}")
+    if family == "qwen3_moe":
+        if raw.get("decoder_sparse_step", 1) != 1:
+            raise HFConversionError(f"{path}: decoder_sparse_step={raw['decoder_sparse_step']} is not supported "
+                                    "(every layer must be MoE: 1)")
+        if raw.get("mlp_only_layers"):
+            raise HFConversionError(f"{path}: mlp_only_layers={raw['mlp_only_layers']} is not supported "
+                                    "(every layer must be MoE: [])")
+        if _num_experts(raw) < 2:
+            raise HFConversionError(f"{path}: num_experts={_num_experts(raw)}; a Qwen3-MoE needs at least 2")
+
+
+def _num_experts(raw: dict) -> int:
+    """Qwen3-MoE's expert count: ``num_experts`` as published, ``num_local_experts`` as transformers 5 saves it."""
+    return raw.get("num_experts") or raw.get("num_local_experts") or 0
+
+
+def _moe_fields(raw: dict, family: str) -> dict:
+    """Our MoE fields from a Qwen3-MoE config.json (transformers' defaults where a field is absent)."""
+    if family != "qwen3_moe":
+        return {}
+    return {"num_experts": _num_experts(raw), "moe_router_topk": raw["num_experts_per_tok"],
+            "moe_ffn_hidden_size": raw["moe_intermediate_size"],
+            "moe_norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "moe_aux_loss_coeff": float(raw.get("router_aux_loss_coef", 0.001))}
 
 
 _REQUIRED = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+_REQUIRED_MOE = ("num_experts_per_tok", "moe_intermediate_size")
 
 
 def is_hf_dir(path: str) -> bool:
@@ -123,37 +166,73 @@ def read_hf_config(hf_dir: str) -> HFModelInfo:
     if not isinstance(raw, dict):
         raise HFConversionError(f"{path}: expected a JSON object of model settings, got {type(raw).__name__}")
     family, kind = _parse_architecture(raw, path)
-    missing = [k for k in _REQUIRED if k not in raw]
+    required = _REQUIRED + (_REQUIRED_MOE if family == "qwen3_moe" else ())
+    missing = [k for k in required if k not in raw]
+    if family == "qwen3_moe" and "num_experts" not in raw and "num_local_experts" not in raw:
+        missing.append("num_experts")
     if missing:
         raise HFConversionError(f"{path}: missing field(s) {missing}")
     _check_unsupported(raw, family, kind, path)
-    cfg = ModelConfig(
-        num_layers=raw["num_hidden_layers"],
-        hidden_size=raw["hidden_size"],
-        ffn_hidden_size=raw["intermediate_size"],
-        num_attention_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        vocab_size=raw["vocab_size"],
-        max_seq_len=raw.get("max_position_embeddings", 2048),
-        rope_theta=_rope_theta(raw, path),
-        norm_eps=raw.get("rms_norm_eps", 1e-6),
-        qkv_bias=family == "qwen2",
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        init_std=raw.get("initializer_range", 0.02),
-    )
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    try:
+        cfg = ModelConfig(
+            num_layers=raw["num_hidden_layers"],
+            hidden_size=raw["hidden_size"],
+            ffn_hidden_size=raw["intermediate_size"],
+            num_attention_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            vocab_size=raw["vocab_size"],
+            max_seq_len=raw.get("max_position_embeddings", 2048),
+            rope_theta=_rope_theta(raw, path),
+            norm_eps=raw.get("rms_norm_eps", 1e-6),
+            qkv_bias="qkv_bias" in FEATURES[family],
+            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            init_std=raw.get("initializer_range", 0.02),
+            qk_norm="qk_norm" in FEATURES[family],
+            kv_channels=head_dim if head_dim * heads != raw["hidden_size"] else None,
+            **_moe_fields(raw, family),
+        )
+    except ModelConfigError as exc:
+        raise HFConversionError(f"{path}: {exc}") from None
     return HFModelInfo(cfg, family, kind)
+
+
+def default_family(cfg: ModelConfig) -> str:
+    """The HF family a model exports as: qwen3_moe with experts, qwen3 with QK-norm, qwen2 with QKV bias, else
+    llama."""
+    return ("qwen3_moe" if cfg.is_moe else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama")
+
+
+_FEATURE_NAMES = {"qkv_bias": "QKV bias", "qk_norm": "QK-norm", "moe": "experts"}
+
+
+def _check_family(cfg: ModelConfig, family: str) -> None:
+    """HFConversionError unless ``family``'s layers are exactly ``cfg``'s (one line naming the difference)."""
+    have = {"qkv_bias": cfg.qkv_bias, "qk_norm": cfg.qk_norm, "moe": cfg.is_moe}
+    for feature, present in have.items():
+        if present != (feature in FEATURES[family]):
+            fits = default_family(cfg)
+            hint = (f"export it as family {fits!r}" if all(have[f] == (f in FEATURES[fits]) for f in have)
+                    else "no supported HF family has " + " and ".join(_FEATURE_NAMES[f] for f in have if have[f]))
+            raise HFConversionError(f"family {family!r} {'has no' if present else 'has'} "
+                                    f"{_FEATURE_NAMES[feature]} but this model {'has' if present else 'has no'} "
+                                    f"{_FEATURE_NAMES[feature]}; {hint}")
+    if family == "qwen2" and cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise HFConversionError(f"Qwen2 has no separate head dimension: kv_channels={cfg.kv_channels} x "
+                                f"heads={cfg.num_attention_heads} != hidden_size={cfg.hidden_size}")
+    if cfg.is_moe and cfg.moe_shared_expert_intermediate_size:
+        raise HFConversionError(f"Qwen3-MoE has no shared expert: moe_shared_expert_intermediate_size="
+                                f"{cfg.moe_shared_expert_intermediate_size} cannot be exported")
 
 
 def hf_config_dict(cfg: ModelConfig, kind: str = "causal_lm", family: str | None = None,
                    dtype: torch.dtype = torch.float32) -> dict:
-    """config.json content for ``cfg``; family defaults to qwen2 with QKV bias, else llama."""
-    family = family or ("qwen2" if cfg.qkv_bias else "llama")
+    """config.json content for ``cfg``; family defaults to :func:`default_family`."""
+    family = family or default_family(cfg)
     if family not in FAMILIES or kind not in KINDS:
         raise HFConversionError(f"family={family!r} / kind={kind!r}; valid: {sorted(FAMILIES)} / {sorted(KINDS)}")
-    if family == "llama" and cfg.qkv_bias:
-        raise HFConversionError("a model with qkv_bias exports as family 'qwen2' (Llama has no QKV-only bias)")
-    if family == "qwen2" and not cfg.qkv_bias:
-        raise HFConversionError("Qwen2 always has QKV bias; export a model without qkv_bias as 'llama'")
+    _check_family(cfg, family)
     out = {
         "architectures": [FAMILIES[family] + KINDS[kind]], "model_type": family,
         "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
@@ -164,10 +243,14 @@ def hf_config_dict(cfg: ModelConfig, kind: str = "causal_lm", family: str | None
         "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
         "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if family == "qwen2":
+    if family != "llama":
         out["use_sliding_window"] = False
-    else:
+    if family != "qwen2":
         out["attention_bias"] = False
+    if family == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                   moe_intermediate_size=cfg.expert_ffn_hidden_size, norm_topk_prob=cfg.moe_norm_topk_prob,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
     if kind == "sequence_classification":
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     return out
@@ -182,18 +265,29 @@ def _layer_sources(cfg: ModelConfig, i: int) -> dict[str, list[str]]:
         o + "self_attention.linear_qkv.weight": [attn + f"{x}_proj.weight" for x in "qkv"],
         o + "self_attention.linear_proj.weight": [attn + "o_proj.weight"],
         o + "pre_mlp_layernorm.weight": [h + "post_attention_layernorm.weight"],
-        o + "mlp.linear_fc1.weight": [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"],
-        o + "mlp.linear_fc2.weight": [h + "mlp.down_proj.weight"],
     }
     if cfg.qkv_bias:
         out[o + "self_attention.linear_qkv.bias"] = [attn + f"{x}_proj.bias" for x in "qkv"]
+    if cfg.qk_norm:
+        out.update({o + f"self_attention.{x}_layernorm.weight": [attn + f"{x}_norm.weight"] for x in "qk"})
+    if not cfg.is_moe:
+        out[o + "mlp.linear_fc1.weight"] = [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"]
+        out[o + "mlp.linear_fc2.weight"] = [h + "mlp.down_proj.weight"]
+        return out
+    out[o + "mlp.router.weight"] = [h + "mlp.gate.weight"]
+    for e in range(cfg.num_experts):
+        ours, theirs = f"{o}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}."
+        out[ours + "linear_fc1.weight"] = [theirs + "gate_proj.weight", theirs + "up_proj.weight"]
+        out[ours + "linear_fc2.weight"] = [theirs + "down_proj.weight"]
     return out
 
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape every HF tensor of a Llama/Qwen2 model with this config must have (by HF name)."""
+    """The shape every HF tensor of a model with this config must have (by HF name; the fused expert
+    tensors of transformers' in-memory Qwen3-MoE layout too)."""
     h, f, v, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_kv_heads * hd
+    n, ef = cfg.num_experts, cfg.expert_ffn_hidden_size
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h),
            "score.weight": (1, h)}
     for i in range(cfg.num_layers):
@@ -204,7 +298,15 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
                     p + "mlp.down_proj.weight": (h, f),
                     p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,)})
+                    p + "self_attn.v_proj.bias": (kv,),
+                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if cfg.is_moe:
+            out.update({p + "mlp.gate.weight": (n, h), p + "mlp.experts.gate_up_proj": (n, 2 * ef, h),
+                        p + "mlp.experts.down_proj": (n, h, ef)})
+            for e in range(n):
+                out.update({p + f"mlp.experts.{e}.gate_proj.weight": (ef, h),
+                            p + f"mlp.experts.{e}.up_proj.weight": (ef, h),
+                            p + f"mlp.experts.{e}.down_proj.weight": (h, ef)})
     return out
 
 
@@ -255,7 +357,7 @@ def _combine(name: str, parts: list[torch.Tensor], cfg: ModelConfig) -> torch.Te
 def _split(name: str, full: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
     if ".linear_qkv." in name:
         return list(split_qkv(full, cfg))
-    if name.endswith("mlp.linear_fc1.weight"):
+    if name.endswith("linear_fc1.weight"):  # [gate; up] of the MLP or an expert
         return [t.contiguous() for t in full.chunk(2, dim=0)]
     return [full]
 
@@ -309,31 +411,55 @@ def head_source(info: HFModelInfo, role: str) -> str | None:
     raise HFConversionError(f"unknown role {role!r}; valid: 'lm', 'value'")
 
 
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight")
+
+
+def _fused_expert(name: str, cfg: ModelConfig) -> tuple[str, int, slice] | None:
+    """Where per-expert HF tensor ``name`` lies in transformers' in-memory layout: (fused tensor, expert,
+    rows); None for a name that is not an expert's."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return None
+    prefix, expert, proj = m.groups()
+    f = cfg.expert_ffn_hidden_size
+    rows = {"gate": slice(0, f), "up": slice(f, 2 * f), "down": slice(None)}[proj]
+    return prefix + ("down_proj" if proj == "down" else "gate_up_proj"), int(expert), rows
+
+
 def read_hf_state(hf_dir: str, info: HFModelInfo, role: str = "lm",
                   names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Full tensors by global name, reading only the HF tensors behind ``names`` (default: all).
 
     With role "value" and a causal-LM checkpoint there is no ``output_layer.weight``
-    (the value head is new); requesting it is skipped.
+    (the value head is new); requesting it is skipped. Qwen3-MoE experts are read
+    per expert, or sliced out of fused ``experts.gate_up_proj`` / ``down_proj``.
     """
-    sources = hf_sources(info.config, head_source(info, role))
+    cfg = info.config
+    sources = hf_sources(cfg, head_source(info, role))
     wanted = list(sources) if names is None else [n for n in names if n in sources]
     files = _weight_files(hf_dir)
     needed = {s for n in wanted for s in sources[n]}
-    missing = sorted(needed - set(files))
+    fused = {s: _fused_expert(s, cfg) for s in needed - set(files)}
+    fused = {s: where for s, where in fused.items() if where is not None and where[0] in files}
+    missing = sorted(needed - set(files) - set(fused))
     if missing:
         raise HFConversionError(f"{hf_dir}: missing tensor(s) {missing[:5]} for {info.architecture}")
+    stored = (needed - set(fused)) | {where[0] for where in fused.values()}
     loaded: dict[str, torch.Tensor] = {}
-    shapes = hf_shapes(info.config)
-    for path in sorted({files[s] for s in needed}):
+    shapes = hf_shapes(cfg)
+    for path in sorted({files[s] for s in stored}):
         with _safetensors(path) as f:
-            for s in sorted(n for n in needed if files[n] == path):
+            for s in sorted(n for n in stored if files[n] == path):
                 shape = tuple(f.get_slice(s).get_shape())
                 if shape != shapes[s]:
                     raise HFConversionError(f"{path}: tensor {s} has shape {list(shape)} but config.json "
                                             f"implies {list(shapes[s])}; the weights and the config disagree")
+            for s in sorted(n for n in needed if files.get(n) == path):
                 loaded[s] = f.get_tensor(s)
-    return {n: _combine(n, [loaded[s] for s in sources[n]], info.config) for n in wanted}
+            for s, (name, expert, rows) in sorted(fused.items()):
+                if files[name] == path:
+                    loaded[s] = f.get_slice(name)[expert][rows].contiguous()
+    return {n: _combine(n, [loaded[s] for s in sources[n]], cfg) for n in wanted}
 
 
 @torch.no_grad()
@@ -393,6 +519,7 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
         logger.warning("output layer differs from the embedding (trained untied): exporting "
                        "tie_word_embeddings=false with an lm_head")
         cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    hf_config_dict(cfg, kind, family)  # refuses a family that cannot hold this model before anything is written
     tensors = to_hf_state(full, cfg, kind)
     for name, delta in (deltas or {}).items():
         tensors[name] = tensors[name] + delta.to(tensors[name].dtype)
