@@ -22,6 +22,9 @@ Padding convention (the only one)
     response token k of the sample, right-padded with zeros past
     ``response_lengths``.
 
+    Position-aligned fields [N, T, ...] (``routing``): column t is the
+    token at position t, like ``tokens``; -1 where there is no value.
+
 Where things live
     The per-sample metadata (lengths, prompt ids, sample indices, finish
     reasons) is host data: int64 CPU tensors that :meth:`Batch.to` does not
@@ -49,7 +52,8 @@ HOST_FIELDS = ("prompt_lengths", "response_lengths", "prompt_ids", "sample_indic
 RESPONSE_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "advantages", "returns",
                    "policy_versions", "loss_mask", "turn_rewards")
 SAMPLE_FIELDS = ("scores", "sample_mask")
-OPTIONAL_FIELDS = RESPONSE_FIELDS + SAMPLE_FIELDS
+POSITION_FIELDS = ("routing",)
+OPTIONAL_FIELDS = RESPONSE_FIELDS + SAMPLE_FIELDS + POSITION_FIELDS
 TENSOR_FIELDS = ("tokens",) + HOST_FIELDS + OPTIONAL_FIELDS
 
 
@@ -100,7 +104,11 @@ class Batch:
     rlhf/ppo/reward_fn.py: 1 for a sample trained on, 0 for one whose score was
     NaN or infinite, whose tokens are then out of ``response_mask`` and so of
     every loss, the KL, the value targets and the whitening, and which the
-    outcome estimators leave out of its group's statistics).
+    outcome estimators leave out of its group's statistics); routing (a
+    mixture-of-experts actor's generation: [N, T, L, k] int16, the experts
+    each of the L MoE layers chose for the token at each position when the
+    engine computed it, -1 where it computed none: each sample's last token
+    and the padding; rlhf/models/moe.py replays or compares it).
 
     prompt_ids: the prompt's index in this iteration's prompts (the n samples
     of one prompt share it; GRPO groups by it); sample_indices: which of those
@@ -125,6 +133,7 @@ class Batch:
     loss_mask: Optional[torch.Tensor] = None
     turn_rewards: Optional[torch.Tensor] = None
     sample_mask: Optional[torch.Tensor] = None
+    routing: Optional[torch.Tensor] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tokens, torch.Tensor) or self.tokens.dim() != 2 or self.tokens.dtype != torch.int64:
@@ -169,6 +178,9 @@ class Batch:
             t = getattr(self, name)
             if t is None:
                 continue
+            if name in POSITION_FIELDS:
+                self._check_position_field(name, t)
+                continue
             _check_tensor(name, t, 1 if name in SAMPLE_FIELDS else 2, n, floating=True)
             if t.device != self.tokens.device:
                 _fail(name, _describe(t), f"a tensor on {self.tokens.device}, the device of tokens")
@@ -178,6 +190,15 @@ class Batch:
         longest = _max(self.response_lengths)
         if first is not None and self.response_width < longest:
             _fail(first, _describe(getattr(self, first)), f"R >= {longest} = max(response_lengths)")
+
+    def _check_position_field(self, name: str, t) -> None:
+        expected = (f"an [N, T, layers, k] int16 tensor with [N, T] = {list(self.tokens.shape)} (tokens' shape) on "
+                    f"{self.tokens.device}")
+        if not isinstance(t, torch.Tensor):
+            _fail(name, type(t).__name__, expected)
+        if t.dim() != 4 or tuple(t.shape[:2]) != tuple(self.tokens.shape) or t.dtype != torch.int16 \
+                or t.device != self.tokens.device:
+            _fail(name, _describe(t), expected)
 
     # ---- sizes and derived tensors -------------------------------------------------
 
@@ -209,6 +230,12 @@ class Batch:
         if self.loss_mask is not None:
             mask = mask * self.loss_mask.float()
         return mask if self.sample_mask is None else mask * self.sample_mask.float().unsqueeze(1)
+
+    def padding_mask(self) -> torch.Tensor:
+        """[N, T] bool on the device of tokens: True at the padding past each sample's tokens (megatron's
+        MoE padding mask: those tokens stay out of the load-balancing statistics)."""
+        columns = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return columns >= self._on_device(self.sequence_lengths).unsqueeze(1)
 
     def response_from_positions(self, per_position: torch.Tensor) -> torch.Tensor:
         """Per-position model output [N, T'] (T' >= T-1) -> response-aligned [N, R].
@@ -276,6 +303,8 @@ class Batch:
             values = [getattr(part, name) for part in have]
             if name in RESPONSE_FIELDS:
                 values = [F.pad(v, (0, self.response_width - v.shape[1])) for v in values]
+            elif name in POSITION_FIELDS:
+                values = [_pad_positions(v, self.tokens.shape[1]) for v in values]
             joined = torch.cat(values).to(self.tokens.device)
             fields[name] = joined[torch.as_tensor(rows).argsort().to(joined.device)]
         return self.with_fields(**fields)
@@ -362,6 +391,8 @@ class Batch:
                 joined[name] = torch.cat([F.pad(t, (0, width - t.shape[1]), value=batches[0].pad_id) for t in parts])
             elif name in RESPONSE_FIELDS:
                 joined[name] = torch.cat([F.pad(t, (0, response_width - t.shape[1])) for t in parts])
+            elif name in POSITION_FIELDS:
+                joined[name] = torch.cat([_pad_positions(t, width) for t in parts])
             else:
                 joined[name] = torch.cat(parts)
         reasons = tuple(r for b in batches for r in b.finish_reasons)
@@ -374,7 +405,8 @@ class Batch:
         """The engine's results as a batch, one row per sample in ``samples`` order,
         with ``rollout_logprobs`` and ``old_logprobs`` both the engine's log-probs (float32),
         ``policy_versions`` when every sample carries one per token (an asynchronous run's engine), and
-        ``loss_mask`` when some sample has inserted tokens (``SampleResult.loss_mask``).
+        ``loss_mask`` when some sample has inserted tokens (``SampleResult.loss_mask``), ``routing`` when
+        every sample has the experts the engine chose (``SampleResult.routing``, a MoE actor's).
 
         ``prompt_ids`` maps each ``request_id`` to its prompt id (e.g. the
         prompt's index in the iteration's prompt batch), given by whoever built
@@ -421,7 +453,25 @@ class Batch:
             old_logprobs=logprobs,
             policy_versions=per_response_token("policy_versions") if versioned else None,
             loss_mask=per_response_token("loss_mask", 1.0) if any(s.loss_mask for s in samples) else None,
+            routing=_routing(samples, width),
         )
+
+
+def _pad_positions(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A position-aligned field [N, T, ...] padded with -1 to ``width`` positions."""
+    return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), -1)], dim=1)
+
+
+def _routing(samples: Sequence[SampleResult], width: int) -> torch.Tensor | None:
+    """[N, width, L, k] int16 of the samples' ``routing`` ([P + R - 1, L, k] each: the positions the engine
+    computed), -1 past it; None unless every sample has one."""
+    if not samples or any(s.routing is None for s in samples):
+        return None
+    first = samples[0].routing
+    out = torch.full((len(samples), width, *first.shape[1:]), -1, dtype=torch.int16)
+    for row, s in enumerate(samples):
+        out[row, :s.routing.shape[0]] = s.routing
+    return out
 
 
 def _check_concatenable(batches: Sequence[Batch]) -> None:

@@ -20,7 +20,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from rlhf.engine import Engine, EngineConfig, NeverFitsError, OutOfBlocksError, Request, SamplingParams
+from rlhf.engine import (Engine, EngineConfig, EngineConfigError, NeverFitsError, OutOfBlocksError, Request,
+                         SamplingParams)
 from rlhf.envs.environment import Environment, EnvironmentStep
 from rlhf.envs.episodes import EnvironmentDriver, EpisodeRunner
 from rlhf.fusion.transport import recv_sequence, send_sequence
@@ -459,16 +460,54 @@ def copy_into_tp_shards(dst, src, tp_rank, tp):
         p.copy_(w)
 
 
-def training_routing(model, ids) -> torch.Tensor:
-    """megatron's routing map [len(ids), moe layers, E] (bool) of the training model's forward on ``ids``."""
-    maps = []
-    hooks = [layer.mlp.router.register_forward_hook(lambda m, i, out: maps.append(out[1]))
-             for layer in model.decoder.layers]
+ROUTING_TIE_TOL = 1e-5
+"""Positions where two of a layer's top k + 1 router scores are this close are left out of routing checks: the
+engine and a full forward differ by ~1e-7 in fp32, which may reorder such a near tie."""
+
+
+def training_routing(model, ids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megatron's routing on the training model's forward on ``ids``: its routing map [len(ids), moe layers, E]
+    (bool), the top-k experts [len(ids), moe layers, k] in score order (the map's experts, highest score first),
+    and per position the smallest gap between consecutive scores of each layer's top k + 1 [len(ids)] (scores:
+    the router's logits, or their softmax with ``moe_router_pre_softmax``, as megatron ranks them)."""
+    maps, tops, gaps = [], [], []
+
+    def hook(router, args, out):
+        logits = router.gating(args[0]).flatten(0, -2).float()
+        scores = logits.softmax(-1) if router.config.moe_router_pre_softmax else logits
+        top = scores.topk(min(router.topk + 1, scores.shape[1]))
+        maps.append(out[1])
+        tops.append(top.indices[:, :router.topk])
+        gaps.append((top.values[:, :-1] - top.values[:, 1:]).min(dim=1).values)
+
+    hooks = [layer.mlp.router.register_forward_hook(hook) for layer in model.decoder.layers]
     with torch.no_grad():
         stage_forward(model, torch.tensor([list(ids)]))
     for h in hooks:
         h.remove()
-    return torch.stack(maps, dim=1)
+    return torch.stack(maps, dim=1), torch.stack(tops, dim=1), torch.stack(gaps, dim=1).min(dim=1).values
+
+
+def sample_routing_errors(model, samples) -> dict:
+    """Each sample's ``routing`` (`SampleResult.routing`) against megatron's router on a full forward of its
+    prompt + tokens, at every position 0..P+R-2 but near ties (`ROUTING_TIE_TOL`): positions whose experts
+    (in order) differ, positions compared, near ties left out, samples whose record has the wrong shape, dtype
+    or device, and positions where the hook's top-k is not megatron's own routing map (the reference's check)."""
+    out = dict(bad=0, total=0, ties=0, bad_shape=0, bad_reference=0)
+    for s in samples:
+        ids = list(s.prompt) + list(s.tokens)[:-1]
+        want_map, want, gaps = training_routing(model, ids)
+        got = s.routing
+        if got is None or got.shape != want.shape or got.dtype != torch.int16 or got.device.type != "cpu":
+            out["bad_shape"] += 1
+            continue
+        clear = gaps > ROUTING_TIE_TOL
+        out["bad"] += int((got.long() != want).any(dim=(1, 2))[clear].sum())
+        out["total"] += int(clear.sum())
+        out["ties"] += int((~clear).sum())
+        out["bad_reference"] += int((torch.zeros_like(want_map).scatter_(2, want, True) != want_map).any(dim=(1, 2))
+                                    .sum())
+    return out
 
 
 def generate_recording_routing(engine, requests):
@@ -509,7 +548,7 @@ def routing_mismatches(model, results, routing) -> tuple[int, int]:
     bad = total = 0
     for r in results:
         ids = list(r.prompt) + list(r.tokens)[:-1]
-        want = training_routing(model, ids)
+        want = training_routing(model, ids)[0]
         rec = routing[r.request_id].long()
         got = torch.zeros_like(want).scatter_(2, rec, True)
         bad += int((got != want).any(dim=(1, 2)).sum())
@@ -530,7 +569,13 @@ def check_variant(name, local) -> dict:
                                                          for p in prompts[:2]],
            f"{name}_logprob_err": logprob_err(model, greedy + raw, local.tp)}
     if not cfg.is_moe:
+        try:
+            Engine(model, local, cfg, replace(ecfg, record_routing=True))
+            out[f"{name}_record_routing_refused"] = None
+        except EngineConfigError as e:
+            out[f"{name}_record_routing_refused"] = (e.field_name, str(e))
         return out
+    out.update(check_routing_record(name, model, local, ecfg, greedy))
     recorded, routing = generate_recording_routing(Engine(model, local, cfg, ecfg), _requests(prompts, GREEDY))
     flipped = replace(cfg, moe_norm_topk_prob=not cfg.moe_norm_topk_prob)
     graphs = Engine(model, local, cfg, replace(ecfg, cuda_graphs=True))
@@ -542,6 +587,38 @@ def check_variant(name, local) -> dict:
                 f"{name}_graphs_static": graphs.decoder.static is not None,
                 f"{name}_graphs_equal": _tokens(graphs.generate(_requests(prompts, GREEDY))) == _tokens(greedy)})
     return out
+
+
+def check_routing_record(name, model, local, ecfg, unrecorded) -> dict:
+    """``EngineConfig.record_routing`` on ``VARIANTS[name]``: each sample's ``routing`` against megatron's router
+    (`sample_routing_errors`) with 3 samples per prompt (the prompt computed once, its blocks shared, the last
+    one copied on write) and chunked prefill beside decodes; multi-turn episodes (held samples, observations
+    inserted, 2 samples per prompt); a sample whose K/V arrive without routing is prefilled again (and
+    recorded). Recording changes no token; off, ``routing`` is None (``unrecorded``: results of an engine
+    without it)."""
+    cfg, rec = VARIANTS[name], replace(ecfg, record_routing=True)
+    reqs = _requests(_prompts(4, seed=16), replace(SAMPLED, n=3))
+    engine = Engine(model, local, cfg, rec)
+    samples = engine.generate(reqs)
+    episodes = _episodes(Engine(model, local, cfg, rec), ScriptedEnvironment)
+    # K/V exported without their routing (as from an engine not recording) into one that records
+    src, dst = Engine(model, local, cfg, ecfg), Engine(model, local, cfg, rec)
+    src.add_request(reqs[0])
+    for _ in range(3):
+        src.step()
+    dst.import_sequence(src.export_sequence("r0", 1))
+    requeued = [s.key for s in dst.scheduler.waiting] == [("r0", 1)]
+    moved = _finish(dst)
+    return {f"{name}_record_samples": sample_routing_errors(model, samples),
+            f"{name}_record_shared_prefill": engine.stats.computed_tokens
+            < sum(len(r.prompt) + len(r.tokens) - 1 for r in samples),
+            f"{name}_record_tokens_equal": _tokens(samples) == _tokens(
+                Engine(model, local, cfg, ecfg).generate(reqs)),
+            f"{name}_record_off_none": all(r.routing is None for r in unrecorded),
+            f"{name}_record_episodes": sample_routing_errors(model, episodes),
+            f"{name}_record_episode_turns": sorted({e.turns for e in episodes}),
+            f"{name}_record_requeued": requeued and len(moved) == 1,
+            f"{name}_record_requeued_sample": sample_routing_errors(model, moved)}
 
 
 def check_moe_bf16(local) -> dict:

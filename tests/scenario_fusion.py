@@ -13,24 +13,27 @@ import torch
 import torch.distributed as dist
 
 from rlhf.engine import MigratedSequence, SamplingParams
-from rlhf.fusion.transport import (MigrationFormatError, MigrationRefused, encode_sequence, recv_sequence,
+from rlhf.fusion.transport import (VERSION, MigrationFormatError, MigrationRefused, encode_sequence, recv_sequence,
                                    send_encoded, send_sequence)
 from rlhf.parallel.exchange import gather_to_all
 
 
 def sample(index: int, with_kv: bool) -> MigratedSequence:
-    """A sample with distinct tokens, log-probs, generator state and (optionally) K/V."""
+    """A sample with distinct tokens, log-probs, generator state and (optionally) K/V with their routing record
+    (5 positions, 2 layers, top-3 of 60 experts)."""
     g = torch.Generator().manual_seed(index)
     tokens = torch.randint(0, 1000, (7 + index,), generator=g).tolist()
     kv = torch.randn(2, 2, 5, 2, 4, generator=g, dtype=torch.float32) if with_kv else None
+    routing = torch.randint(0, 60, (5, 2, 3), generator=g).to(torch.int16) if with_kv else None
     params = SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.9, seed=index, stop_token_ids=(2, 5))
     return MigratedSequence(f"req-{index}", index, 4, tokens, torch.randn(len(tokens) - 4, generator=g).tolist(),
-                            params, g.get_state(), 5 if with_kv else 0, kv)
+                            params, g.get_state(), 5 if with_kv else 0, kv, routing=routing)
 
 
 def other_version(state) -> bytes:
+    """``state`` encoded, its version field set to the previous version's."""
     data = bytearray(encode_sequence(state))
-    struct.pack_into("<q", data, 8, 2)  # the version field follows the 8-byte magic
+    struct.pack_into("<q", data, 8, VERSION - 1)  # the version field follows the 8-byte magic
     return bytes(data)
 
 
@@ -45,7 +48,7 @@ def run():
                 send_sequence(state, dst=1)
                 continue
             data = encode_sequence(state)[:-3] if kind == "cut" else other_version(state)
-            if not send_encoded(data, state.kv, dst=1):
+            if not send_encoded(data, state.kv, dst=1, routing=state.routing):
                 kept.append(state.request_id)  # refused: the sender still holds the sample
         bad = sample(4, False)
         object.__setattr__(bad.params, "temperature", -1.0)  # encodes, but no valid SamplingParams on receipt

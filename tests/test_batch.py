@@ -32,6 +32,8 @@ def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batc
     def response_field():
         return torch.randn(n, response_width, generator=g) * mask
 
+    routing = torch.randint(0, 4, (n, width, 2, 2), generator=g, dtype=torch.int16)
+    routing[torch.arange(width) >= (prompt_lengths + response_lengths - 1).unsqueeze(1)] = -1
     return Batch(tokens=tokens, pad_id=PAD, prompt_lengths=prompt_lengths, response_lengths=response_lengths,
                  prompt_ids=torch.arange(n) // 2, sample_indices=torch.arange(n) % 2,
                  finish_reasons=tuple(("stop", "length", "context")[i % 3] for i in range(n)),
@@ -39,7 +41,8 @@ def _random_batch(seed: int, n: int, extra_t: int = 2, extra_r: int = 1) -> Batc
                  values=response_field(), advantages=response_field(), returns=response_field(),
                  policy_versions=response_field(), loss_mask=mask * (torch.rand(n, response_width, generator=g) > 0.3),
                  turn_rewards=response_field(),
-                 scores=torch.randn(n, generator=g), sample_mask=(torch.rand(n, generator=g) > 0.3).float())
+                 scores=torch.randn(n, generator=g), sample_mask=(torch.rand(n, generator=g) > 0.3).float(),
+                 routing=routing)
 
 
 def _assert_same(a: Batch, b: Batch) -> None:
@@ -90,6 +93,27 @@ def test_from_samples_keeps_each_tokens_policy_version():
     bad = SampleResult("q0", 0, (1,), (2, 3), (-1.0, -1.0), "stop", 0.0, (3,))
     with pytest.raises(ValueError, match=r"have policy_versions but not one per token"):
         Batch.from_samples([bad], PAD, {"q0": 0})
+
+
+def test_from_samples_puts_each_computed_positions_experts_at_its_token():
+    """A MoE engine's record ([P + R - 1, layers, k]: the last token is never computed) lands at the samples'
+    positions, -1 at the last token and the padding; concat and with_fields_from pad with -1; the padding
+    mask is True past each sample's tokens."""
+    first = torch.arange(4 * 3 * 2, dtype=torch.int16).reshape(4, 3, 2)  # P=3, R=2
+    second = -torch.ones(1, 3, 2, dtype=torch.int16) * 7  # P=1, R=1
+    samples = [SampleResult("a", 0, (1, 2, 3), (4, 5), (-1.0, -1.0), "stop", 0.0, routing=first),
+               SampleResult("b", 0, (6,), (7,), (-1.0,), "stop", 0.0, routing=second)]
+    batch = Batch.from_samples(samples, PAD, {"a": 0, "b": 1})
+    assert batch.routing.shape == (2, 5, 3, 2) and batch.routing.dtype == torch.int16
+    assert torch.equal(batch.routing[0, :4], first) and (batch.routing[0, 4] == -1).all()
+    assert torch.equal(batch.routing[1, :1], second) and (batch.routing[1, 1:] == -1).all()
+    assert batch.padding_mask().tolist() == [[False] * 5, [False, False, True, True, True]]
+    narrow = Batch.from_samples(samples[1:], PAD, {"b": 1})
+    joined = Batch.concat([narrow, batch])
+    assert joined.routing.shape == (3, 5, 3, 2) and (joined.routing[0, 1:] == -1).all()
+    back = batch.with_fields(routing=None).with_fields_from([narrow, batch.select([0])], ["routing"])
+    assert torch.equal(back.routing, batch.routing)
+    assert Batch.from_samples([_sample("c", 0, [1], [2], "stop")], PAD, {"c": 0}).routing is None
 
 
 def test_from_samples_refuses_unmapped_requests_and_uneven_logprobs():
@@ -269,6 +293,10 @@ def _validation_cases():
          _bad(b, sample_indices=torch.zeros(2, dtype=torch.int64, device="meta"))),
         ("scores device", r"Batch.scores: got .* on meta; expected a tensor on cpu", _bad(b, scores=torch.zeros(2, device="meta"))),
         ("pad_id", r"Batch.pad_id: got 1.5", _bad(b, pad_id=1.5)),
+        ("routing shape", r"Batch.routing: got shape \(2, 3, 1, 2\).*\[N, T\] = \[2, 4\]",
+         _bad(b, routing=torch.zeros(2, 3, 1, 2, dtype=torch.int16))),
+        ("routing dtype", r"Batch.routing: got shape \(2, 4, 1, 2\) torch.int64.*int16",
+         _bad(b, routing=torch.zeros(2, 4, 1, 2, dtype=torch.int64))),
         ("concat fields", r"Batch.concat: Batch.scores is None in batches \[0\]",
          lambda: Batch.concat([b, b.with_fields(scores=torch.zeros(2))])),
         ("concat pad_id", r"Batch.concat: pad_id differs between batches \(\[0, 99\]\)",

@@ -19,6 +19,12 @@ Expected: the reference's samples, each cut after the first stop id it generated
 kept as its last token). Seeded samples are expected to match exactly too: each token costs its sample's
 generator exactly one draw, and the generator's state migrates with the sample.
 
+The MoE seeds run the same on a tiny MoE model (4 experts, top-2, a shared expert) whose pressured engines
+record routing (``EngineConfig.record_routing``): every finished sample's routing, whichever preemptions
+(re-prefill), prefix hits and moves (K/V and routing copied, or tokens only and re-prefill) it went through,
+equals megatron's router on a full forward of its tokens (routing replay's record survives them). Their
+decode steps run eagerly (a MoE model ignores ``cuda_graphs``).
+
 Not covered here: held samples between the turns of an episode and new weights mid-sample
 (test_engine_generation.py), and a migration carried between ranks (scenario_engine.py sends it over gloo).
 """
@@ -28,6 +34,8 @@ import pytest
 from rlhf.testing.distributed import launch
 
 SEEDS = list(range(8))
+MOE_SEEDS = [8, 9]
+ALL_SEEDS = SEEDS + MOE_SEEDS
 REQUESTS = 24
 # Both runs compute in float32, but the same position is computed in differently shaped batches (chunked or
 # whole prefill, other batch mates, K/V computed again after a preemption or copied by a migration), which
@@ -37,7 +45,7 @@ LOGPROB_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def runs():
-    return launch(1, "scenario_engine_fuzz:run", timeout_s=300, seeds=SEEDS, count=REQUESTS)[0]
+    return launch(1, "scenario_engine_fuzz:run", timeout_s=300, seeds=SEEDS, count=REQUESTS, moe_seeds=MOE_SEEDS)[0]
 
 
 def _expected(run: dict) -> dict:
@@ -52,7 +60,7 @@ def _expected(run: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", ALL_SEEDS)
 def test_every_sample_finishes_once_with_the_unpressured_tokens(runs, seed):
     run = runs[seed]
     expected, finished = _expected(run), dict(run["finished"])
@@ -63,7 +71,7 @@ def test_every_sample_finishes_once_with_the_unpressured_tokens(runs, seed):
         assert max(abs(a - b) for a, b in zip(got["logprobs"], logprobs)) < LOGPROB_TOL, key
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", ALL_SEEDS)
 def test_the_tiny_pool_preempts_and_samples_move(runs, seed):
     """The pressure the test is about did happen: preemptions in the tiny pools only, and moves."""
     run = runs[seed]
@@ -71,7 +79,7 @@ def test_the_tiny_pool_preempts_and_samples_move(runs, seed):
     assert run["migrations"]["with_kv"] > 0 and run["migrations"]["without_kv"] > 0
 
 
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("seed", ALL_SEEDS)
 def test_every_block_is_free_and_no_sequence_is_left(runs, seed):
     for end in runs[seed]["end"]:
         assert end["num_free"] == end["num_blocks"] == runs[seed]["num_blocks"]
@@ -82,7 +90,8 @@ def test_every_block_is_free_and_no_sequence_is_left(runs, seed):
 def test_static_decode_steps_ran_in_several_buckets(runs):
     """The padded static-shape decode steps whose samples the first test compares did run, at several sizes
     (the tiny pools hold a few sequences at a time)."""
-    assert all(run["static_steps"] > 0 for run in runs.values())
+    assert all(runs[seed]["static_steps"] > 0 for seed in SEEDS)
+    assert all(runs[seed]["static_steps"] == 0 for seed in MOE_SEEDS)  # MoE steps run eagerly
     assert {1, 2, 4} <= {b for run in runs.values() for b in run["static_buckets"]}
 
 
@@ -92,3 +101,17 @@ def test_the_workloads_cover_every_way_to_end_and_to_move(runs):
     assert reasons == {"stop", "length", "context"}
     assert any(n > 1 for run in runs.values() for n in run["samples"].values())
     assert sum(run["migrations"]["refused_kv"] for run in runs.values()) > 0
+
+
+@pytest.mark.parametrize("seed", MOE_SEEDS)
+def test_the_routing_record_survives_preemption_and_migration(runs, seed):
+    """Every finished sample's routing [P + R - 1, layers, k] equals megatron's router on a full forward of its
+    prompt + tokens at every position but near ties (a layer's top k + 1 scores within 1e-5: none measured), and
+    among those samples some were preempted (re-prefilled), some moved with K/V (routing imported beside them)
+    and some moved as tokens only (re-prefilled)."""
+    routing = runs[seed]["routing"]
+    assert routing["bad_shape"] == routing["bad_reference"] == 0, routing
+    assert routing["bad"] == 0 and routing["total"] > 500, routing
+    assert routing["preempted_samples"] > 0 and routing["with_kv_samples"] > 0, routing
+    assert routing["without_kv_samples"] + routing["refused_kv_samples"] > 0, routing
+    assert all(runs[s]["routing"] is None for s in SEEDS)  # dense: nothing recorded

@@ -220,3 +220,27 @@ def test_qwen3_and_moe_at_tp2_equal_tp1_and_the_training_model(results):
             assert r[f"{name}_tp2_vs_training"] < 1e-5, name
         for name in MOE:
             assert r[f"{name}_tp2_routing_equal"], name
+
+
+def test_each_sample_carries_its_routing_record(results):
+    """``EngineConfig.record_routing``: every sample's ``routing`` [P + R - 1, moe layers, k] (int16, CPU) holds,
+    for each position it computed, the experts megatron's router chooses on a full forward of prompt + tokens
+    (in score order): with 3 samples sharing their prompt's blocks (computed once, by one of them) and chunked
+    prefill; in multi-turn episodes (observations inserted between held turns); for a sample whose K/V arrived
+    without routing (prefilled again). Positions with a near tie among a layer's top k + 1 scores (within 1e-5)
+    are left out; none are expected in a random tiny model. Recording changes no token; off, it is None."""
+    r = _merged(results)
+    for name in MOE:
+        for case, least in (("samples", 250), ("episodes", 200), ("requeued_sample", 25)):
+            errors = r[f"{name}_record_{case}"]
+            assert errors["bad_shape"] == errors["bad_reference"] == 0, (name, case, errors)
+            assert errors["bad"] == 0 and errors["total"] >= least, (name, case, errors)  # ties: 0 measured
+        assert r[f"{name}_record_shared_prefill"] and r[f"{name}_record_tokens_equal"], name
+        assert r[f"{name}_record_off_none"], name
+        assert r[f"{name}_record_episode_turns"] == [3], name
+        assert r[f"{name}_record_requeued"], name
+
+
+def test_record_routing_is_refused_for_a_dense_model(results):
+    field, message = results[0]["qwen3_record_routing_refused"]
+    assert field == "record_routing" and "needs a mixture-of-experts model" in message

@@ -1,13 +1,15 @@
-"""Migration messages: exact round trip of the versioned layout, and refusal of cut, foreign-version or
-invalid messages with the sample named and kept by the sender (2 gloo ranks, one launch)."""
+"""Migration messages: exact round trip of the versioned layout (the K/V and their routing record beside them),
+and refusal of cut, foreign-version or invalid messages with the sample named and kept by the sender (2 gloo
+ranks, one launch)."""
 
 import dataclasses
+import struct
 
 import numpy as np
 import pytest
 import torch
 
-from rlhf.fusion.transport import MigrationFormatError, decode_sequence, encode_sequence
+from rlhf.fusion.transport import HEADER_FIELDS, MigrationFormatError, decode_sequence, encode_sequence
 from rlhf.testing.distributed import launch
 from scenario_fusion import SENT, other_version, plain, sample
 
@@ -24,15 +26,19 @@ def assert_same(got: dict, want: dict):
 
 def test_layout_round_trips_exactly():
     state = sample(0, with_kv=True)
-    got, kv_spec = decode_sequence(encode_sequence(state))
+    got, kv_spec, routing_spec = decode_sequence(encode_sequence(state))
     assert kv_spec == ((2, 2, 5, 2, 4), torch.float32)
-    assert_same(plain(dataclasses.replace(got, kv=state.kv)), plain(state))
+    assert routing_spec == ((5, 2, 3), torch.int16)
+    assert_same(plain(dataclasses.replace(got, kv=state.kv, routing=state.routing)), plain(state))
     assert got.params.stop_token_ids == (2, 5) and got.logprobs == state.logprobs  # float64 on the wire: exact
 
 
-@pytest.mark.parametrize("keep, named", [(40, (None, None)), (130, (None, 1)), (-3, ("req-1", 1))])
+HEADER_BYTES = 8 + 8 * len(HEADER_FIELDS)  # the magic, then int64 fields
+
+
+@pytest.mark.parametrize("keep, named", [(40, (None, None)), (HEADER_BYTES + 2, (None, 1)), (-3, ("req-1", 1))])
 def test_a_cut_message_is_refused_naming_the_sample(keep, named):
-    data = encode_sequence(sample(1, with_kv=False))  # header 128 bytes, then the 5-byte request id
+    data = encode_sequence(sample(1, with_kv=False))  # the header (160 bytes), then the 5-byte request id
     with pytest.raises(MigrationFormatError, match="truncated") as e:
         decode_sequence(data[:keep])
     assert (e.value.request_id, e.value.sample_index) == named
@@ -41,11 +47,25 @@ def test_a_cut_message_is_refused_naming_the_sample(keep, named):
 
 
 def test_another_version_or_no_magic_is_refused():
-    with pytest.raises(MigrationFormatError, match="is version 2; this build reads version 1") as e:
+    with pytest.raises(MigrationFormatError, match="is version 1; this build reads version 2") as e:
         decode_sequence(other_version(sample(2, with_kv=False)))
     assert e.value.sample_index == 2
     with pytest.raises(MigrationFormatError, match="not a migration message"):
         decode_sequence(b"\x80\x04" + bytes(200))  # e.g. a pickle
+
+
+def test_routing_goes_only_beside_kv_of_as_many_positions():
+    """Without K/V the routing is not sent (the importer computes it again); routing of other positions than the
+    K/V's is refused by the sender, and a header announcing routing without K/V by the receiver."""
+    state = sample(5, with_kv=True)
+    assert decode_sequence(encode_sequence(dataclasses.replace(state, kv=None)))[1:] == (None, None)
+    with pytest.raises(ValueError, match=r"want \[positions \(5, as the K/V\), layers, k\]"):
+        encode_sequence(dataclasses.replace(state, routing=state.routing[:4]))
+    data = bytearray(encode_sequence(state))
+    struct.pack_into("<q", data, 8 + 8 * HEADER_FIELDS.index("kv_dtype"), -1)
+    with pytest.raises(MigrationFormatError, match="routing of 5 positions with K/V of no positions") as e:
+        decode_sequence(bytes(data))
+    assert (e.value.request_id, e.value.sample_index) == ("req-5", 5)
 
 
 @pytest.fixture(scope="module")

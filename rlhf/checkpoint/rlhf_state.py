@@ -53,11 +53,11 @@ import torch.distributed as dist
 
 from rlhf.checkpoint import rng, storage
 from rlhf.models.config import ModelConfig
-from rlhf.models.naming import named_global_parameters, owning_stage
+from rlhf.models.naming import expert_index, named_global_parameters, owning_stage
 from rlhf.models.sharding import ShardSpec, full_to_shard
 from rlhf.models.vocab import drop_vocab_padding, fit_vocab_rows
 from rlhf.optim import StateSlice
-from rlhf.parallel.reshard import gather_tp_full
+from rlhf.parallel.reshard import gather_experts, gather_tp_full
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 TOKENIZER_DIR = "tokenizer"
@@ -202,6 +202,19 @@ def _stage_tensors(slot: ModelSlot, state: dict) -> tuple[dict[str, torch.Tensor
     return out, base
 
 
+def _gather_expert_entries(tensors: dict, ep_group) -> None:
+    """Add every expert's entries (weights, ``<key>/`` moments and steps) to this rank's ``tensors`` from the
+    ranks of ``ep_group`` (collective over it)."""
+    local: dict[str, dict] = {}
+    for key, tensor in tensors.items():
+        prefix, _, name = key.rpartition("/")
+        if expert_index(name) is not None:
+            local.setdefault(prefix, {})[name] = tensor
+    for prefix, entries in sorted(local.items()):
+        for name, tensor in gather_experts(entries, ep_group).items():
+            tensors[f"{prefix}/{name}" if prefix else name] = tensor
+
+
 def _meta(slot: ModelSlot, pp: int, base: Optional[dict] = None) -> dict:
     groups = []
     if slot.optimizer is not None:
@@ -246,14 +259,17 @@ def save_rlhf_state(root: str, iteration: int, slots: Mapping[str, ModelSlot], *
         if slot.model is None:
             continue
         tp, tp_rank, pp, stage, dp_rank = _layout(slot)
+        ep = slot.groups.mesh.strategy.ep if slot.groups is not None else 1
         slices, shard_group = _state_slices(slot.optimizer)
-        if dp_rank != 0 and shard_group is None:
+        if dp_rank >= ep and shard_group is None:
             continue
         opt_state = _local_state(slot, slices, shard_group)
-        if dp_rank != 0:
+        if dp_rank >= ep:
             continue
         tensors, base = _stage_tensors(slot, opt_state)
-        if tp_rank == 0:
+        if ep > 1:  # replica 0's EP group holds every expert
+            _gather_expert_entries(tensors, slot.groups.pg_collection.ep)
+        if tp_rank == 0 and dp_rank == 0:
             s, j = stage_files(model_name, slot, tensors, stage, pp, None if saves_base(slot) else base)
             shards.update(s)
             json_files.update(j)

@@ -40,6 +40,14 @@ alike), the k experts of a token in megatron's top-k order (highest score first)
 is the ``top_indices`` megatron's RouterReplay records for MoE layer l. Off (the default), or for a dense
 model, it stays None and costs nothing.
 
+A decoder made with ``record_routing`` on a MoE model also keeps a *routing cache* beside the KV cache,
+``routing_cache`` [blocks, block_size, num_layers, k] (the dtype of ``last_routing``): each step writes its
+``last_routing`` rows at the step's KV slots, `copy_blocks` copies routing with K/V (copy on write), and
+`read_routing` / `write_routing` read and write a sequence's routing by its blocks, as `read_blocks` /
+`write_blocks` do its K/V. So a shared prefix block holds the routing of the sample that computed it, and a
+position's record is that of the computation whose K/V the cache holds. Setting the attribute later gives
+``last_routing`` only.
+
 A MoE model never takes the static decode path (``static_decode`` is ignored): the tokens per expert
 change every step, which a CUDA graph cannot replay.
 """
@@ -156,6 +164,7 @@ class TPDecoder:
         static_decode = static_decode and not cfg.is_moe  # MoE steps run eagerly (module doc)
         self.cfg, self.group = cfg, tp_group
         self.record_routing = record_routing
+        self.routing_dtype = torch.int16 if cfg.num_experts <= torch.iinfo(torch.int16).max else torch.int32
         self.last_routing: torch.Tensor | None = None  # [T, num_moe_layers, k] of the last step, when recording
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
@@ -173,6 +182,10 @@ class TPDecoder:
         with torch.no_grad():
             emb = model.rotary_pos_emb.get_emb(max_len).reshape(max_len, -1).to(dev)  # megatron's own freqs
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        # [blocks, block_size, layers, k]: the experts of each cached position (module doc), MoE and asked for only
+        self.routing_cache = (torch.zeros(self.kv_cache.shape[3], block_size, cfg.num_layers, cfg.moe_router_topk,
+                                          device=dev, dtype=self.routing_dtype)
+                              if record_routing and cfg.is_moe else None)
         self.attention = make_attention(attention_backend, block_size, self.kv_heads, self.q_per_kv, dtype, dev)
         self.scale = cfg.head_dim ** -0.5
         self.ops = decoder_ops(dtype, dev)
@@ -288,8 +301,9 @@ class TPDecoder:
             x = x + self._mlp(layer, self.ops.rms_norm(x, layer.norm2, eps), routing)
         self.last_routing = None
         if routing is not None:
-            dtype = torch.int16 if self.cfg.num_experts <= torch.iinfo(torch.int16).max else torch.int32
-            self.last_routing = torch.stack(routing, dim=1).to(dtype)
+            self.last_routing = torch.stack(routing, dim=1).to(self.routing_dtype)
+            if self.routing_cache is not None:
+                self.routing_cache.view(-1, *self.routing_cache.shape[2:]).index_copy_(0, inp.slots, self.last_routing)
         x = self.ops.rms_norm(x[inp.logits_rows], self.final_norm, eps)
         logits = F.linear(x, self.out).float()
         if self.tp > 1:
@@ -300,9 +314,11 @@ class TPDecoder:
 
     @torch.no_grad()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks src -> dst in every layer (copy on write)."""
+        """Copy whole KV blocks src -> dst in every layer, and their routing if cached (copy on write)."""
         for src, dst in copies:
             self.kv_cache[:, :, :, dst].copy_(self.kv_cache[:, :, :, src])
+            if self.routing_cache is not None:
+                self.routing_cache[dst].copy_(self.routing_cache[src])
 
     def read_blocks(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """K/V of the first ``num_tokens`` positions held in ``blocks``: [L, 2, n, kv_heads, hd]."""
@@ -316,3 +332,20 @@ class TPDecoder:
         for j, block in enumerate(blocks):
             chunk = kv[:, :, j * bs:min(n, (j + 1) * bs)].transpose(2, 3)  # [L, 2, kvh, <=bs, hd]
             self.kv_cache[:, :, :, block, :chunk.shape[3]].copy_(chunk)
+
+    def _block_slots(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """Slots of the first ``num_tokens`` positions held in ``blocks`` (in order)."""
+        bs = self.kv_cache.shape[4]
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        return (idx[:, None] * bs + torch.arange(bs, device=self.device)).flatten()[:num_tokens]
+
+    def read_routing(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """Routing of the first ``num_tokens`` positions held in ``blocks``: [n, num_layers, k] (needs the
+        routing cache: ``record_routing`` at construction, MoE)."""
+        flat = self.routing_cache.view(-1, *self.routing_cache.shape[2:])
+        return flat.index_select(0, self._block_slots(blocks, num_tokens))
+
+    def write_routing(self, blocks: list[int], routing: torch.Tensor) -> None:
+        """Inverse of `read_routing`."""
+        flat = self.routing_cache.view(-1, *self.routing_cache.shape[2:])
+        flat.index_copy_(0, self._block_slots(blocks, routing.shape[0]), routing.to(flat.device, flat.dtype))

@@ -27,8 +27,8 @@ from rlhf.engine.migration import MigratedSequence
 from rlhf.engine.sampler import mixed_seed, sample
 from rlhf.engine.scheduler import Scheduler, SchedulerOutput
 from rlhf.engine.sequence import Sequence, Status, make_generator
-from rlhf.engine.types import (EngineConfig, NeverFitsError, OutOfBlocksError, Request, SampleResult,
-                               SamplingParams)
+from rlhf.engine.types import (EngineConfig, EngineConfigError, NeverFitsError, OutOfBlocksError, Request,
+                               SampleResult, SamplingParams)
 from rlhf.models.config import ModelConfig
 
 
@@ -63,13 +63,17 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, groups, model_cfg: ModelConfig,
                  config: EngineConfig = EngineConfig()):
+        if config.record_routing and not model_cfg.is_moe:
+            raise EngineConfigError("record_routing=True needs a mixture-of-experts model (num_experts > 0); "
+                                    "this model is dense", "record_routing")
         self.config = config
         self.max_len = config.max_model_len or model_cfg.max_seq_len
         self.kv = KVManager(config.num_blocks, config.block_size)
         self.scheduler = Scheduler(self.kv, config.max_tokens_per_step, config.max_num_seqs,
                                    config.continuous_batching, config.prefix_sharing)
         self.decoder = TPDecoder(model, groups.tp if groups is not None else None, model_cfg, config.num_blocks,
-                                 config.block_size, self.max_len, config.attention_backend, config.cuda_graphs)
+                                 config.block_size, self.max_len, config.attention_backend, config.cuda_graphs,
+                                 config.record_routing)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}
@@ -258,6 +262,8 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> SampleResult:
+        # every token but the one just sampled is computed, and its blocks are still held
+        routing = self._routing(seq, seq.num_computed).cpu() if self.config.record_routing else None
         if seq.hold:
             self.scheduler.set_aside(seq)
             self._held[seq.key] = seq
@@ -268,7 +274,12 @@ class Engine:
         now = time.perf_counter() - self._t0
         self.stats.finish_times[seq.key] = now
         return SampleResult(seq.request_id, seq.sample_index, tuple(seq.tokens[:seq.prompt_len]),
-                            tuple(seq.output), tuple(seq.logprobs), reason, now, tuple(seq.policy_versions))
+                            tuple(seq.output), tuple(seq.logprobs), reason, now, tuple(seq.policy_versions),
+                            routing=routing)
+
+    def _routing(self, seq: Sequence, num_tokens: int) -> torch.Tensor:
+        """The routing record of ``seq``'s first ``num_tokens`` positions, from the decoder's routing cache."""
+        return self.decoder.read_routing(self.kv.tables[seq.seq_id], num_tokens)
 
     def _record(self, out: SchedulerOutput) -> None:
         s, pool = self.stats, self.kv.pool
@@ -346,25 +357,27 @@ class Engine:
         if seq.pending_forks:
             raise ValueError(f"request {request_id!r} is still prefilling its prompt for its other samples; "
                              "export it after its first token")
-        kv = None
+        kv = routing = None
         if with_kv and seq.num_computed:
             kv = self.decoder.read_blocks(self.kv.tables[seq.seq_id], seq.num_computed)
+            routing = self._routing(seq, seq.num_computed) if self.config.record_routing else None
         state = MigratedSequence(request_id, sample_index, seq.prompt_len, list(seq.tokens), list(seq.logprobs),
                                  seq.params, seq.generator.get_state(), seq.num_computed if kv is not None else 0,
-                                 kv, list(seq.policy_versions))
+                                 kv, list(seq.policy_versions), routing)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return state
 
     def import_sequence(self, state: MigratedSequence) -> None:
-        """Continue a migrated sample here. Raises `OutOfBlocksError` (retry later) if its K/V do not fit now."""
+        """Continue a migrated sample here. Raises `OutOfBlocksError` (retry later) if its K/V do not fit now.
+        An engine recording routing re-prefills a sample whose K/V came without routing (to record it)."""
         self._check_blocks(state.request_id, state.prompt_len, state.params.max_new_tokens)
         prompt = state.tokens[:state.prompt_len]
         seq = self._new_sequence(state.request_id, state.sample_index, prompt, state.params)
         seq.tokens, seq.logprobs = list(state.tokens), list(state.logprobs)
         seq.policy_versions = list(state.policy_versions)
         seq.generator.set_state(state.generator_state)
-        if state.kv is None:
+        if state.kv is None or (self.config.record_routing and state.routing is None):
             self.scheduler.add(seq)
             return
         if self.kv.allocate_slots(seq.seq_id, 0, state.num_computed) is None:
@@ -374,6 +387,8 @@ class Engine:
                                    f"for sample {state.sample_index} of {state.request_id!r}, "
                                    f"{self.kv.pool.num_free} free; retry after some samples finish")
         self.decoder.write_blocks(self.kv.tables[seq.seq_id], state.kv.to(self.decoder.device))
+        if self.config.record_routing:
+            self.decoder.write_routing(self.kv.tables[seq.seq_id], state.routing)
         # keep >= 1 token to compute: the step that computes it samples the next one
         seq.num_computed = min(state.num_computed, len(seq.tokens) - 1)
         if self.config.prefix_sharing:

@@ -2,9 +2,10 @@
 
 `Engine.export_sequence` produces a `MigratedSequence` (tokens, log-probs so
 far, sampling params, generator state and, optionally, this TP rank's K/V of
-the computed positions); `Engine.import_sequence` continues it in another
-engine. Without K/V the importer re-prefills the tokens; with K/V it
-continues decoding at once (same TP degree and model needed on both sides:
+the computed positions, with their routing when the engine records it);
+`Engine.import_sequence` continues it in another engine. Without K/V the
+importer re-prefills the tokens (which records their routing again); with K/V
+it continues decoding at once (same TP degree and model needed on both sides:
 each TP rank sends its own KV shard to the same TP rank on the other side).
 Moving it between ranks is inter-stage fusion's job (`rlhf.fusion.transport`);
 the engine knows nothing of it.
@@ -24,6 +25,8 @@ class MigratedSequence:
     """Everything needed to continue one sample elsewhere.
 
     kv: [layers, 2, num_computed, local kv heads, head_dim] or None.
+    routing: the experts of those positions, [num_computed, layers, k] (int16), when the exporting engine
+    records routing (`EngineConfig.record_routing`) and K/V are sent; else None (ignored without K/V).
     """
 
     request_id: str
@@ -36,3 +39,4 @@ class MigratedSequence:
     num_computed: int
     kv: torch.Tensor | None = None
     policy_versions: list[int] = field(default_factory=list)
+    routing: torch.Tensor | None = None

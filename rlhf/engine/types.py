@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineConfigError(ValueError):
@@ -51,6 +55,9 @@ class EngineConfig:
     A MoE model ignores it: its steps run eagerly (tokens per expert change each step).
     The n-1 samples forked off a prompt join the running batch at once, so it
     may exceed ``max_num_seqs`` by up to n-1 until they finish.
+    ``record_routing=True`` (MoE models only) keeps the experts each layer chose
+    for every cached position beside its K/V and returns them with each sample
+    (`SampleResult.routing`, for routing replay; docs/engine.md, "Routing record").
     """
 
     num_blocks: int = 256
@@ -62,6 +69,7 @@ class EngineConfig:
     prefix_sharing: bool = True
     attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" (rlhf/engine/attention.py)
     cuda_graphs: bool = False  # decode steps at static shapes, replayed as CUDA graphs on a GPU (static_decode.py)
+    record_routing: bool = False  # SampleResult.routing: each computed position's experts (MoE only)
 
     @classmethod
     def for_batch(cls, prompts: int, samples_per_prompt: int, max_model_len: int, **fields) -> EngineConfig:
@@ -175,6 +183,11 @@ class SampleResult:
     ``loss_mask``: per token, 1 where the model sampled it and 0 where it was
     inserted (a multi-turn episode's observations, rlhf/envs/episodes.py);
     empty when the model sampled every token.
+    ``routing``: None unless the engine records routing
+    (`EngineConfig.record_routing`); then int16 [P + R - 1, num_layers, k] on
+    the CPU (P prompt and R generated tokens): the experts each MoE layer chose
+    for positions 0 .. P+R-2 of prompt + tokens, in megatron's top-k order
+    (the last token is never computed). Not compared by ``==``.
     """
 
     request_id: str
@@ -186,3 +199,4 @@ class SampleResult:
     finish_time: float
     policy_versions: tuple[int, ...] = ()
     loss_mask: tuple[int, ...] = ()
+    routing: torch.Tensor | None = field(default=None, compare=False)

@@ -16,7 +16,8 @@ end it with a reward); an episode also ends after ``max_turns`` turns, when the 
 observations) has no token left of ``max_response_len`` (an observation that does not fit is dropped,
 so a response always ends with the model's tokens), or at the context limit. The result of an episode
 is an `Episode`: the engine's `SampleResult` with all turns and observations as its tokens (the
-observations' log-probs 0, ``loss_mask`` 0), its rewards and its turn count.
+observations' log-probs 0, ``loss_mask`` 0), its rewards and its turn count; with the engine's routing
+record on, its ``routing`` is the last turn's, which covers every position of the episode but the last.
 
 With TP, every rank of a replica runs the same engine; the driver runs on its TP rank 0, which
 broadcasts, at each engine step, the actions that arrived, so the ranks continue the same samples at
@@ -98,6 +99,7 @@ class EpisodeState:
     turns: int = 0
     last_reason: str = "stop"
     engine_key: Optional[tuple[str, int]] = None  # where the engine holds it, once started
+    routing: Optional[torch.Tensor] = None  # the last turn's SampleResult.routing: every position so far but the last
 
 
 class EpisodeDriver(abc.ABC):
@@ -185,6 +187,7 @@ class EpisodeRunner:
         episode.versions += result.policy_versions
         episode.turns += 1
         episode.last_reason = result.finish_reason
+        episode.routing = result.routing
         if self.runs_driver:
             text = readable_text(self.tokenizer, result.tokens) if self.tokenizer is not None else ""
             self.driver.turn_done(key, ModelTurn(tuple(result.tokens), text, result.finish_reason, episode.turns - 1))
@@ -250,7 +253,8 @@ class EpisodeRunner:
         now = time.perf_counter() - self._t0
         return Episode(key[0], key[1], episode.prompt, tuple(episode.tokens), tuple(episode.logprobs), reason, now,
                        tuple(episode.versions), loss_mask=tuple(episode.mask), rewards=tuple(episode.rewards),
-                       reward_positions=tuple(episode.reward_positions), turns=episode.turns)
+                       reward_positions=tuple(episode.reward_positions), turns=episode.turns,
+                       routing=episode.routing)
 
 
 def turn_reward_rows(episodes: list[Episode], width: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ message from another build, or a cut one, is refused with an error naming
 the sample instead of failing somewhere later. Layout (little-endian)::
 
     "RLHFMIG1"                         8-byte magic
-    int64 x 15 header                  HEADER_FIELDS, in order
+    int64 x 19 header                  HEADER_FIELDS, in order
     request_id                         UTF-8, request_id_bytes
     tokens                             int64 x num_tokens (prompt + generated)
     logprobs                           float64 x num_logprobs
@@ -19,6 +19,7 @@ On the wire (torch.distributed p2p, tensors on `platform.device()`)::
     uint8 [message]         ------->    decode and check
                             <-------    int64 [1 accepted | 0 refused]
     K/V (if any, accepted)  ------->
+    routing (if any)        ------->    (beside the K/V: only with them)
 
 A refused message raises `MigrationFormatError` on the receiver (naming the
 sample and the source rank) and `MigrationRefused` on the sender, which still
@@ -40,13 +41,18 @@ from rlhf.engine.migration import MigratedSequence
 from rlhf.engine.types import SamplingParams
 
 MAGIC = b"RLHFMIG1"
-VERSION = 1
+VERSION = 2  # 2: the routing record beside the K/V
 HEADER_FIELDS = ("version", "sample_index", "prompt_len", "num_tokens", "num_logprobs", "num_computed",
                  "generator_state_bytes", "request_id_bytes", "params_bytes", "kv_dtype",
-                 "kv_layers", "kv_two", "kv_positions", "kv_heads", "kv_head_dim")
+                 "kv_layers", "kv_two", "kv_positions", "kv_heads", "kv_head_dim",
+                 "routing_dtype", "routing_positions", "routing_layers", "routing_k")
 _HEADER = struct.Struct(f"<8s{len(HEADER_FIELDS)}q")
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 """K/V dtypes by their code in the header (-1: no K/V)."""
+ROUTING_DTYPES = (torch.int16, torch.int32)
+"""Routing record dtypes by their code in the header (-1: no routing)."""
+TensorSpec = tuple[tuple[int, ...], torch.dtype]
+"""(shape, dtype) of a tensor that follows an accepted message."""
 
 
 class MigrationFormatError(ValueError):
@@ -62,7 +68,7 @@ class MigrationRefused(RuntimeError):
 
 
 def encode_sequence(state: MigratedSequence) -> bytes:
-    """The metadata of ``state`` (everything but the K/V tensor) in the versioned layout."""
+    """The metadata of ``state`` (everything but the K/V and routing tensors) in the versioned layout."""
     rid = state.request_id.encode()
     params = json.dumps(dataclasses.asdict(state.params), sort_keys=True).encode()
     gen = state.generator_state.cpu().numpy().tobytes()
@@ -70,15 +76,24 @@ def encode_sequence(state: MigratedSequence) -> bytes:
     if kv is not None and (kv.dim() != 5 or kv.dtype not in KV_DTYPES):
         raise ValueError(f"K/V of sample {state.sample_index} of {state.request_id!r} is {kv.dtype} "
                          f"{tuple(kv.shape)}; want [layers, 2, positions, kv heads, head_dim] in one of {KV_DTYPES}")
+    routing = state.routing if kv is not None else None  # without K/V the importer computes it again
+    if routing is not None and (routing.dim() != 3 or routing.dtype not in ROUTING_DTYPES
+                                or routing.shape[0] != kv.shape[2]):
+        raise ValueError(f"routing of sample {state.sample_index} of {state.request_id!r} is {routing.dtype} "
+                         f"{tuple(routing.shape)}; want [positions ({kv.shape[2]}, as the K/V), layers, k] in one "
+                         f"of {ROUTING_DTYPES}")
     kv_fields = (-1, 0, 0, 0, 0, 0) if kv is None else (KV_DTYPES.index(kv.dtype), *kv.shape)
+    routing_fields = (-1, 0, 0, 0) if routing is None else (ROUTING_DTYPES.index(routing.dtype), *routing.shape)
     header = _HEADER.pack(MAGIC, VERSION, state.sample_index, state.prompt_len, len(state.tokens),
-                          len(state.logprobs), state.num_computed, len(gen), len(rid), len(params), *kv_fields)
+                          len(state.logprobs), state.num_computed, len(gen), len(rid), len(params), *kv_fields,
+                          *routing_fields)
     return b"".join((header, rid, struct.pack(f"<{len(state.tokens)}q", *state.tokens),
                      struct.pack(f"<{len(state.logprobs)}d", *state.logprobs), gen, params))
 
 
-def decode_sequence(data: bytes) -> tuple[MigratedSequence, tuple[tuple[int, ...], torch.dtype] | None]:
-    """The sample in ``data`` (K/V left None) and its K/V (shape, dtype) or None.
+def decode_sequence(data: bytes) -> tuple[MigratedSequence, TensorSpec | None, TensorSpec | None]:
+    """The sample in ``data`` (K/V and routing left None), its K/V's (shape, dtype) or None, and its
+    routing's (shape, dtype) or None.
 
     Raises `MigrationFormatError` if ``data`` is cut, corrupt or from another version.
     """
@@ -114,14 +129,31 @@ def decode_sequence(data: bytes) -> tuple[MigratedSequence, tuple[tuple[int, ...
                                    h["sample_index"]) from e
     state = MigratedSequence(rid, h["sample_index"], h["prompt_len"], tokens, logprobs, params, gen,
                              h["num_computed"])
-    if h["kv_dtype"] < 0:
-        return state, None
-    shape = tuple(h[f] for f in HEADER_FIELDS[-5:])
-    return state, (shape, KV_DTYPES[h["kv_dtype"]])
+    try:
+        kv = _spec(h, "kv", KV_DTYPES, ("layers", "two", "positions", "heads", "head_dim"))
+        routing = _spec(h, "routing", ROUTING_DTYPES, ("positions", "layers", "k"))
+        if routing is not None and (kv is None or routing[0][0] != kv[0][2]):
+            raise ValueError(f"routing of {routing[0][0]} positions with K/V of {kv[0][2] if kv else 'no'} positions")
+    except ValueError as e:
+        raise MigrationFormatError(f"corrupt migration message for {where}: {e}", rid, h["sample_index"]) from e
+    return state, kv, routing
 
 
-def send_encoded(data: bytes, kv: torch.Tensor | None, dst: int, group=None) -> bool:
-    """Send an encoded message to global rank ``dst``, then its K/V if accepted; whether it was accepted."""
+def _spec(h: dict, name: str, dtypes: tuple, dims: tuple[str, ...]) -> TensorSpec | None:
+    """(shape, dtype) of the tensor ``name`` the header ``h`` announces, or None (dtype code -1); ValueError
+    for an unknown dtype code or a negative size."""
+    code, shape = h[f"{name}_dtype"], tuple(h[f"{name}_{d}"] for d in dims)
+    if code < 0:
+        return None
+    if code >= len(dtypes) or min(shape) < 0:
+        raise ValueError(f"{name} dtype code {code}, shape {shape}")
+    return shape, dtypes[code]
+
+
+def send_encoded(data: bytes, kv: torch.Tensor | None, dst: int, group=None,
+                 routing: torch.Tensor | None = None) -> bool:
+    """Send an encoded message to global rank ``dst``, then its K/V and routing (as the message announces
+    them) if accepted; whether it was accepted."""
     dev = platform.device()  # NCCL sends device tensors only
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=dev), dst, group=group)
@@ -131,6 +163,8 @@ def send_encoded(data: bytes, kv: torch.Tensor | None, dst: int, group=None) -> 
     accepted = bool(ack.item())  # .item(): the host decides whether K/V follow
     if accepted and kv is not None:
         dist.send(kv.to(dev).contiguous(), dst, group=group)
+        if routing is not None:
+            dist.send(routing.to(dev).contiguous(), dst, group=group)
     return accepted
 
 
@@ -140,14 +174,16 @@ def send_sequence(state: MigratedSequence, dst: int, group=None) -> int:
     Raises `MigrationRefused` if ``dst`` refuses it (the caller keeps ``state``).
     """
     data = encode_sequence(state)
-    if not send_encoded(data, state.kv, dst, group):
+    if not send_encoded(data, state.kv, dst, group, state.routing):
         raise MigrationRefused(f"rank {dst} refused sample {state.sample_index} of {state.request_id!r}; "
                                "it stays with the sender")
-    return len(data) + (0 if state.kv is None else state.kv.numel() * state.kv.element_size())
+    if state.kv is None:
+        return len(data)
+    return len(data) + sum(t.numel() * t.element_size() for t in (state.kv, state.routing) if t is not None)
 
 
 def recv_sequence(src: int, group=None) -> MigratedSequence:
-    """Receive a sequence sent by `send_sequence` from global rank ``src`` (K/V on this device).
+    """Receive a sequence sent by `send_sequence` from global rank ``src`` (K/V and routing on this device).
 
     Raises `MigrationFormatError` naming the sample and ``src`` (after telling
     the sender, who keeps the sample) if the message cannot be read.
@@ -158,13 +194,13 @@ def recv_sequence(src: int, group=None) -> MigratedSequence:
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)  # .item(): host needs the size
     dist.recv(payload, src, group=group)
     try:
-        state, kv_spec = decode_sequence(payload.cpu().numpy().tobytes())
+        state, *specs = decode_sequence(payload.cpu().numpy().tobytes())
     except MigrationFormatError as e:
         dist.send(torch.zeros(1, dtype=torch.int64, device=dev), src, group=group)
         raise MigrationFormatError(f"from rank {src}: {e}", e.request_id, e.sample_index) from e
     dist.send(torch.ones(1, dtype=torch.int64, device=dev), src, group=group)
-    if kv_spec is None:
-        return state
-    kv = torch.empty(kv_spec[0], dtype=kv_spec[1], device=dev)
-    dist.recv(kv, src, group=group)
-    return dataclasses.replace(state, kv=kv)
+    kv, routing = (None if spec is None else torch.empty(spec[0], dtype=spec[1], device=dev) for spec in specs)
+    for t in (kv, routing):
+        if t is not None:
+            dist.recv(t, src, group=group)
+    return dataclasses.replace(state, kv=kv, routing=routing)

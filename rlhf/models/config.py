@@ -133,6 +133,13 @@ MODEL_PRESETS = {
     "tiny": ModelConfig(),
     "tiny-critic": ModelConfig(num_layers=2, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4,
                                num_kv_heads=2),
+    # The tiny default's shapes as Qwen3-MoE-style mixtures of experts (QK-norm; 4 experts, each token to 2,
+    # half the dense FFN each, so a token's active MLP is the dense one's size; docs/moe.md).
+    "tiny-moe": ModelConfig(qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64,
+                            moe_aux_loss_coeff=0.01),
+    "tiny-moe-critic": ModelConfig(num_layers=2, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4,
+                                   num_kv_heads=2, qk_norm=True, num_experts=4, moe_router_topk=2,
+                                   moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.01),
 }
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf import platform
+from rlhf.models import moe
 from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, padded_vocab_size
 from rlhf.models.naming import named_global_parameters
 from rlhf.models.packing import PackedLayout, packed_core_attention
@@ -242,6 +243,7 @@ def build_model(cfg: ModelConfig, kind: str, pg_collection, stage: PipelineStage
     if cfg.is_moe:
         _mark_experts(model)
         _draw_by_name(model, cfg, seed, pg_collection.tp)
+        moe.attach(model)
     _zero_vocab_padding(model, cfg.vocab_size, pg_collection.tp.rank())
     model.unpadded_vocab_size = cfg.vocab_size
     return model.to(platform.device())
@@ -285,7 +287,7 @@ def _zero_vocab_padding(model: torch.nn.Module, vocab_size: int, tp_rank: int) -
 
 
 def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor: torch.Tensor | None = None,
-                  packed: PackedLayout | None = None):
+                  packed: PackedLayout | None = None, padding_mask: torch.Tensor | None = None):
     """Run one pipeline stage.
 
     input_ids: [b, s] token ids (every stage needs them for the shape; only the
@@ -296,12 +298,14 @@ def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, input_tensor:
     model; a bf16 or fp16 head's output cast up, as the log-probs are computed in fp32).
     ``packed``: the layout of input_ids' samples, which then run as one packed row of
     t tokens (rlhf/models/packing.py): hidden states [t, 1, h], the output [1, t, ...].
+    ``padding_mask`` [b, s] bool, True at padding (padded input): a MoE model leaves those tokens out of its
+    load-balancing statistics and z-loss.
     """
     model.set_input_tensor(input_tensor)
     if packed is None:
         b, s = input_ids.shape
         position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, -1)
-        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None)
+        out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=None, padding_mask=padding_mask)
     else:
         out = model(input_ids=packed.pack(input_ids), position_ids=packed.positions, attention_mask=None,
                     packed_seq_params=packed.seq_params)

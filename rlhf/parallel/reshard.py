@@ -211,13 +211,14 @@ def gather_tp_full_weights(model: torch.nn.Module, groups: TaskGroups, grads: bo
            for name, param in named_global_parameters(model).items()}
     ep_group = groups.pg_collection.ep
     if ep_group.size() > 1:
-        out.update(_gather_experts(out, ep_group))
+        out.update(gather_experts(out, ep_group))
     return out
 
 
-def _gather_experts(local: dict[str, torch.Tensor], ep_group) -> dict[str, torch.Tensor]:
-    """Every expert's tensors from the local ones (global names) of each rank of ``ep_group``: EP rank r
-    holds experts r * n .. r * n + n - 1, in the same order on every rank."""
+def gather_experts(local: dict[str, torch.Tensor], ep_group) -> dict[str, torch.Tensor]:
+    """Every expert's tensors from the local ones (global names; other names are ignored) of each rank of
+    ``ep_group`` (collective over it): EP rank r holds experts r * n .. r * n + n - 1, in the same order on
+    every rank."""
     names = [n for n in local if expert_index(n) is not None]
     first = min(expert_index(n) for n in names)
     per_rank = max(expert_index(n) for n in names) - first + 1

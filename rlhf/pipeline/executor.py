@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from rlhf import platform
 from rlhf.batch import Batch
+from rlhf.models import moe
 from rlhf.models.packing import PackedLayout, sequence_shape
 from rlhf.schedule.schedule import Schedule
 
@@ -59,6 +60,10 @@ class ModelRuntime:
     ``module``/``groups``/``optimizer``/``loss_fn`` may be None with
     :class:`SleepCompute`. ``packed``: each micro-batch runs as one packed row of
     its samples (rlhf/models/packing.py); ``loss_fn`` then gets the packed output.
+    A mixture of experts (rlhf/models/moe.py): ``aux_loss_weights``, per micro-batch, the gradient scale
+    of its auxiliary losses (its share of the step's tokens, times the DP replicas the reduction averages
+    over); ``routing_replay``: None leaves the micro-batches' ``routing`` unread, False compares the
+    model's own top-k with it, True replays it.
     """
 
     name: str
@@ -70,6 +75,8 @@ class ModelRuntime:
     loss_fn: Callable | None = None
     hidden_size: int = 0
     packed: bool = False
+    aux_loss_weights: Sequence[float] | None = None
+    routing_replay: bool | None = None
 
     def __post_init__(self):
         self._layouts = [PackedLayout.of(mb) for mb in self.microbatches] if self.packed else None
@@ -96,7 +103,10 @@ class StageCompute:
         from rlhf.models.gpt import stage_forward
 
         data, packed = rt.microbatches[ins.mb], rt.layout(ins.mb)
-        out = stage_forward(rt.module, data.tokens, x, packed)
+        padding = data.padding_mask() if rt.aux_loss_weights is not None and packed is None else None
+        routing = data.routing if rt.routing_replay is not None else None
+        with moe.replayed(rt.module, routing, bool(rt.routing_replay), packed):
+            out = stage_forward(rt.module, data.tokens, x, packed, padding)
         if rt.is_last(ins.stage):
             return rt.loss_fn(out, data, rt.groups) / len(rt.microbatches)
         return out
@@ -104,6 +114,9 @@ class StageCompute:
     def backward(self, rt: ModelRuntime, ins: C.Instr, out, grad, x, last: bool):
         """Accumulate parameter grads; return the gradient of the stage input (or None).
         ``last``: this rank's final backward of the model in the step (overlapped DP reduction may start)."""
+        if rt.aux_loss_weights is not None:
+            weight = torch.tensor(rt.aux_loss_weights[ins.mb], device=platform.device())
+            moe.set_aux_loss_scale(rt.optimizer.scale_loss(weight))
         with rt.optimizer.backward_scope(last):
             torch.autograd.backward(rt.optimizer.scale_loss(out) if grad is None else out, grad)
         return None if x is None else x.grad

@@ -17,6 +17,7 @@ import torch
 
 from rlhf.batch import OPTIONAL_FIELDS, Batch
 from rlhf.memory import StageMemory
+from rlhf.models import moe
 from rlhf.models.gpt import eval_mode
 from rlhf.models.logprobs import vocab_parallel_log_probs
 from rlhf.models.packing import PackedLayout, unpacked
@@ -58,12 +59,14 @@ class InferenceRunner:
     """This rank's inference tasks: ``models``/``groups`` by task, ``memory`` (offloaded models are
     loaded for their pass, and what a pass holds is noted), ``micro_batch_size`` samples per pass (or
     with ``max_tokens`` passes of packed samples: Batch.micro_batches), and the sampling ``temperature``
-    the log-probs are taken at (the engine's, 1 when greedy)."""
+    the log-probs are taken at (the engine's, 1 when greedy). A mixture-of-experts actor's old log-prob pass
+    (actor_train) compares its routing with the samples' ``routing``, or with ``routing_replay`` uses it
+    (rlhf/models/moe.py)."""
 
     def __init__(self, models: dict, groups: dict, memory: StageMemory, micro_batch_size: int,
-                 temperature: float = 1.0, max_tokens: int | None = None):
+                 temperature: float = 1.0, max_tokens: int | None = None, routing_replay: bool = False):
         self.models, self.groups, self.memory, self.micro_batch_size = models, groups, memory, micro_batch_size
-        self.temperature, self.max_tokens = temperature, max_tokens
+        self.temperature, self.max_tokens, self.routing_replay = temperature, max_tokens, routing_replay
 
     def infer(self, task: str, part: Batch, field: str | None = None) -> Batch | None:
         """``task``'s outputs for the samples of ``part``, which this rank's replica runs (collective over
@@ -75,7 +78,9 @@ class InferenceRunner:
         with self.memory.on_device(task), eval_mode(model):
             for mb in part.micro_batches(self.micro_batch_size, self.max_tokens):
                 packed = None if self.max_tokens is None else PackedLayout.of(mb)
-                out = pipeline_forward(model, g, mb.tokens, packed)
+                routing = mb.routing if task == "actor_train" else None
+                with moe.replayed(model, routing, self.routing_replay, packed):
+                    out = pipeline_forward(model, g, mb.tokens, packed)
                 if out is not None:
                     outputs.append(task_output(task, out, mb, g, self.temperature, packed).cpu())
             self.memory.note("inference")

@@ -195,6 +195,10 @@ SECTIONS = {
         ("partial_rollout_kv", str, "the K/V of samples in flight when new weights arrive: recompute (prefill "
                                     "again under the new weights, exact) or keep (cheaper; later tokens attend "
                                     "to the old weights' K/V)"),
+        ("routing_replay", bool, "a mixture-of-experts actor's old log-prob passes and training forwards use the "
+                                 "experts the engine chose for each token (verl's R3, slime's routing replay), "
+                                 "the router still trained at them; without it they route on their own, and "
+                                 "routing_agreement reports how often the two agree (docs/moe.md)"),
     ]),
     "logging": (_LOGGING_CONFIG, _LOGGING_TITLE, [*_LOGGING_FIELDS, (
         "log_samples", int, "print one decoded prompt and response with its reward every this many iterations "

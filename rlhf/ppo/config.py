@@ -124,7 +124,9 @@ class PPOConfig:
     into one row each (rlhf/models/packing.py: no padding; training and inference alike; with a fused
     schedule, training keeps its micro-batch count and balances them by tokens).
     The old log-probs are the engine's unless ``recompute_logprobs`` (then
-    actor_train recomputes them before the update).
+    actor_train recomputes them before the update). ``routing_replay``: a
+    mixture-of-experts actor's recomputed old log-probs and training forwards
+    use the experts the engine chose (rlhf/models/moe.py).
 
     Loss settings (docs/training.md has each beside verl's, OpenRLHF's and
     TRL's name): the KL penalty acts in the token rewards or as a loss term
@@ -190,6 +192,7 @@ class PPOConfig:
     max_staleness: int = 0
     partial_rollouts: bool = False
     partial_rollout_kv: str = "recompute"
+    routing_replay: bool = False
 
     def __post_init__(self):
         check_field_types("ppo", self)
@@ -465,6 +468,10 @@ class AdaptersConfig:
                 config.check_shape(models[model])
             except ModelConfigError as exc:
                 raise ConfigError(f"the {model}'s {exc}", f"lora.{prefix}rank") from None
+            if models[model].is_moe:
+                raise ConfigError(f"LoRA adapters on a mixture-of-experts {model} are not supported (the experts "
+                                  "are not among the adaptable projections); train it in full or drop "
+                                  f"--{prefix.replace('_', '-')}rank", f"lora.{prefix}rank")
 
 
 PROMPT_DATASET_FIELDS = {"paths": "data.prompt_data", "prompt_field": "data.prompt_field",
@@ -658,6 +665,7 @@ class JobConfig:
                               "migrates, but with max_staleness > 0 generation has ranks of its own and never "
                               "waits for inference; drop one of the two", "ppo.max_staleness")
         self._check_environment()
+        self._check_routing_replay()
         total = self.generation.max_prompt_len + self.generation.max_response_len
         budget = self.ppo.max_tokens_per_microbatch
         if budget is not None and budget < total:
@@ -672,6 +680,18 @@ class JobConfig:
                                   f"context max_seq_len={context}; shorten them or give the model a longer context",
                                   "generation.max_response_len")
         self._check_inputs()
+
+    def _check_routing_replay(self) -> None:
+        """Routing replay needs experts to replay, and forwards that read the engine's choices (a full
+        recompute in the backward would route on its own)."""
+        if not self.ppo.routing_replay:
+            return
+        if not self.models.actor.is_moe:
+            raise ConfigError("routing_replay replays the experts the engine chose, but the actor is dense "
+                              "(num_experts 0); give a mixture-of-experts actor or drop it", "ppo.routing_replay")
+        if self.memory.recompute_granularity == "full":
+            raise ConfigError("routing_replay with recompute_granularity 'full': the recomputed forward in the "
+                              "backward would route on its own; use 'selective' or none", "ppo.routing_replay")
 
     def _check_environment(self) -> None:
         """An environment's (or agent's) rewards are the reward, and its episodes run in the synchronous loop."""

@@ -11,6 +11,8 @@ it). Without a plan file the job starts from a built-in plan (``built_in_plan``)
 
 from __future__ import annotations
 
+import math
+
 from rlhf import platform
 from rlhf.cli import flag_name
 from rlhf.config import ConfigError
@@ -18,6 +20,7 @@ from rlhf.engine.types import EngineConfig
 from rlhf.models.config import padded_vocab_size as padded_size
 from rlhf.parallel import Placement, PlacementError
 from rlhf.parallel.mesh import sharing_ranks
+from rlhf.parallel.placement import parse_ranks
 from rlhf.pipeline.compiler import compile_all
 from rlhf.ppo.config import JobConfig
 from rlhf.schedule.generators import serial_1f1b
@@ -68,16 +71,38 @@ def plan_flags(plan: dict) -> str:
 def built_in_plan(config: JobConfig, world_size: int) -> dict | None:
     """The plan a job without a plan file starts from: ``DEFAULT_PLANS``' when synchronous (None: every task
     data parallel on all ranks); with ``max_staleness`` > 0, ``ASYNC_PLANS``' or :func:`generation_apart_plan`,
-    and on 1 rank, where actor_gen cannot have ranks of its own, a ConfigError naming ppo.max_staleness."""
+    and on 1 rank, where actor_gen cannot have ranks of its own, a ConfigError naming ppo.max_staleness.
+    Mixture-of-experts models get expert parallelism in it (:func:`with_expert_parallelism`)."""
     staleness = config.ppo.max_staleness
     if not staleness:
-        return DEFAULT_PLANS.get(world_size)
+        plan = DEFAULT_PLANS.get(world_size)
+        return plan if plan is None else with_expert_parallelism(plan, config, world_size)
     if world_size < 2:
         raise ConfigError(f"max_staleness {staleness} generates while the other tasks train, so actor_gen needs "
                           f"ranks of its own, which 1 rank cannot give; launch on 2 or more ranks, where the "
                           f"job puts actor_gen apart by itself (on 4 ranks: {plan_flags(ASYNC_PLANS[4])}), or "
                           "drop --max-staleness", "ppo.max_staleness")
-    return ASYNC_PLANS.get(world_size) or generation_apart_plan(world_size)
+    return with_expert_parallelism(ASYNC_PLANS.get(world_size) or generation_apart_plan(world_size), config,
+                                   world_size)
+
+
+def with_expert_parallelism(plan: dict, config: JobConfig, world_size: int) -> dict:
+    """``plan`` with each mixture-of-experts model's tasks split by experts: a trained task's tp becomes data
+    parallelism (megatron trains MoE layers at tp > 1 only with sequence parallelism), and every task but
+    actor_gen (whose engine replicas each hold every expert) gets ep = gcd(dp, num_experts), the experts
+    split over that many of its data-parallel replicas."""
+    out = {}
+    for task, entry in plan.items():
+        cfg = config.models[TASK_MODEL[task]]
+        entry = dict(entry)
+        if cfg.is_moe and task != "actor_gen":
+            size = len(parse_ranks(entry["ranks"], task, world_size)) if "ranks" in entry else world_size
+            if task in config.trained_tasks().values():
+                entry["tp"] = 1
+            entry.pop("dp", None)  # the mesh's size over tp x pp
+            entry["ep"] = math.gcd(size // (entry.get("tp", 1) * entry.get("pp", 1)), cfg.num_experts)
+        out[task] = entry
+    return out
 
 
 def plan_note(config: JobConfig, world_size: int) -> list[str]:
@@ -161,12 +186,14 @@ def padded_vocab_size(config: JobConfig, model: str, placement: Placement) -> in
 
 def engine_config(config: JobConfig, placement: Placement) -> EngineConfig:
     """Each actor_gen replica's engine: a KV cache for all the samples of its share of the prompts (one
-    prompt more, for a share that is not even) at their longest."""
+    prompt more, for a share that is not even) at their longest; a mixture-of-experts actor's records the
+    experts it chose (routing replay, and the routing agreement without it)."""
     gen, ppo = config.generation, config.ppo
     return EngineConfig.for_batch(prompts=ppo.rollout_batch_size // placement["actor_gen"].strategy.dp + 1,
                                   samples_per_prompt=ppo.n_samples_per_prompt,
                                   max_model_len=gen.max_prompt_len + gen.max_response_len,
-                                  cuda_graphs=gen.cuda_graphs and platform.has_accelerator())
+                                  cuda_graphs=gen.cuda_graphs and platform.has_accelerator(),
+                                  record_routing=config.models.actor.is_moe)
 
 
 def microbatches(config: JobConfig, placement: Placement, task: str) -> int:

@@ -139,7 +139,8 @@ class Trainer:
                                   release_generation=config.memory.release_generation_memory,
                                   optimizers=self.optimizers)
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
-                                         config.generation.logprob_temperature, config.ppo.max_tokens_per_microbatch)
+                                         config.generation.logprob_temperature, config.ppo.max_tokens_per_microbatch,
+                                         config.ppo.routing_replay)
         self.ahead = None
         if config.ppo.partial_rollouts:
             self.ahead = PartialRollouts(self, signal_group(placement, self.learners))

@@ -81,7 +81,7 @@ class PPOUpdate:
         ppo = self.config.ppo
         trained = {m: t for m, t in self.trained.items() if m == "critic" or iteration >= ppo.critic_warmup}
         losses = {name: self._loss(name, kl_coef) for name in trained}
-        timelines, steps = [], {name: [] for name in trained}
+        timelines, steps, forwards = [], {name: [] for name in trained}, dict.fromkeys(trained, 0)
         for epoch in range(ppo.ppo_epochs):
             plans = {name: self._minibatches(batch, task, iteration, epoch) for name, task in trained.items()}
             for m in range(ppo.minibatches):
@@ -91,16 +91,19 @@ class PPOUpdate:
                     if g is not None:
                         members = [i for part in plans[name][m] for i in part]
                         runtimes[name] = self._runtime(name, task, batch.select(plans[name][m][g.coord.dp]),
-                                                       losses[name].denominator(batch.select(members)), losses[name])
+                                                       batch.select(members), losses[name])
                 self._run_minibatch(runtimes, timelines, measured=len(trained) == len(self.trained))
                 for name, rt in runtimes.items():
                     steps[name].append(rt.optimizer.last_step)
+                    forwards[name] += len(rt.microbatches)
         if self.measuring and len(trained) == len(self.trained):  # the stages are measured: fuse from now on
             self.fused = self._search_fused_schedule()
         out = {k: v for loss in losses.values() for k, v in loss.metrics().items()}
         for name, task in trained.items():
             if self.groups[task] is not None:
                 out.update(losses[name].step_losses(self.groups[task], len(steps[name])))
+                if self.config.models[name].is_moe:
+                    out.update(moe_metrics(name, self.models[task], self.groups[task], forwards[name]))
         for name, done in steps.items():
             out.update(step_metrics(name, done, self.optimizers.get(name)))
         idle = idle_fraction(timelines)
@@ -178,19 +181,27 @@ class PPOUpdate:
             return CriticLoss(ppo, gen.max_response_len)
         return ActorLoss(ppo, gen.max_response_len, gen.logprob_temperature, kl_coef if ppo.kl_in_loss else 0.0)
 
-    def _runtime(self, name: str, task: str, share: Batch, denominator: float, loss: ModelLoss) -> ModelRuntime:
-        """The executor's view of one model for one mini-batch on this rank: each micro-batch's loss is its
-        aggregation numerator / the mini-batch's ``denominator`` (counted over all DP replicas), times the
-        micro-batches x DP replicas the executor and the gradient reduction average over, so that the
-        gradient is that of the mini-batch's aggregated loss."""
-        g, ppo = self.groups[task], self.config.ppo
+    def _runtime(self, name: str, task: str, share: Batch, minibatch: Batch, loss: ModelLoss) -> ModelRuntime:
+        """The executor's view of one model for one mini-batch (``minibatch``: every DP replica's samples) on
+        this rank (``share``): each micro-batch's loss is its aggregation numerator / the mini-batch's
+        denominator, times the micro-batches x DP replicas the executor and the gradient reduction average
+        over, so that the gradient is that of the mini-batch's aggregated loss. A mixture of experts' auxiliary
+        losses weigh each micro-batch by its share of the mini-batch's tokens alike; a MoE actor compares its
+        routing with the engine's, or replays it (``ppo.routing_replay``)."""
+        g, ppo, cfg = self.groups[task], self.config.ppo, self.config.models[name]
         fused = self.config.fusion.intra_stage_fusion  # a fused schedule's micro-batch count is fixed
         fixed = layout.microbatches(self.config, self.placement, task) if fused else None
         micro = share.micro_batches(ppo.micro_batch_size, ppo.max_tokens_per_microbatch, count=fixed)
         averaged = len(micro) * g.mesh.strategy.dp
+        aux_weights = routing = None
+        if cfg.is_moe:
+            tokens = int(minibatch.sequence_lengths.sum())
+            aux_weights = [int(mb.sequence_lengths.sum()) / tokens * g.mesh.strategy.dp for mb in micro]
+            routing = ppo.routing_replay if share.routing is not None else None
         return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
-                            functools.partial(loss, denominator=denominator, averaged=averaged),
-                            self.config.models[name].hidden_size, packed=loss.packed)
+                            functools.partial(loss, denominator=loss.denominator(minibatch), averaged=averaged),
+                            cfg.hidden_size, packed=loss.packed, aux_loss_weights=aux_weights,
+                            routing_replay=routing)
 
 
 class ModelLoss:
@@ -327,6 +338,28 @@ class CriticLoss(ModelLoss):
         self.add_term("value_loss", loss)
         self.recorded.append((mask.sum(), {"value_clip_fraction": stats["vf_clipfrac"]}))
         return loss * averaged
+
+
+def moe_metrics(name: str, model, g: TaskGroups, forwards: int) -> dict:
+    """A mixture of experts' ``<name>_load_balancing_loss`` and ``<name>_z_loss`` (each times its coefficient,
+    summed over the layers: the mean over the iteration's training forwards on every replica) and, where the
+    forwards read the engine's routing, ``routing_agreement`` (the fraction of (token, layer) choices
+    where the model's own top-k set equals the engine's, over the tokens the engine computed). Collective over
+    the model's mesh; one TP rank of each stage counts (its TP peers route the same tokens alike)."""
+    from rlhf.models import moe
+
+    counts = g.tp_rank == 0
+    aux = moe.aux_losses(model)
+    agree, counted = moe.routing_agreement(model)
+    values = [aux[n] if counts else 0.0 for n in moe.AUX_LOSS_NAMES]
+    values += [agree if counts else 0, counted if counts else 0, forwards if counts and g.is_first_stage else 0]
+    sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=platform.device()) for v in values])
+    dist.all_reduce(sums, group=g.mesh_group)
+    *losses, agree, counted, forwards = sums.tolist()
+    out = {f"{name}_{n}": value / max(forwards, 1) for n, value in zip(moe.AUX_LOSS_NAMES, losses)}
+    if counted:
+        out["routing_agreement"] = agree / counted
+    return out
 
 
 def _mean(values: list) -> float:

@@ -230,10 +230,11 @@ class RewardTrainer:
         """The model's full weights (global names, no padded vocabulary rows) on every rank (collective; an
         object all-gather: for small models, such as the tiny default's)."""
         g, mine = self.groups, {}
-        if g is not None and g.coord.dp == 0:  # replica 0 holds every stage; its TP ranks gather together
-            full = gather_tp_full_weights(self.model, g)
+        if g is not None and g.coord.dp < g.mesh.strategy.ep:  # replica 0's EP group holds every weight; its
+            full = gather_tp_full_weights(self.model, g)  # TP (and EP) ranks gather together
             vocab = self.config.model.vocab_size
-            mine = {n: drop_vocab_padding(n, t, vocab) for n, t in full.items()} if g.tp_rank == 0 else {}
+            first = g.tp_rank == 0 and g.coord.dp == 0
+            mine = {n: drop_vocab_padding(n, t, vocab) for n, t in full.items()} if first else {}
         merged = {}
         for part in gather_to_all([mine]):
             merged.update(part)
