@@ -120,12 +120,14 @@ def _policy(actor, tokens: torch.Tensor, prompt_len: int, response_len: int) -> 
     return picked[:, window], -(logp.exp() * logp).sum(-1)[:, window]
 
 
-def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean", scores=None) -> dict:
+def _textbook_iteration(full: dict, samples: list, agg: str = "token-mean", scores=None, models=(ACTOR, CRITIC)
+                        ) -> dict:
     """One PPO iteration from the definitions, one sample at a time where it is clearer; ``scores``: the samples'
-    scores (default: the reward model's)."""
-    actor, critic = unsharded("lm", ACTOR, full["actor"]), unsharded("value", CRITIC, full["critic"])
-    reference = unsharded("lm", ACTOR, full.get("reference", full["actor"]))
-    reward = unsharded("value", CRITIC, full["reward"])
+    scores (default: the reward model's); ``models``: the actor's and the critic's shapes."""
+    actor_cfg, critic_cfg = models
+    actor, critic = unsharded("lm", actor_cfg, full["actor"]), unsharded("value", critic_cfg, full["critic"])
+    reference = unsharded("lm", actor_cfg, full.get("reference", full["actor"]))
+    reward = unsharded("value", critic_cfg, full["reward"])
     seqs = [(torch.tensor([list(s.prompt) + list(s.tokens)]), len(s.prompt), len(s.tokens)) for s in samples]
     R = max(r for _, _, r in seqs)
 
@@ -204,7 +206,32 @@ def run(root: str) -> dict:
     out.update(_optimizer_paths(placement))
     out.update(_fusion(root))
     out.update(_critic_warmup(placement))
+    out.update(_mixture_of_experts())
+    out.update(_routing_replay())
     return out
+
+
+MOE_MODELS = tuple(replace(cfg, qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+                   for cfg in (ACTOR, CRITIC))
+"""ACTOR and CRITIC as mixtures of experts (QK-norm, 4 experts, top-2); no auxiliary loss, which textbook PPO
+lacks (rlhf/models/moe.py weighs it per micro-batch, tests/scenario_optim.py checks the expert gradients)."""
+MOE_PLAN = {
+    "actor_train": {"ranks": "0-3", "dp": 2, "pp": 2, "ep": 2},
+    "critic_train": {"ranks": "0-3", "dp": 4, "ep": 2},
+    "actor_gen": {"ranks": "0-3", "tp": 2, "dp": 2},
+    "ref_inf": {"ranks": [2, 3], "ep": 2},
+    "reward_inf": {"ranks": [0, 1], "ep": 2},
+    "critic_inf": {"ranks": "0-3", "tp": 2, "ep": 2},
+}
+"""Expert parallelism in every task that may have it (actor_gen's engine holds every expert)."""
+
+
+def _mixture_of_experts() -> dict:
+    """One iteration of MoE actor and critic on MOE_PLAN against textbook PPO on the same MoE modules."""
+    placement = Placement.from_plan(MOE_PLAN, dist.get_world_size())
+    build_task_groups(placement)
+    out, _ = _against_textbook(placement, models=MOE_MODELS)
+    return {f"moe_{k}": v for k, v in out.items() if k.endswith(("_max_diff", "_moved", "_losses", "metrics"))}
 
 
 ENTROPY_SHAPE = dict(samples=4, positions=7, padded=2)
@@ -274,24 +301,27 @@ def _critic_warmup(placement) -> dict:
 
 
 def learn_fixed_samples(placement, agg: str = "token-mean", precision: PrecisionConfig = PrecisionConfig(),
-                        max_tokens: int | None = None, holes: bool = False, reward_fn=None) -> tuple:
+                        max_tokens: int | None = None, holes: bool = False, reward_fn=None,
+                        models=(ACTOR, CRITIC)) -> tuple:
     """One ``Trainer.learn`` on the fixed samples: (initial full weights, samples, result, trained full weights).
     ``max_tokens``: packed micro-batches of that many tokens (--max-tokens-per-microbatch); ``holes``:
     multi-turn samples (`_samples`); ``reward_fn``: the samples' scores instead of the reward model's, with
-    --skip-nonfinite-samples, and a reference of its own weights (a KL that is not 0)."""
+    --skip-nonfinite-samples, and a reference of its own weights (a KL that is not 0); ``models``: the actor's
+    and the critic's (and the reward model's) shapes."""
+    actor_cfg, critic_cfg = models
     generation = GenerationConfig(temperature=TEMPERATURE)
     if max_tokens is not None:  # the budget must hold the longest sample the lengths allow
         generation = replace(generation, max_prompt_len=max(PROMPTS), max_response_len=max(RESPONSES))
     reward = RewardConfig() if reward_fn is None else RewardConfig(reward_fn=f"{__name__}:{reward_fn.__name__}",
                                                                       skip_nonfinite_samples=True)
-    config = JobConfig(models=ModelsConfig(actor=ACTOR, critic=CRITIC), run=RunConfig(iterations=1, seed=3),
+    config = JobConfig(models=ModelsConfig(actor=actor_cfg, critic=critic_cfg), run=RunConfig(iterations=1, seed=3),
                        generation=generation, ppo=replace(PPO, loss_agg=agg, max_tokens_per_microbatch=max_tokens),
                        precision=precision, reward=reward)
-    full = {"actor": full_weights("lm", ACTOR, 101), "critic": full_weights("value", CRITIC, 202),
-            "reward": full_weights("value", CRITIC, 303)}
+    full = {"actor": full_weights("lm", actor_cfg, 101), "critic": full_weights("value", critic_cfg, 202),
+            "reward": full_weights("value", critic_cfg, 303)}
     if reward_fn is not None:
-        full["reference"] = full_weights("lm", ACTOR, 404)
-    samples = _samples(unsharded("lm", ACTOR, full["actor"]), holes)
+        full["reference"] = full_weights("lm", actor_cfg, 404)
+    samples = _samples(unsharded("lm", actor_cfg, full["actor"]), holes)
     trainer = Trainer(config, placement, prompts=None, tokenizer=None, initial_weights=full, reward_fn=reward_fn)
     batch = Batch.from_samples(samples, pad_id=0, prompt_ids={str(i): i for i in range(len(PROMPTS))})
     result = trainer.learn(batch)
@@ -299,12 +329,13 @@ def learn_fixed_samples(placement, agg: str = "token-mean", precision: Precision
 
 
 def _against_textbook(placement, agg: str = "token-mean", max_tokens: int | None = None,
-                      holes: bool = False) -> tuple[dict, dict]:
+                      holes: bool = False, models=(ACTOR, CRITIC)) -> tuple[dict, dict]:
     """The differences of one iteration on the fixed samples from the textbook's, and its trained weights."""
-    full, samples, result, after = learn_fixed_samples(placement, agg, max_tokens=max_tokens, holes=holes)
+    full, samples, result, after = learn_fixed_samples(placement, agg, max_tokens=max_tokens, holes=holes,
+                                                       models=models)
     out = {"rank": dist.get_rank(), "metrics": {k: float(v) for k, v in result.metrics.items()}}
     if dist.get_rank() == 0:
-        ref = _textbook_iteration(full, samples, agg)
+        ref = _textbook_iteration(full, samples, agg, models=models)
         for name in ("actor", "critic"):
             out[f"{name}_max_diff"] = max((after[name][k] - ref[name][k]).abs().max().item() for k in ref[name])
             out[f"{name}_moved"] = max((after[name][k] - full[name][k]).abs().max().item() for k in ref[name])
@@ -426,10 +457,11 @@ def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConf
                       checkpoint: CheckpointConfig = CheckpointConfig(), temperature: float = 1.0,
                       memory: MemoryConfig = MemoryConfig(), precision: PrecisionConfig = PrecisionConfig(),
                       lora: AdaptersConfig = AdaptersConfig(), sources: dict | None = None, cuda_graphs: bool = False,
-                      **optimizer) -> Trainer:
+                      model: ModelConfig = RESUME_MODEL, **optimizer) -> Trainer:
     """A fresh trainer of the synthetic task (4 prompts x 2 samples, adaptive KL) from the same weights
-    (``sources``: the directories the config names as where they came from, which a LoRA checkpoint records)."""
-    models = ModelsConfig(actor=RESUME_MODEL, critic=RESUME_MODEL, weights=sources or {})
+    (``sources``: the directories the config names as where they came from, which a LoRA checkpoint records);
+    every model of shape ``model``; ``optimizer``: more PPOConfig fields."""
+    models = ModelsConfig(actor=model, critic=model, weights=sources or {})
     config = JobConfig(models=models, run=RunConfig(iterations=4, seed=5),
                        generation=GenerationConfig(max_prompt_len=8, max_response_len=6, temperature=temperature,
                                                    cuda_graphs=cuda_graphs),
@@ -442,6 +474,43 @@ def synthetic_trainer(placement, full: dict, mini_batch: int, fusion: FusionConf
 
 RESUME_OPTIMIZER = dict(use_distributed_optimizer=True, lr_warmup_iters=2, lr_decay_style="cosine", lr_decay_iters=12)
 """The resume check also covers the sharded optimizer state and a schedule in the middle of its decay."""
+
+
+MOE_SYNTHETIC = replace(RESUME_MODEL, qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, init_std=0.15,
+                        moe_aux_loss_coeff=0.01)
+ROUTER_SCALE, ROUTER_NOISE = 0.01, 1e-4
+"""The actor's router weights are scaled by ROUTER_SCALE (near-even routing: close seconds and thirds), and
+actor_gen's copy gets noise of std ROUTER_NOISE after each weight sync: a few choices flip, as rounding flips
+them between engine and trainer, and the routing probabilities barely move."""
+
+
+def _routing_replay() -> dict:
+    """One iteration of the synthetic task with MoE models (MOE_SYNTHETIC) on MOE_PLAN and --recompute-logprobs,
+    actor_gen's routers perturbed after the weight sync so that the engine and the trainer pick other experts
+    for some tokens: mismatch_kl, routing_agreement and the load-balancing loss with and without
+    --routing-replay, and the actor's router weights after it with the load-balancing loss and without."""
+    from rlhf.models import moe
+
+    placement = Placement.from_plan(MOE_PLAN, dist.get_world_size())
+    build_task_groups(placement)
+    full = {"actor": full_weights("lm", MOE_SYNTHETIC, 61), "critic": full_weights("value", MOE_SYNTHETIC, 62),
+            "reward": full_weights("value", MOE_SYNTHETIC, 63)}
+    full["actor"] = {k: v * ROUTER_SCALE if k.endswith("router.weight") else v for k, v in full["actor"].items()}
+    out, routers = {}, {}
+    for run, replay, coeff in (("replay", True, 0.01), ("no_replay", False, 0.01), ("no_aux", True, 0.0)):
+        trainer = synthetic_trainer(placement, full, mini_batch=8, model=replace(MOE_SYNTHETIC, moe_aux_loss_coeff=coeff),
+                                    recompute_logprobs=True, routing_replay=replay)
+        trainer.sync_generation_weights()
+        if "actor_gen" in trainer.models:
+            noise = torch.Generator().manual_seed(7)  # the same on every TP rank: the router is replicated
+            for _, router in moe.routers(trainer.models["actor_gen"]):
+                router.weight.data += torch.randn(router.weight.shape, generator=noise) * ROUTER_NOISE
+        metrics = trainer.learn(trainer.generate(next(trainer.prompts)).batch).metrics
+        out[f"moe_{run}_metrics"] = {k: float(v) for k, v in metrics.items()}
+        routers[run] = {k: v for k, v in trained_weights(trainer)["actor"].items() if k.endswith("router.weight")}
+    out["moe_aux_router_diff"] = max((routers["replay"][k] - routers["no_aux"][k]).abs().max().item()
+                                     for k in routers["replay"])
+    return out
 
 
 def _optimizer_paths(placement) -> dict:

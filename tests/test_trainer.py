@@ -238,3 +238,35 @@ def test_critic_warmup_trains_the_critic_alone_first(results):
     assert first["actor_moved"] == 0.0 and first["critic_moved"] > 1e-5
     assert not first["policy_loss_logged"] and first["value_loss_logged"]
     assert second["actor_moved"] > 1e-5 and second["policy_loss_logged"]
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+def test_mixture_of_experts_trains_like_textbook_ppo(results, model):
+    """QK-norm MoE actor and critic (4 experts, top-2) split over EP2 in every task but generation (actor
+    EP2 x PP2 x DP2, critic EP2 x DP4): one iteration equals textbook PPO on the same MoE modules."""
+    r = results[0]
+    assert r[f"moe_{model}_moved"] > 1e-4
+    assert r[f"moe_{model}_max_diff"] < TOL
+    for name, value in r["moe_textbook_losses"].items():
+        assert abs(r["moe_metrics"][name] - value) < TOL, name
+
+
+def test_routing_replay_makes_the_trainer_compute_what_the_engine_sampled(results):
+    """actor_gen's routers perturbed after the weight sync (near-even routing, noise 1e-4): engine and trainer
+    pick other experts for about 5% of (token, layer) choices. With --routing-replay the recomputed old
+    log-probs use the engine's experts and mismatch_kl stays below 1e-6; without it the flipped experts show."""
+    replay, plain = results[0]["moe_replay_metrics"], results[0]["moe_no_replay_metrics"]
+    for metrics in (replay, plain):
+        assert 0.8 < metrics["routing_agreement"] < 1.0  # some choices disagree, most agree
+    assert replay["mismatch_kl"] < 1e-6
+    assert plain["mismatch_kl"] > 100 * replay["mismatch_kl"] and plain["mismatch_kl"] > 1e-5
+
+
+def test_load_balancing_loss_is_logged_and_trains_the_router(results):
+    """The actor's and critic's load-balancing losses (coefficient 0.01, 2 MoE layers) are logged, between 0 and
+    coefficient x layers x experts; with the coefficient 0 they are not logged and the routers end elsewhere."""
+    metrics = results[0]["moe_replay_metrics"]
+    for model in ("actor", "critic"):
+        assert 0 < metrics[f"{model}_load_balancing_loss"] <= 0.01 * 2 * 4
+    assert "actor_load_balancing_loss" not in results[0]["moe_no_aux_metrics"]
+    assert results[0]["moe_aux_router_diff"] > 1e-4

@@ -103,7 +103,8 @@ class PPOUpdate:
             if self.groups[task] is not None:
                 out.update(losses[name].step_losses(self.groups[task], len(steps[name])))
                 if self.config.models[name].is_moe:
-                    out.update(moe_metrics(name, self.models[task], self.groups[task], forwards[name]))
+                    out.update(moe_metrics(name, self.config.models[name], self.models[task], self.groups[task],
+                                           forwards[name]))
         for name, done in steps.items():
             out.update(step_metrics(name, done, self.optimizers.get(name)))
         idle = idle_fraction(timelines)
@@ -197,7 +198,7 @@ class PPOUpdate:
         if cfg.is_moe:
             tokens = int(minibatch.sequence_lengths.sum())
             aux_weights = [int(mb.sequence_lengths.sum()) / tokens * g.mesh.strategy.dp for mb in micro]
-            routing = ppo.routing_replay if share.routing is not None else None
+            routing = ppo.routing_replay if name == "actor" and share.routing is not None else None
         return ModelRuntime(name, g.mesh, micro, self.models[task], g, self.optimizers[name],
                             functools.partial(loss, denominator=loss.denominator(minibatch), averaged=averaged),
                             cfg.hidden_size, packed=loss.packed, aux_loss_weights=aux_weights,
@@ -340,9 +341,10 @@ class CriticLoss(ModelLoss):
         return loss * averaged
 
 
-def moe_metrics(name: str, model, g: TaskGroups, forwards: int) -> dict:
-    """A mixture of experts' ``<name>_load_balancing_loss`` and ``<name>_z_loss`` (each times its coefficient,
-    summed over the layers: the mean over the iteration's training forwards on every replica) and, where the
+def moe_metrics(name: str, cfg, model, g: TaskGroups, forwards: int) -> dict:
+    """A mixture of experts' ``<name>_load_balancing_loss`` and ``<name>_z_loss`` where its ``cfg`` weighs them
+    (each times its coefficient, summed over the layers: the mean over the iteration's training forwards on
+    every replica) and, where the
     forwards read the engine's routing, ``routing_agreement`` (the fraction of (token, layer) choices
     where the model's own top-k set equals the engine's, over the tokens the engine computed). Collective over
     the model's mesh; one TP rank of each stage counts (its TP peers route the same tokens alike)."""
@@ -356,7 +358,9 @@ def moe_metrics(name: str, model, g: TaskGroups, forwards: int) -> dict:
     sums = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=platform.device()) for v in values])
     dist.all_reduce(sums, group=g.mesh_group)
     *losses, agree, counted, forwards = sums.tolist()
-    out = {f"{name}_{n}": value / max(forwards, 1) for n, value in zip(moe.AUX_LOSS_NAMES, losses)}
+    weighed = (cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff)
+    out = {f"{name}_{n}": value / max(forwards, 1) for n, value, coeff in zip(moe.AUX_LOSS_NAMES, losses, weighed)
+           if coeff}
     if counted:
         out["routing_agreement"] = agree / counted
     return out
