@@ -283,7 +283,8 @@ def section_configs(args: argparse.Namespace, sections: dict) -> dict:
 
 
 def parse_task_spec(task: str, spec: str) -> dict | None:
-    """'tp=2,pp=2,ranks=0-3,reverse_pp' -> plan entry ('none': the task is not placed); errors name the flag."""
+    """'tp=2,pp=2,ranks=0-3,reverse_pp' (and 'ep=2', expert parallelism) -> plan entry ('none': the task is
+    not placed); errors name the flag."""
     if spec.strip().lower() == "none":
         return None
     entry: dict = {}
@@ -292,7 +293,7 @@ def parse_task_spec(task: str, spec: str) -> dict | None:
         key, eq, value = item.strip().partition("=")
         if key == "reverse_pp" and not eq:
             entry["reverse_pp"] = True
-        elif key in ("dp", "pp", "tp") and value.isdigit():
+        elif key in ("dp", "pp", "tp", "ep") and value.isdigit():
             entry[key] = int(value)
         elif key == "ranks" and value:
             ranks.append(value)

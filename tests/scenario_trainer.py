@@ -25,6 +25,7 @@ The actor's loss at TP2 (the vocabulary split, two padded ids) with an entropy
 bonus: its gradient w.r.t. the logits against an unsharded written-out loss.
 """
 
+import os
 from dataclasses import replace
 
 import torch
@@ -207,7 +208,7 @@ def run(root: str) -> dict:
     out.update(_fusion(root))
     out.update(_critic_warmup(placement))
     out.update(_mixture_of_experts())
-    out.update(_routing_replay())
+    out.update(_routing_replay(root))
     return out
 
 
@@ -224,6 +225,18 @@ MOE_PLAN = {
     "critic_inf": {"ranks": "0-3", "tp": 2, "ep": 2},
 }
 """Expert parallelism in every task that may have it (actor_gen's engine holds every expert)."""
+
+
+def _moe_resume(trainer, trained: dict, full: dict, root: str) -> float:
+    """``trainer`` saved under ``root`` and loaded into a fresh trainer on MOE_RESUME_PLAN (other ranks hold
+    other experts): the largest difference of its actor's and critic's weights from ``trained``."""
+    trainer.save(root)
+    placement = Placement.from_plan({**MOE_PLAN, **MOE_RESUME_PLAN}, dist.get_world_size())
+    loaded = synthetic_trainer(placement, full, mini_batch=8, model=MOE_SYNTHETIC, recompute_logprobs=True,
+                               routing_replay=True)
+    loaded.load(root)
+    after = trained_weights(loaded)
+    return max((after[m][k] - trained[m][k]).abs().max().item() for m in trained for k in trained[m])
 
 
 def _mixture_of_experts() -> dict:
@@ -484,11 +497,16 @@ actor_gen's copy gets noise of std ROUTER_NOISE after each weight sync: a few ch
 them between engine and trainer, and the routing probabilities barely move."""
 
 
-def _routing_replay() -> dict:
+MOE_RESUME_PLAN = {"actor_train": {"ranks": "0-3", "dp": 4, "ep": 4}, "critic_train": {"ranks": "0-3", "dp": 4}}
+"""Another expert layout to load MOE_PLAN's checkpoint into (EP4 actor, critic without expert parallelism)."""
+
+
+def _routing_replay(root: str) -> dict:
     """One iteration of the synthetic task with MoE models (MOE_SYNTHETIC) on MOE_PLAN and --recompute-logprobs,
     actor_gen's routers perturbed after the weight sync so that the engine and the trainer pick other experts
     for some tokens: mismatch_kl, routing_agreement and the load-balancing loss with and without
-    --routing-replay, and the actor's router weights after it with the load-balancing loss and without."""
+    --routing-replay, and the actor's router weights after it with the load-balancing loss and without. The
+    replayed run is saved (under ``root``) and loaded into MOE_RESUME_PLAN's layout: the weights' differences."""
     from rlhf.models import moe
 
     placement = Placement.from_plan(MOE_PLAN, dist.get_world_size())
@@ -507,7 +525,10 @@ def _routing_replay() -> dict:
                 router.weight.data += torch.randn(router.weight.shape, generator=noise) * ROUTER_NOISE
         metrics = trainer.learn(trainer.generate(next(trainer.prompts)).batch).metrics
         out[f"moe_{run}_metrics"] = {k: float(v) for k, v in metrics.items()}
-        routers[run] = {k: v for k, v in trained_weights(trainer)["actor"].items() if k.endswith("router.weight")}
+        trained = trained_weights(trainer)
+        routers[run] = {k: v for k, v in trained["actor"].items() if k.endswith("router.weight")}
+        if run == "replay":
+            out["moe_resume_diff"] = _moe_resume(trainer, trained, full, os.path.join(root, "moe"))
     out["moe_aux_router_diff"] = max((routers["replay"][k] - routers["no_aux"][k]).abs().max().item()
                                      for k in routers["replay"])
     return out

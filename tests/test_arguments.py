@@ -33,6 +33,14 @@ def test_defaults_are_the_tiny_job():
         cfg.run = RunConfig()
 
 
+def test_mixture_of_experts_is_one_flag_per_model_with_expert_parallel_placements():
+    cfg = parse_args(["--actor-model", "tiny-moe", "--critic-model", "tiny-moe-critic", "--routing-replay",
+                      "--actor-train", "pp=2,ep=2,ranks=0-3"])
+    assert cfg.models.actor.is_moe and cfg.models["critic"].num_experts == 4 and cfg.ppo.routing_replay
+    assert cfg.models.actor.vocab_size == ByteTokenizer.VOCAB_SIZE  # a preset takes the tokenizer's ids
+    assert cfg.placement.plan()["actor_train"] == {"ranks": "0-3", "pp": 2, "ep": 2}
+
+
 def test_flags_fill_the_configs(tmp_path):
     shape = tmp_path / "actor.json"
     shape.write_text(json.dumps({"num_layers": 4, "vocab_size": 256}))
@@ -115,6 +123,14 @@ def test_flags_fill_the_configs(tmp_path):
                                     "never stop)"),
     (["--agent", "c:d", "--skip-nonfinite-samples"], "--skip-nonfinite-samples: reward.skip_nonfinite_samples cannot "
                                                      "go with an environment or agent"),
+    (["--routing-replay"], "--routing-replay: routing_replay replays the experts the engine chose, but the actor is "
+                           "dense (num_experts 0)"),
+    (["--actor-model", "tiny-moe", "--routing-replay", "--recompute-granularity", "full"],
+     "--routing-replay: routing_replay with recompute_granularity 'full': the recomputed forward in the backward "
+     "would route on its own"),
+    (["--actor-model", "tiny-moe", "--lora-rank", "4"], "--lora-rank: LoRA adapters on a mixture-of-experts actor "
+                                                        "are not supported"),
+    (["--actor-train", "ep=two"], "--actor-train: cannot parse 'ep=two' in 'ep=two'"),
 ])
 def test_bad_values_name_their_flag(argv, message):
     with pytest.raises(UsageError) as exc:

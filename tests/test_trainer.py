@@ -262,6 +262,12 @@ def test_routing_replay_makes_the_trainer_compute_what_the_engine_sampled(result
     assert plain["mismatch_kl"] > 100 * replay["mismatch_kl"] and plain["mismatch_kl"] > 1e-5
 
 
+def test_an_expert_parallel_checkpoint_loads_into_another_expert_layout(results):
+    """The replayed MoE run (actor EP2 x PP2 x DP2, critic EP2 x DP4) saved and loaded into actor EP4 x DP4,
+    critic DP4: every expert back where the new layout holds it, equal."""
+    assert results[0]["moe_resume_diff"] == 0.0
+
+
 def test_load_balancing_loss_is_logged_and_trains_the_router(results):
     """The actor's and critic's load-balancing losses (coefficient 0.01, 2 MoE layers) are logged, between 0 and
     coefficient x layers x experts; with the coefficient 0 they are not logged and the routers end elsewhere."""

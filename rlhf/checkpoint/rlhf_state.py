@@ -477,9 +477,7 @@ def _shard(full: torch.Tensor, name: str, param: torch.Tensor, tp: int, tp_rank:
 def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: list, tp: int, tp_rank: int) -> None:
     """Restore the optimizer's hyper-parameters and, for what it holds on this rank, its state."""
     groups = slot.optimizer.param_groups
-    if len(saved_groups) != len(groups):
-        raise storage.CheckpointError(f"optimizer has {len(groups)} param groups, the checkpoint {len(saved_groups)}")
-    for group, saved in zip(groups, saved_groups):
+    for group, saved in zip(groups, _matching_groups(groups, saved_groups)):
         group.update(saved)
     slices, _ = _state_slices(slot.optimizer)
     for name, param in params.items():
@@ -495,6 +493,20 @@ def _load_optimizer(slot: ModelSlot, params: dict, full: dict, saved_groups: lis
                 flat = _shard(full[f"{key}/{name}"], name, param, tp, tp_rank).reshape(-1)
                 state[key] = flat[s.start:s.end].view_as(s.inner).to(s.inner, copy=True)
         s.owner.state[s.inner] = state
+
+
+def _matching_groups(groups: list, saved: list) -> list:
+    """The saved hyper-parameters of each of ``groups``: group by group, or, where the saving layout split its
+    parameters otherwise (a mixture of experts' expert optimizer exists only with expert parallelism), the saved
+    group of the same weight-decay multiplier (every group follows one LR schedule), less what says which
+    parameters the group holds."""
+    if len(saved) == len(groups):
+        return saved
+    by_decay = {group.get("wd_mult"): {k: v for k, v in group.items() if k != "is_expert_parallel"}
+                for group in reversed(saved)}
+    if any(group.get("wd_mult") not in by_decay for group in groups):
+        raise storage.CheckpointError(f"optimizer has {len(groups)} param groups, the checkpoint {len(saved)}")
+    return [by_decay[group.get("wd_mult")] for group in groups]
 
 
 def load_rlhf_state(root: str, slots: Mapping[str, ModelSlot], iteration: Optional[int] = None, *,

@@ -296,14 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     place = parser.add_argument_group("placement (device mesh and parallel strategy per task)")
     place.add_argument("--placement", metavar="FILE",
-                       help="JSON/YAML plan mapping each task to {ranks, dp, pp, tp, reverse_pp}; "
+                       help="JSON/YAML plan mapping each task to {ranks, dp, pp, tp, ep, reverse_pp} (ep: expert "
+                            "parallelism of a mixture of experts, docs/moe.md); "
                             "see examples/placement_4ranks.json. Per-task flags below merge into its entries "
                             "field by field (default: that file's plan on 4 ranks, else every task data "
                             "parallel on all ranks; with --max-staleness, a plan with actor_gen on ranks of its "
                             "own, docs/async.md)")
     for task in TASKS:
         place.add_argument(flag_name(task), metavar="SPEC", default=None,
-                           help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,reverse_pp]', or 'none' "
+                           help=f"mesh of {task}, e.g. 'tp=2,pp=2,ranks=0-3[,ep=2][,reverse_pp]', or 'none' "
                                 "(default: the plan's entry, else all ranks, data parallel only)")
 
     model = parser.add_argument_group("models (a DIR is an HF model directory or our checkpoint root: shape "
