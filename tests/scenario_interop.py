@@ -1,4 +1,5 @@
-"""2-rank scenario for the HF interop tests: HF checkpoints loaded at TP2 and at PP2.
+"""2-rank scenario for the HF interop tests: HF checkpoints loaded at TP2 and at PP2 (mixtures of experts also
+at EP2: each rank two of the four experts).
 
 For every HF model the parent test saved, each layout loads it with
 ``load_hf_weights`` (a rank reads only its stage's tensors), runs a forward
@@ -27,8 +28,9 @@ from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import reshard
 from rlhf.testing.pipeline import stage_pass
 
-PLAN = {"actor_train": {"ranks": "0-1", "tp": 2}, "critic_train": {"ranks": "0-1", "pp": 2}}
-LAYOUTS = {"tp2": "actor_train", "pp2": "critic_train"}
+PLAN = {"actor_train": {"ranks": "0-1", "tp": 2}, "critic_train": {"ranks": "0-1", "pp": 2},
+        "ref_inf": {"ranks": "0-1", "dp": 2, "ep": 2}}
+LAYOUTS = {"tp2": "actor_train", "pp2": "critic_train", "ep2": "ref_inf"}  # ep2: mixtures of experts only
 
 
 def _forward(model, groups, ids, hidden_size):
@@ -119,6 +121,8 @@ def run(cases: list, out_root: str):
     results = {}
     for layout, task in LAYOUTS.items():
         for i, case in enumerate(cases):
+            if layout == "ep2" and not read_hf_config(case["dir"]).config.is_moe:
+                continue
             results[f"{case['name']}/{layout}"] = _check(case, groups[task], layout, out_root, seed=11 + i)
     for case in cases:
         if "prompts" in case:

@@ -151,6 +151,18 @@ def test_padded_vocab_reshards_tp2_to_pp2(setup):
     assert len(errs) == 1 and errs[0] < TOL  # the PP2 last stage holds transformers' logits
 
 
+def test_moe_at_ep2_matches_transformers_and_exports_back(setup, tmp_path):
+    """Qwen3-MoE with its experts split over two ranks (DP2 x EP2): both ranks' logits are transformers', and
+    the checkpoint they save holds every expert, exported back to the original tensors."""
+    cases, results = setup
+    errs = _errs(results, "qwen3_moe/ep2", "err")
+    assert len(errs) == 2 and max(errs) < TOL
+    case = next(c for c in cases if c["name"] == "qwen3_moe")
+    out = export_saved_model(results[0]["qwen3_moe/ep2"]["root"], str(tmp_path / "hf"))
+    original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (case["dir"], out))
+    assert sorted(original) == sorted(exported) and all(torch.equal(original[k], exported[k]) for k in original)
+
+
 @pytest.mark.parametrize("layout", ["tp2", "pp2"])
 def test_value_model_from_causal_lm_keeps_new_head(setup, layout):
     _, results = setup
