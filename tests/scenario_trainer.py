@@ -514,7 +514,7 @@ def _routing_replay(root: str) -> dict:
     full = {"actor": full_weights("lm", MOE_SYNTHETIC, 61), "critic": full_weights("value", MOE_SYNTHETIC, 62),
             "reward": full_weights("value", MOE_SYNTHETIC, 63)}
     full["actor"] = {k: v * ROUTER_SCALE if k.endswith("router.weight") else v for k, v in full["actor"].items()}
-    out, routers = {}, {}
+    out, routers, actors = {}, {}, {}
     for run, replay, coeff in (("replay", True, 0.01), ("no_replay", False, 0.01), ("no_aux", True, 0.0)):
         trainer = synthetic_trainer(placement, full, mini_batch=8, model=replace(MOE_SYNTHETIC, moe_aux_loss_coeff=coeff),
                                     recompute_logprobs=True, routing_replay=replay)
@@ -527,8 +527,11 @@ def _routing_replay(root: str) -> dict:
         out[f"moe_{run}_metrics"] = {k: float(v) for k, v in metrics.items()}
         trained = trained_weights(trainer)
         routers[run] = {k: v for k, v in trained["actor"].items() if k.endswith("router.weight")}
+        actors[run] = trained["actor"]
         if run == "replay":
             out["moe_resume_diff"] = _moe_resume(trainer, trained, full, os.path.join(root, "moe"))
+    out["moe_replay_vs_plain"] = max((actors["replay"][k] - actors["no_replay"][k]).abs().max().item()
+                                     for k in actors["replay"])
     out["moe_aux_router_diff"] = max((routers["replay"][k] - routers["no_aux"][k]).abs().max().item()
                                      for k in routers["replay"])
     return out

@@ -138,6 +138,21 @@ def test_bad_values_name_their_flag(argv, message):
     assert str(exc.value).startswith(message)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"num_experts": 4, "moe_router_topk": 5}, "moe_router_topk=5 must be in 1..num_experts=4"),
+    ({"num_experts": 1}, "num_experts must be 0 (dense) or >= 2, got 1"),
+    ({"num_experts": 4, "moe_aux_loss_coeff": -0.1}, "moe_aux_loss_coeff must be a finite number >= 0, got -0.1"),
+    ({"hidden_size": 60, "num_attention_heads": 8}, "hidden_size=60 must be divisible by num_attention_heads=8 (or "
+                                                    "give the head dimension as kv_channels)"),
+])
+def test_bad_moe_shapes_name_the_flag_and_field(tmp_path, fields, message):
+    shape = tmp_path / "actor.json"
+    shape.write_text(json.dumps(fields))
+    with pytest.raises(UsageError) as exc:
+        parse_args(["--actor-model", str(shape)])
+    assert str(exc.value).startswith(f"--actor-model {shape}: {message}")
+
+
 def test_preset_models_have_the_tokenizers_ids(tmp_path):
     """A preset's vocabulary is the job tokenizer's ids (the byte tokenizer's 259 by default, an HF one's with
     --tokenizer), for all four models and train_reward.py's; a JSON shape keeps its own vocab_size."""

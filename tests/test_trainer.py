@@ -260,6 +260,7 @@ def test_routing_replay_makes_the_trainer_compute_what_the_engine_sampled(result
         assert 0.8 < metrics["routing_agreement"] < 1.0  # some choices disagree, most agree
     assert replay["mismatch_kl"] < 1e-6
     assert plain["mismatch_kl"] > 100 * replay["mismatch_kl"] and plain["mismatch_kl"] > 1e-5
+    assert results[0]["moe_replay_vs_plain"] > 1e-5  # the update moves with the experts the old log-probs used
 
 
 def test_an_expert_parallel_checkpoint_loads_into_another_expert_layout(results):
