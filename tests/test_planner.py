@@ -22,13 +22,15 @@ from rlhf.models.config import MODEL_PRESETS, ModelConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.mesh import ParallelStrategy, TaskMesh
 from rlhf.planner.calibrate import OVERHEAD_TERMS, calibrate
-from rlhf.planner.cost import (BF16, FP32, Cluster, Precision, Workload, allreduce_s, decode_step_s, decode_terms,
+from rlhf.planner.cost import (BF16, FP32, Cluster, Precision, Workload, allreduce_s, decode_read_parameters,
+                               decode_step_s, decode_terms, expert_alltoall_bytes, expert_alltoall_bytes_per_iteration,
                                pass_collectives, saturating_batch, task_cost, task_memory)
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import HARDWARE_PRESETS as HW
 from rlhf.planner.hardware import load_hardware, save_hardware
-from rlhf.planner.shapes import (LLAMA_SHAPES, forward_flops_per_token, kv_bytes_per_token, llama_shape,
-                                 parameter_count, schedule_shape, stage_parameters)
+from rlhf.planner.reshard_bytes import received_bytes
+from rlhf.planner.shapes import (LLAMA_SHAPES, active_parameter_count, forward_flops_per_token, kv_bytes_per_token,
+                                 llama_shape, parameter_count, rank_parameters, schedule_shape, stage_parameters)
 from rlhf.fusion import policy
 from rlhf.planner import fused_generation, real_appendix
 from rlhf.planner.iteration_sim import Call, Sharing, schedule_calls
@@ -45,6 +47,10 @@ plan_placement = load_tool("plan_placement")
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                    vocab_size=256, max_seq_len=64)
+QWEN3_MOE = ModelConfig(num_layers=3, hidden_size=48, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
+                        vocab_size=300, kv_channels=16, qk_norm=True, num_experts=6, moe_router_topk=2,
+                        moe_ffn_hidden_size=40)
+"""A tiny Qwen3-MoE: QK-norm, head_dim 16 apart from hidden / heads = 12, 6 experts of ffn 40, each token to 2."""
 
 # ReaL Table 1's four LLaMA configurations: the parameter counts of the published checkpoints
 # (meta-llama/Llama-2-{7,13,70}b-hf, codellama/CodeLlama-34b-hf).
@@ -89,7 +95,7 @@ def test_counts_match_the_hf_tensors_per_stage_and_kind():
 
     qwen = ModelConfig(num_layers=4, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4, num_kv_heads=2,
                        vocab_size=300, qkv_bias=True)
-    for cfg in (TINY, qwen, LLAMA_SHAPES["llama-13b"]):
+    for cfg in (TINY, qwen, LLAMA_SHAPES["llama-13b"], QWEN3_MOE):
         for kind in ("lm", "value"):
             for pp in (p for p in (1, 2, 4) if cfg.num_layers % p == 0):
                 assert stage_parameters(cfg, kind, pp) == hf_stage_counts(cfg, kind, pp)
@@ -942,3 +948,169 @@ def test_the_dry_run_prints_the_predicted_memory_per_rank():
         # the engine's cache, resident: per replica (16 prompts / dp 2 + 1) x 4 samples x (32 // 16 + 2) blocks
         # of 16 tokens, K and V of 2 layers x 2 KV heads x 16 dims, fp32, this TP rank's half of the heads
         assert parts["kv"] == (16 // 2 + 1) * 4 * (32 // 16 + 2) * 16 * 2 * 2 * 2 * 16 * 4 / 2
+
+
+# --- mixtures of experts -------------------------------------------------------------------------------------------
+
+def test_moe_counts_match_transformers_qwen3_moe():
+    """Every expert, the router and QK-norm counted as transformers builds Qwen3-MoE (and dense Qwen3) with a
+    head_dim apart from hidden / heads."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    cfg = QWEN3_MOE
+    common = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, tie_word_embeddings=False, attention_bias=False)
+    with torch.device("meta"):
+        moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+            moe_intermediate_size=cfg.expert_ffn_hidden_size, decoder_sparse_step=1, mlp_only_layers=[]))
+        dense = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
+    assert sum(p.numel() for p in moe.parameters()) == parameter_count(cfg, "lm")
+    assert sum(p.numel() for p in dense.parameters()) == parameter_count(replace(cfg, num_experts=0), "lm")
+
+
+def test_moe_active_parameters_and_flops():
+    cfg, h, q = QWEN3_MOE, QWEN3_MOE.hidden_size, 4 * 16
+    total, active = parameter_count(cfg, "lm"), active_parameter_count(cfg, "lm")
+    assert active == total - 3 * (6 - 2) * 3 * h * 40 and active < total  # 3 layers, 4 idle experts of 3 h f_e
+    dense = replace(cfg, num_experts=0)
+    assert active_parameter_count(dense, "lm") == parameter_count(dense, "lm")
+    # FLOPs: 2 x every active matmul weight (all but the embedding and the norms), attention at q = heads x head_dim
+    norms = 3 * (2 * h + 2 * 16) + h
+    assert forward_flops_per_token(cfg, "lm", 0) == 2 * (active - cfg.vocab_size * h - norms)
+    assert forward_flops_per_token(cfg, "lm", 10) - forward_flops_per_token(cfg, "lm", 0) == 3 * 4 * 10 * q
+    # Qwen3-30B-A3B's shape: the model card's "30.5B in total and 3.3B activated" (3.35B, cut to one decimal)
+    a3b = ModelConfig(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32, num_kv_heads=4,
+                      kv_channels=128, vocab_size=151936, qk_norm=True, num_experts=128, moe_router_topk=8,
+                      moe_ffn_hidden_size=768)
+    total, active = parameter_count(a3b, "lm"), active_parameter_count(a3b, "lm")
+    assert (round(total / 1e9, 1), math.floor(active / 1e8) / 10) == (30.5, 3.3)
+    assert (total, active) == (30_532_122_624, 3_353_032_704)
+
+
+def test_moe_memory_per_rank_falls_with_ep():
+    """A rank holds its stage's dense parameters / tp and its experts / ep; gradients and Adam state alike."""
+    cfg = QWEN3_MOE
+    experts = 3 * 6 * 3 * cfg.hidden_size * 40
+    dense = parameter_count(cfg, "lm") - experts
+    previous = math.inf
+    for ep in (1, 2, 3, 6):
+        mesh = _mesh("actor_train", ParallelStrategy(dp=6, ep=ep))
+        mem = task_memory("actor_train", cfg, "lm", mesh, WL)
+        held = dense + experts / ep
+        assert rank_parameters(cfg, "lm", mesh.strategy) == held
+        assert (mem["parameters"], mem["gradients"], mem["optimizer"]) == (2 * held, 4 * held, 12 * held)
+        assert mem["parameters"] < previous
+        previous = mem["parameters"]
+    # tp splits the dense parameters only: experts are whole on every TP rank
+    assert rank_parameters(cfg, "lm", ParallelStrategy(dp=2, tp=2, ep=2)) == dense / 2 + experts / 2
+    dense_cfg = replace(cfg, num_experts=0)
+    assert rank_parameters(dense_cfg, "lm", ParallelStrategy(tp=2, pp=3)) == max(stage_parameters(dense_cfg, "lm", 3)) / 2
+
+
+def test_expert_alltoall_is_zero_at_ep1_and_grows_with_ep():
+    """tokens x h x 2 bytes x k x (ep-1)/ep per all-to-all, a dispatch and a combine per layer each way, on the
+    1F1B critical path of every update; none for ep = 1 or a dense model."""
+    cfg, hw, cluster = replace(QWEN3_MOE, num_experts=8), HW["h100"], Cluster(1, 8)
+    tokens, m = WL.micro_batch_size * WL.seq, WL.samples // WL.minibatches // (8 * WL.micro_batch_size)
+    seconds = []
+    for ep in (1, 2, 4, 8):
+        mesh = _mesh("actor_train", ParallelStrategy(dp=8, ep=ep))
+        nbytes = tokens * cfg.hidden_size * 2 * 2 * (ep - 1) / ep
+        assert expert_alltoall_bytes(cfg, tokens, ep) == nbytes
+        per_iteration = WL.minibatches * m * 2 * 2 * 3 * nbytes  # updates x passes x (fwd, bwd) x 2 x layers
+        assert expert_alltoall_bytes_per_iteration("actor_train", cfg, mesh, WL) == per_iteration
+        c = task_cost("actor_train", cfg, "lm", mesh, WL, hw, cluster)
+        assert c.parts["ep_comm"] == pytest.approx(per_iteration / hw.intra_node_bandwidth)
+        assert pass_collectives(cfg, "lm", mesh, "training", backward=True) == (2 * 3 if ep > 1 else 0)
+        seconds.append(c.parts["ep_comm"])
+    assert seconds[0] == 0 and seconds == sorted(seconds) and len(set(seconds)) == 4
+    dense = task_cost("actor_train", replace(cfg, num_experts=0), "lm", _mesh("t", ParallelStrategy(dp=8)), WL, hw,
+                      cluster)
+    assert dense.parts["ep_comm"] == 0
+    # an EP group across nodes takes the network; inference pays the forward's all-to-alls only
+    wide = _mesh("ref_inf", ParallelStrategy(dp=16, ep=8), 4)  # EP group ranks 4-11 straddles nodes 0 and 1
+    inf = task_cost("ref_inf", cfg, "lm", wide, WL, hw, Cluster(2, 8))
+    m_inf = WL.samples // (16 * WL.micro_batch_size)
+    assert inf.parts["ep_comm"] == pytest.approx(m_inf * 2 * 3 * expert_alltoall_bytes(cfg, tokens, 8)
+                                                 / hw.inter_node_bandwidth)
+
+
+def test_moe_decode_reads_the_experts_its_batch_reaches():
+    cfg, s = QWEN3_MOE, ParallelStrategy()
+    assert decode_read_parameters(cfg, s, 1) == pytest.approx(active_parameter_count(cfg, "lm"))  # k of E
+    assert decode_read_parameters(cfg, s, 1000) == pytest.approx(parameter_count(cfg, "lm"))  # every expert
+    dense = replace(cfg, num_experts=0)
+    assert decode_read_parameters(dense, s, 1) == parameter_count(dense, "lm")
+    hw, mesh = HW["h100"], _mesh("actor_gen", s)
+    b = saturating_batch(cfg, mesh, 64, hw)  # the smallest batch whose FLOPs take as long as its reads
+    weights = lambda batch: decode_read_parameters(cfg, s, batch) * 2 / (hw.hbm_bandwidth * hw.hbm_efficiency)  # noqa: E731
+    flops = forward_flops_per_token(cfg, "lm", 64) / (hw.gpu_flops * hw.mfu)
+    assert b > 1 and b * flops >= weights(b) and (b - 1) * flops < weights(b - 1)
+    read, compute, _ = decode_terms(cfg, mesh, b, 0, hw, Cluster(1, 1))
+    assert read == pytest.approx(weights(b)) and compute == pytest.approx(b * forward_flops_per_token(cfg, "lm", 0)
+                                                                          / (hw.gpu_flops * hw.mfu))
+
+
+def test_reshard_bytes_send_each_expert_to_its_holders():
+    """ep 1 -> ep 2 on the same ranks: each rank already holds its experts, nothing moves; back, each rank
+    receives the half of every layer's experts it lacks (whole tensors, bf16)."""
+    cfg = QWEN3_MOE
+    one, two = _mesh("actor_train", ParallelStrategy(dp=2)), _mesh("ref_inf", ParallelStrategy(dp=2, ep=2))
+    assert received_bytes(cfg, "lm", one, two) == {0: 0, 1: 0}
+    missing = 3 * 3 * 3 * cfg.hidden_size * 40 * 2  # layers x experts of the other rank x 3 h f_e x 2 bytes
+    assert received_bytes(cfg, "lm", two, one) == {0: missing, 1: missing}
+    wide = _mesh("ref_inf", ParallelStrategy(dp=2, tp=2, ep=2))  # every TP rank of a replica holds its experts
+    assert set(received_bytes(cfg, "lm", wide, _mesh("actor_train", ParallelStrategy(dp=2, tp=2))).values()) == {
+        missing}
+
+
+def test_search_gives_moe_tasks_ep_and_the_job_accepts_its_plans(tmp_path):
+    """Strategies: ep dividing dp and the experts for every task but generation, no MoE training at tp > 1;
+    the placement file carries ep and reads back; the search's best plans pass the job's checks."""
+    cfg = replace(QWEN3_MOE, vocab_size=32000, num_layers=4)
+    ok, why = strategies("actor_train", cfg, tuple(range(8)), WL, Cluster(1, 8))
+    assert {s.ep for s in ok if s.dp == 8} == {1, 2}  # the divisors of 8 that divide 6 experts
+    assert all(s.tp == 1 for s in ok)
+    assert ("actor_train dp4xpp1xtp2: tp=2: megatron trains MoE layers at tp > 1 only with sequence parallelism "
+            "(split the experts with ep)") in why
+    assert all(s.ep == 1 for s in strategies("actor_gen", cfg, tuple(range(8)), WL, Cluster(1, 8))[0])
+    assert ParallelStrategy(dp=4, tp=2, ep=2) in strategies("ref_inf", cfg, tuple(range(8)), WL, Cluster(1, 8))[0]
+    models = {m: cfg for m in MODELS}
+    plan = _flat_plan(8, train=ParallelStrategy(dp=8, ep=2), gen=ParallelStrategy(dp=4, tp=2))
+    assert plan.placement()["actor_train"]["ep"] == 2 and "ep" not in plan.placement()["actor_gen"]
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(plan.placement()))
+    assert plan_from_placement_file(path, Cluster(1, 8)).meshes["critic_train"].strategy.ep == 2
+    _job_accepts(plan.placement(), models, 8, WL)
+    res = search_placements(models, WL, HW["h100"], Cluster(1, 8), PlacementSearchConfig(options=2, keep=2))
+    assert any(ev.plan.meshes[t].strategy.ep > 1 for ev in res.ranked for t in TASKS)
+    for ev in res.ranked[:3]:
+        _job_accepts(ev.plan.placement(), models, 8, WL)
+
+
+def test_the_dry_run_prints_moe_parameters_and_the_expert_alltoall():
+    """The tiny MoE presets on the built-in 4-rank plan (fp32): each model's total and active parameters, each
+    task with ep its experts per rank and all-to-all bytes, worked by hand for ref_inf and actor_train."""
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.dry_run import dry_run, short_count
+
+    config = parse_args(["--actor-model", "tiny-moe", "--critic-model", "tiny-moe-critic"])
+    out = dry_run(config, 4)
+    for model, kind in (("actor", "lm"), ("critic", "value")):
+        cfg = config.models[model]
+        assert (f"mixture of experts: 4 experts (ffn {cfg.expert_ffn_hidden_size}), each token to 2: "
+                f"{short_count(parameter_count(cfg, kind))} parameters in all, "
+                f"{short_count(active_parameter_count(cfg, kind))} active per token") in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ") and "ranks [" in line}
+    assert "ep " not in lines["actor_gen"].split(";", 1)[1]  # the engine holds every expert
+    # ref_inf: 64 samples over 2 replicas in 8 micro-batches of 4 x 32 tokens; per layer (2) a dispatch and a
+    # combine of tokens x h 64 x 4 bytes x k 2 x 1/2: 8 x 2 x 2 x 128 x 64 x 4 = 1 MiB. actor_train: 2
+    # mini-batches of 4 micro-batches, forward and backward, through the 1 layer of its stage: the same
+    assert "ep 2: 2 experts per rank, expert all-to-all 1.00 MiB sent per rank per iteration (predicted)" in lines[
+        "ref_inf"]
+    assert "ep 2: 2 experts per rank, expert all-to-all 1.00 MiB sent per rank" in lines["actor_train"]
+    actor = config.models["actor"]
+    assert f"; {short_count(rank_parameters(actor, 'lm', ParallelStrategy(dp=2, pp=2, ep=2)))}/rank" in lines[
+        "actor_train"]

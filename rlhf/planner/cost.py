@@ -44,6 +44,21 @@ gradients, fp32 main parameters and Adam moments, 18 bytes per trained
 parameter; bf16 activations and KV) or ``FP32`` (16 bytes per trained
 parameter, 4-byte activations and KV). A GPU must hold the static parts of
 all its tasks plus the largest transient part.
+
+A mixture of experts (rlhf.planner.shapes): FLOPs are a token's active
+parameters' (k of E experts, the router, the shared expert); a rank holds its
+largest stage's dense parameters / tp and its experts / ep
+(:func:`rlhf.planner.shapes.rank_parameters`; gradients and optimizer state
+alike), and its activations count the active MLP width (k x f_e + f_s) where
+a dense model's count ffn. With ep > 1 every MoE layer adds two all-to-alls
+per pass (dispatch and combine; a backward two more), each sending
+tokens x h x 2 bytes x k x (ep-1)/ep per rank over the EP group's link
+(:func:`expert_alltoall_bytes`; ``ep_comm`` in a call's parts, inside
+``decode_comm`` for decode steps), and one ``collective_latency_s`` each;
+training all-reduces the experts' gradients over their dp / ep expert-DP
+replicas, the rest over dp. A decode step reads the dense weights and, per
+layer, the experts its batch reaches: E (1 - (1 - k/E)^b) of them in
+expectation (:func:`decode_read_parameters`).
 """
 
 from __future__ import annotations
@@ -55,8 +70,9 @@ from rlhf.models.config import ModelConfig
 from rlhf.parallel.mesh import TaskMesh
 from rlhf.planner.errors import PlannerError
 from rlhf.planner.hardware import Hardware
-from rlhf.planner.shapes import (BYTES, forward_flops_per_token, head_outputs, kv_bytes_per_token, kv_width,
-                                 stage_parameters)
+from rlhf.planner.shapes import (BYTES, active_ffn, expert_parameters, forward_flops_per_token, head_outputs,
+                                 kv_bytes_per_token, kv_width, parameter_count, rank_expert_parameters,
+                                 rank_parameters)
 
 ROLE = {"actor_gen": "generation", "ref_inf": "inference", "reward_inf": "inference", "critic_inf": "inference",
         "actor_train": "training", "critic_train": "training"}
@@ -220,7 +236,7 @@ def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Work
     a training call's (granularity, layers per chunk) as Megatron-LM's flags, its activations counted by
     ``activation_model`` (:func:`training_activations`)."""
     role, s = _role(task, count), mesh.strategy
-    stage = _stage_bytes(cfg, kind, mesh, 1)
+    stage = rank_parameters(cfg, kind, s)  # the largest stage's dense parameters / tp, its experts / ep
     out = dict.fromkeys(MEMORY_PARTS, 0.0)
     out["parameters"] = stage * precision.weight
     scale = precision.weight / BYTES  # activations and KV in the weights' type; the constants are 16-bit
@@ -237,7 +253,7 @@ def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Work
     elif role == "inference":
         m, samples = split(wl.samples, s.dp, wl, count)
         tokens = samples * wl.seq
-        act = tokens * (4 * cfg.hidden_size + 2 * cfg.ffn_hidden_size) * BYTES / s.tp
+        act = tokens * (4 * cfg.hidden_size + 2 * active_ffn(cfg)) * BYTES / s.tp
         out["activations"] = act * scale + tokens * head_outputs(cfg, kind) * 4 / s.tp
     else:
         m = count or 1
@@ -261,7 +277,7 @@ def local_layer_elements(cfg: ModelConfig, tp: int, seq: int, scores: bool) -> f
     and outputs, their statistics) and 5h + 5 ffn + 3 h_kv split over them (queries, attention output, the
     MLP's intermediates, keys and values); ``scores``: the softmax output, heads x ``seq`` more (gone with
     selective recompute)."""
-    h, ffn, h_kv = cfg.hidden_size, cfg.ffn_hidden_size, kv_width(cfg)
+    h, ffn, h_kv = cfg.hidden_size, active_ffn(cfg), kv_width(cfg)
     split = 5 * h + 5 * ffn + 3 * h_kv + (cfg.num_attention_heads * seq if scores else 0)
     return 4 * h + 18 + split / tp
 
@@ -291,19 +307,58 @@ def training_activations(cfg: ModelConfig, pp: int, tp: int, in_flight: int, tok
     return in_flight * layers / chunk * tokens * cfg.hidden_size * precision.weight + max(head, chunk * per_layer)
 
 
-def _stage_bytes(cfg: ModelConfig, kind: str, mesh: TaskMesh, per_param: float) -> float:
+def expert_alltoall_bytes(cfg: ModelConfig, tokens: float, ep: int, element: int = BYTES) -> float:
+    """Bytes one rank sends in one all-to-all (the dispatch, or the combine) of one MoE layer for its
+    ``tokens``: each token's hidden state (``element`` bytes a value) to each of its k experts, (ep-1)/ep of
+    which other ranks hold (tokens x h x bytes x k x (ep-1)/ep; 0 for a dense model or ep = 1)."""
+    if not cfg.is_moe or ep <= 1:
+        return 0.0
+    return tokens * cfg.hidden_size * element * cfg.moe_router_topk * (ep - 1) / ep
+
+
+def expert_alltoall_s(cfg: ModelConfig, mesh: TaskMesh, tokens: float, layers: float, cluster: Cluster,
+                      hw: Hardware) -> float:
+    """Seconds of the expert all-to-alls of ``tokens`` tokens through ``layers`` MoE layers in one direction
+    (a forward, or a backward): per layer the dispatch and the combine, each :func:`expert_alltoall_bytes`
+    over the EP group's link (NVLink inside a node, the network across nodes; its latency is counted per
+    collective, ``TaskCost.collectives``)."""
+    nbytes = expert_alltoall_bytes(cfg, tokens, mesh.strategy.ep)
+    return 2 * layers * nbytes / cluster.bandwidth(mesh.ep_ranks(0, 0, 0), hw) if nbytes else 0.0
+
+
+def _moe_collectives(cfg: ModelConfig, s) -> int:
+    """All-to-alls of one pass (forward or backward) through one stage: 2 per MoE layer with ep > 1."""
+    return 2 * (cfg.num_layers // s.pp) if cfg.is_moe and s.ep > 1 else 0
+
+
+def expert_alltoall_bytes_per_iteration(task: str, cfg: ModelConfig, mesh: TaskMesh, wl: Workload,
+                                        count: int | None = None, element: int = BYTES) -> float:
+    """Bytes one rank of ``task`` sends in expert all-to-alls in one iteration (0 unless MoE with ep > 1),
+    activations of ``element`` bytes: per MoE layer of its stage a dispatch and a combine of every
+    micro-batch it runs, forward, and in training backward too (the gradients retrace both); generation:
+    its prefill and each decode step's tokens."""
     s = mesh.strategy
-    return max(stage_parameters(cfg, kind, s.pp)) / s.tp * per_param
+    role, layers = _role(task, count), cfg.num_layers / s.pp
+    if role == "training":
+        m, samples = split(wl.samples // wl.minibatches, s.dp, wl, count)
+        passes, tokens = 2 * m * wl.minibatches * wl.ppo_epochs, samples * wl.seq  # forward + backward
+    elif role == "inference":
+        m, samples = split(wl.samples, s.dp, wl, count)
+        passes, tokens = m, samples * wl.seq
+    else:
+        passes, tokens = 1, math.ceil(wl.samples / s.dp) * (wl.prompt_len + wl.response_len - 1)
+    return passes * 2 * layers * expert_alltoall_bytes(cfg, tokens, s.ep, element)
 
 
-def _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster) -> tuple[float, float]:
-    """(compute, bandwidth) seconds of one micro-batch of ``tokens`` tokens through one stage."""
+def _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster) -> tuple[float, float, float]:
+    """(compute, bandwidth, expert all-to-all) seconds of one micro-batch of ``tokens`` tokens through one
+    stage."""
     s = mesh.strategy
     compute = forward_flops_per_token(cfg, kind, wl.seq) * tokens / (s.pp * s.tp * hw.gpu_flops * hw.mfu)
     act = tokens * cfg.hidden_size * BYTES
     tp = allreduce_s(act, mesh.tp_ranks(0, 0), cluster, hw) * 2 * cfg.num_layers / s.pp
     pp = act / cluster.bandwidth(mesh.pp_ranks(0, 0), hw) if s.pp > 1 else 0.0
-    return compute, tp + pp
+    return compute, tp + pp, expert_alltoall_s(cfg, mesh, tokens, cfg.num_layers / s.pp, cluster, hw)
 
 
 def _stage_units(cfg: ModelConfig, pp: int) -> int:
@@ -317,7 +372,8 @@ def pass_collectives(cfg: ModelConfig, kind: str, mesh: TaskMesh, role: str, bac
     Forward, with tp > 1: 2 all-reduces per layer (attention and MLP outputs), 1 on the first stage (the
     vocab-parallel embedding), on an LM's last stage the log-softmax's 3 (max, sum, target logit; in
     training 2 more for the entropy metric). Backward: 2 per layer (the column-parallel inputs' gradients)
-    and 1 for an LM head's input. With pp > 1, one message to the next (previous) stage.
+    and 1 for an LM head's input. With pp > 1, one message to the next (previous) stage. A mixture of
+    experts with ep > 1: 2 all-to-alls (dispatch, combine) per layer each way.
     """
     s = mesh.strategy
     layers = 2 * (cfg.num_layers // s.pp)
@@ -327,24 +383,30 @@ def pass_collectives(cfg: ModelConfig, kind: str, mesh: TaskMesh, role: str, bac
         head = 0
     ends = 0 if backward else 1  # the embedding
     edge = max(ends, head) if s.pp > 1 else ends + head
-    return (layers + edge if s.tp > 1 else 0) + (s.pp > 1)
+    return (layers + edge if s.tp > 1 else 0) + (s.pp > 1) + _moe_collectives(cfg, s)
 
 
 def _training(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     s = mesh.strategy
     m, samples = split(wl.samples // wl.minibatches, s.dp, wl, count)
     tokens = samples * wl.seq
-    f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
+    f, comm, a2a = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
     updates = wl.minibatches * wl.ppo_epochs
-    grads = allreduce_s(_stage_bytes(cfg, kind, mesh, BYTES), mesh.dp_ranks(0, 0), cluster, hw)
+    # dense gradients all-reduced over the DP replicas, a MoE's experts over their expert-DP replicas
+    experts = rank_expert_parameters(cfg, kind, s)
+    expert_dp = mesh.expert_dp_ranks(0, 0, 0)
+    grads = (allreduce_s((rank_parameters(cfg, kind, s) - experts) * BYTES, mesh.dp_ranks(0, 0), cluster, hw)
+             + allreduce_s(experts * BYTES, expert_dp, cluster, hw))
     passes = updates * (m + s.pp - 1) * 3
-    # per update: the executor's barrier, the DP gradient all-reduce, the model-parallel gradient norm
-    per_update = (s.size > 1) + (s.dp > 1) + (s.pp * s.tp > 1)
+    # per update: the executor's barrier, the DP gradient all-reduce (and the experts' over expert-DP), the
+    # model-parallel gradient norm
+    per_update = (s.size > 1) + (s.dp > 1) + (s.pp * s.tp > 1) + (cfg.is_moe and len(expert_dp) > 1)
     collectives = updates * ((m + s.pp - 1) * (pass_collectives(cfg, kind, mesh, "training")
                                                 + pass_collectives(cfg, kind, mesh, "training", True))
                              + per_update)
     parts = {"compute": updates * m * 3 * f, "bubble": updates * (s.pp - 1) * 3 * f,
              "tp_pp_comm": updates * (m + s.pp - 1) * 2 * comm, "dp_comm": updates * grads,
+             "ep_comm": updates * (m + s.pp - 1) * 2 * a2a,
              "latency": collectives * hw.collective_latency_s,
              "overhead": hw.call_overhead_s + updates * hw.update_overhead_s
                          + passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
@@ -355,10 +417,10 @@ def _inference(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     s = mesh.strategy
     m, samples = split(wl.samples, s.dp, wl, count)
     tokens = samples * wl.seq
-    f, comm = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
+    f, comm, a2a = _forward_s(cfg, kind, mesh, tokens, wl, hw, cluster)
     passes = m + s.pp - 1
     collectives = passes * pass_collectives(cfg, kind, mesh, "inference")
-    parts = {"compute": m * f, "bubble": (s.pp - 1) * f, "tp_pp_comm": passes * comm,
+    parts = {"compute": m * f, "bubble": (s.pp - 1) * f, "tp_pp_comm": passes * comm, "ep_comm": passes * a2a,
              "latency": collectives * hw.collective_latency_s,
              "overhead": hw.call_overhead_s + passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
     return TaskCost(sum(parts.values()), 0.0, 0.0, parts, passes, collectives)  # bytes: task_memory
@@ -367,15 +429,29 @@ def _inference(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
 def decode_terms(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, hw: Hardware,
                  cluster: Cluster) -> tuple[float, float, float]:
     """(weight + KV read, FLOPs, communication) seconds of one decode step of ``batch`` samples at
-    ``context`` tokens on one DP replica of ``mesh``."""
+    ``context`` tokens on one DP replica of ``mesh`` (communication: TP all-reduces, PP sends and, for a
+    mixture of experts with ep > 1, the expert all-to-alls)."""
     s = mesh.strategy
-    weights = sum(stage_parameters(cfg, "lm", 1)) * BYTES
+    weights = decode_read_parameters(cfg, s, batch) * BYTES
     read = (weights + batch * context * kv_bytes_per_token(cfg)) / (s.tp * hw.hbm_bandwidth * hw.hbm_efficiency)
     compute = forward_flops_per_token(cfg, "lm", int(context)) * batch / (s.tp * hw.gpu_flops * hw.mfu)
     act = batch * cfg.hidden_size * BYTES
     tp = allreduce_s(act, mesh.tp_ranks(0, 0), cluster, hw) * 2 * cfg.num_layers
     pp = (s.pp - 1) * act / cluster.bandwidth(mesh.pp_ranks(0, 0), hw)
-    return read, compute, tp + pp
+    return read, compute, tp + pp + expert_alltoall_s(cfg, mesh, batch, cfg.num_layers, cluster, hw)
+
+
+def decode_read_parameters(cfg: ModelConfig, s, batch: float) -> float:
+    """Parameters a decode step of ``batch`` samples reads on one rank, times tp: every parameter of a dense
+    model; of a mixture of experts the dense ones and, per layer, the experts its tokens reach: of the E / ep
+    experts a rank holds, E / ep x (1 - (1 - k/E)^(batch x ep)) in expectation (the ep replicas' tokens
+    routed uniformly), whole on every TP rank."""
+    total = parameter_count(cfg, "lm")
+    if not cfg.is_moe:
+        return total
+    experts = cfg.num_layers * cfg.num_experts * expert_parameters(cfg)
+    reached = 1 - (1 - cfg.moe_router_topk / cfg.num_experts) ** (batch * s.ep)
+    return total - experts + s.tp * experts / s.ep * reached
 
 
 def decode_step_s(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, hw: Hardware,
@@ -386,10 +462,26 @@ def decode_step_s(cfg: ModelConfig, mesh: TaskMesh, batch: int, context: float, 
 
 
 def saturating_batch(cfg: ModelConfig, mesh: TaskMesh, context: float, hw: Hardware) -> int:
-    """The running batch at which a decode step's FLOPs take as long as its weight reads (B_sat)."""
-    weights_s = sum(stage_parameters(cfg, "lm", 1)) * BYTES / (hw.hbm_bandwidth * hw.hbm_efficiency)
+    """The running batch at which a decode step's FLOPs take as long as its weight reads (B_sat); for a
+    mixture of experts the smallest batch whose FLOPs take as long as the weights it reads
+    (:func:`decode_read_parameters`: more experts the larger the batch)."""
+    bandwidth = hw.hbm_bandwidth * hw.hbm_efficiency
     flops_s = forward_flops_per_token(cfg, "lm", int(context)) / (hw.gpu_flops * hw.mfu)
-    return max(1, math.ceil(weights_s / flops_s))
+    if not cfg.is_moe:
+        weights_s = parameter_count(cfg, "lm") * BYTES / bandwidth
+        return max(1, math.ceil(weights_s / flops_s))
+    s = mesh.strategy
+
+    def short(b: int) -> bool:  # FLOPs still shorter than the reads
+        return b * flops_s < decode_read_parameters(cfg, s, b) * BYTES / bandwidth
+
+    lo, hi = 1, 1
+    while short(hi):  # reads - FLOPs is concave in b: once the FLOPs catch up they stay ahead
+        lo, hi = hi + 1, 2 * hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if short(mid) else (lo, mid)
+    return hi
 
 
 def _generation(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
@@ -399,13 +491,17 @@ def _generation(cfg, kind, mesh, wl, hw, cluster, count) -> TaskCost:
     passes = max(m, s.pp)  # passes of one micro-batch through one stage per token
     prefill = forward_flops_per_token(cfg, "lm", wl.prompt_len) * batch * wl.prompt_len / (
         s.tp * hw.gpu_flops * hw.mfu) * ((m + s.pp - 1) / (m * s.pp))  # pipelined over the micro-batches
+    prefill_a2a = expert_alltoall_s(cfg, mesh, batch * wl.prompt_len, cfg.num_layers, cluster, hw) * (
+        (m + s.pp - 1) / (m * s.pp))
     read, compute, comm = decode_terms(cfg, mesh, part, wl.prompt_len + wl.response_len / 2, hw, cluster)
     bound = "decode" if read >= compute else "decode_compute"  # memory-bound (the usual case) or not
     steps = wl.response_len  # the prefill step samples the first token, each decode step one more
-    # per stage pass with tp > 1: 2 all-reduces per layer, the embedding's and the logits'; with pp > 1 a send
-    per_pass = (2 * (cfg.num_layers // s.pp) + 2 if s.tp > 1 else 0) + (s.pp > 1)
+    # per stage pass with tp > 1: 2 all-reduces per layer, the embedding's and the logits'; with pp > 1 a send;
+    # a mixture of experts with ep > 1: 2 all-to-alls per layer
+    per_pass = (2 * (cfg.num_layers // s.pp) + 2 if s.tp > 1 else 0) + (s.pp > 1) + _moe_collectives(cfg, s)
     collectives = steps * passes * per_pass
     parts = {"prefill": prefill, bound: (steps - 1) * (passes / s.pp) * max(read, compute),
-             "decode_comm": steps * (passes / s.pp) * comm, "latency": collectives * hw.collective_latency_s,
+             "decode_comm": steps * (passes / s.pp) * comm, "ep_comm": prefill_a2a,
+             "latency": collectives * hw.collective_latency_s,
              "overhead": hw.call_overhead_s + steps * passes * _stage_units(cfg, s.pp) * hw.layer_overhead_s}
     return TaskCost(sum(parts.values()), 0.0, 0.0, parts, steps * passes, collectives)  # bytes: task_memory

@@ -14,7 +14,10 @@ The space, pruned as it is built:
 * **strategies**: per task every (dp, pp, tp) filling its block, pruned when
   tp does not divide the heads, KV heads or ffn, a TP group leaves its node,
   pp does not divide the layers, generation is pipelined (the engine decodes
-  a whole model: pp = 1), or the task alone cannot fit one GPU; the
+  a whole model: pp = 1), a mixture of experts trains at tp > 1 (megatron
+  needs sequence parallelism for it), or the task alone cannot fit one GPU;
+  a mixture of experts' tasks but generation (whose engine holds every
+  expert) each with every ep dividing both dp and the experts; the
   ``options`` fastest survivors (cost model) are kept, and the leanest.
 * **sub-meshes** (ReaL's per-call meshes): an inference task may also run
   on either half of its set's block (the fastest strategy there), so that
@@ -169,12 +172,14 @@ def allocations(sets: int, cluster: Cluster) -> list[tuple[int, ...]]:
 def strategies(task: str, cfg, ranks: tuple, wl: Workload, cluster: Cluster) -> tuple[list[ParallelStrategy],
                                                                                     list[str]]:
     """Every (dp, pp, tp) for ``task`` on ``ranks`` that shards ``cfg`` and the batch, and why the others
-    do not (the rules rlhf.parallel.placement and the job's config apply)."""
+    do not (the rules rlhf.parallel.placement and the job's config apply); a mixture of experts' tasks but
+    actor_gen with each ep dividing dp and the experts (ep = 1 first)."""
     minibatch = wl.samples // wl.minibatches
     n, ok, why = len(ranks), [], []
     for tp in (d for d in range(1, n + 1) if n % d == 0):
         for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0):
-            s = ParallelStrategy(dp=n // (tp * pp), pp=pp, tp=tp)
+            dp = n // (tp * pp)
+            s = ParallelStrategy(dp=dp, pp=pp, tp=tp)
             rule = next((msg for bad, msg in (
                 (cfg.num_attention_heads % tp or cfg.num_kv_heads % tp or cfg.ffn_hidden_size % tp,
                  f"tp={tp} does not divide the heads/KV heads/ffn"),
@@ -184,8 +189,16 @@ def strategies(task: str, cfg, ranks: tuple, wl: Workload, cluster: Cluster) -> 
                 (ROLE[task] == "training" and minibatch % (n // (tp * pp) * wl.micro_batch_size),
                  f"dp={n // (tp * pp)} x micro-batch {wl.micro_batch_size} does not divide the mini-batch of "
                  f"{minibatch} samples"),
+                (cfg.is_moe and tp > 1 and ROLE[task] == "training",
+                 f"tp={tp}: megatron trains MoE layers at tp > 1 only with sequence parallelism (split the experts "
+                 "with ep)"),
             ) if bad), None)
-            (why.append(f"{task} {s}: {rule}") if rule else ok.append(s))
+            if rule:
+                why.append(f"{task} {s}: {rule}")
+            elif cfg.is_moe and task != "actor_gen":
+                ok += [replace(s, ep=ep) for ep in range(1, dp + 1) if dp % ep == 0 and cfg.num_experts % ep == 0]
+            else:
+                ok.append(s)
     return ok, why
 
 

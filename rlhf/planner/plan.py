@@ -128,6 +128,8 @@ class Plan:
         for task in TASKS:
             mesh, s = self.meshes[task], self.meshes[task].strategy
             out[task] = {"ranks": rank_spec(mesh.ranks), "dp": s.dp, "pp": s.pp, "tp": s.tp}
+            if s.ep > 1:
+                out[task]["ep"] = s.ep
             if mesh.reverse_pp:
                 out[task]["reverse_pp"] = True
         return out

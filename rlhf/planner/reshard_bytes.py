@@ -12,7 +12,10 @@ sum), the vocabulary padded as rlhf.models.config.padded_vocab_size pads it:
   index ``dst tp % src tp``;
 * a piece costs nothing when the destination rank is itself a source replica
   of it (same stage, same TP index, any DP replica); otherwise one source
-  replica sends it.
+  replica sends it;
+* a mixture of experts' routed expert (whole on every TP rank) is held, and
+  needed, only by the DP replicas whose expert-parallel rank owns it (expert
+  e of E on EP rank e // (E / ep), rlhf.models.naming.expert_owner).
 
 HybridFlow (its section 5.4, Table 2) orders the generation mesh so that every
 rank's generation shard contains its training shard (:func:`hybridflow_ranks`);
@@ -42,22 +45,31 @@ def received_bytes(cfg: ModelConfig, kind: str, src: TaskMesh, dst: TaskMesh,
     """Bytes (bf16) every rank of ``dst`` receives from other ranks when resharding from ``src``."""
     s, t = src.strategy, dst.strategy
     rows = vocab_rows or padded_vocab_size(cfg.vocab_size, 1, (s.tp, t.tp))
-    holders = {(stage, tp): {src.rank(stage, d, tp) for d in range(s.dp)}
-               for stage in range(s.pp) for tp in range(s.tp)}
+
+    def owner(w: Weight, ep: int) -> int | None:
+        return None if w.expert is None else w.expert // (cfg.num_experts // ep)
+
+    def holds(mesh: TaskMesh, stage: int, dp: int, tp: int, ep_rank: int | None) -> bool:
+        return ep_rank is None or mesh.ep_index(stage, dp, tp) == ep_rank
+
+    holders = {(stage, tp, o): {src.rank(stage, d, tp) for d in range(s.dp) if holds(src, stage, d, tp, o)}
+               for stage in range(s.pp) for tp in range(s.tp) for o in [None, *range(s.ep)]}
     out = {r: 0 for r in dst.ranks}
-    weights: dict = {}  # layers repeat: count each (weight, source stage, destination stage) once
+    weights: dict = {}  # layers (and experts) repeat: count each (weight, source stage and owner, destination's) once
     for w in model_weights(cfg, kind, rows):
-        key = (w.numel, w.rows, w.stride, w.parallel, weight_stage(w.place, cfg.num_layers, s.pp),
-               weight_stage(w.place, cfg.num_layers, t.pp))
+        key = (w.numel, w.rows, w.stride, w.parallel, weight_stage(w.place, cfg.num_layers, s.pp), owner(w, s.ep),
+               weight_stage(w.place, cfg.num_layers, t.pp), owner(w, t.ep))
         weights[key] = weights.get(key, 0) + 1
-    for (numel, n_rows, stride, parallel, s_stage, d_stage), count in weights.items():
+    for (numel, n_rows, stride, parallel, s_stage, s_owner, d_stage, d_owner), count in weights.items():
         w = Weight(0, numel, n_rows, stride, parallel)
         for dp in range(t.dp):
             for tp in range(t.tp):
+                if not holds(dst, d_stage, dp, tp, d_owner):
+                    continue
                 rank = dst.rank(d_stage, dp, tp)
                 for src_tp in (range(s.tp) if parallel else [tp % s.tp]):
                     n = _overlap(w, s.tp, src_tp, t.tp, tp)
-                    if n and rank not in holders[(s_stage, src_tp)]:
+                    if n and rank not in holders[(s_stage, src_tp, s_owner)]:
                         out[rank] += n * BYTES * count
     return out
 

@@ -16,15 +16,22 @@ function's import and a ``--load`` root's checkpoints.
 It also prints the planner's predicted memory per rank (rlhf/planner/cost.py
 ``task_memory``) in the parts the job measures and logs (``memory_training_*``
 metrics, docs/training.md), at the job's precision (:func:`job_precision`).
+A mixture of experts' model line adds its experts and its total and active
+parameters (rlhf.planner.shapes ``active_parameter_count``); a task with
+expert parallelism (ep > 1) its experts per rank and the bytes each of its
+ranks sends in expert all-to-alls per iteration, predicted at full-length
+samples and the job's activation type (rlhf.planner.cost
+``expert_alltoall_bytes_per_iteration``).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from rlhf.planner.cost import BF16, FP32, MEMORY_PARTS, Precision, Workload, task_memory
+from rlhf.planner.cost import (BF16, FP32, MEMORY_PARTS, Precision, Workload, expert_alltoall_bytes_per_iteration,
+                               task_memory)
 from rlhf.planner.plan import Plan, memory_parts_per_rank
-from rlhf.planner.shapes import BYTES, kv_bytes_per_token, parameter_count, stage_parameters
+from rlhf.planner.shapes import BYTES, active_parameter_count, kv_bytes_per_token, parameter_count, rank_parameters
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
 from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
@@ -36,6 +43,17 @@ def short_count(count: float) -> str:
         if count >= scale:
             return f"{count / scale:.2f}{unit}"
     return f"{count / 1e3:.1f}K"
+
+
+def describe_experts(cfg, kind: str) -> str:
+    """A mixture of experts' part of its model line: the experts, and its total and active parameters."""
+    if not cfg.is_moe:
+        return ""
+    shared = (f" and a shared expert (ffn {cfg.moe_shared_expert_intermediate_size})"
+              if cfg.moe_shared_expert_intermediate_size else "")
+    return (f"; mixture of experts: {cfg.num_experts} experts (ffn {cfg.expert_ffn_hidden_size}), each token to "
+            f"{cfg.moe_router_topk}{shared}: {short_count(parameter_count(cfg, kind))} parameters in all, "
+            f"{short_count(active_parameter_count(cfg, kind))} active per token")
 
 
 def describe_placement(placement) -> list[str]:
@@ -61,14 +79,22 @@ def dry_run(config: JobConfig, world_size: int) -> str:
         lines.append(f"  {model:10s} {short_count(parameter_count(cfg, kind)):>8s} {kind:5s} {cfg.num_layers} layers, "
                      f"hidden {cfg.hidden_size}, ffn {cfg.ffn_hidden_size}, {cfg.num_attention_heads} heads "
                      f"({cfg.num_kv_heads} KV), vocab {cfg.vocab_size}, context {cfg.max_seq_len}"
+                     + describe_experts(cfg, kind)
                      + (f"; from {source}" if source else "") + ("" if used else "; not used by this job"))
     lines += layout.plan_note(config, world_size)
-    lines.append("tasks (parameters per rank: the largest pipeline stage / tp):")
+    moe = any(config.models[m].is_moe for m in MODELS)
+    lines.append("tasks (parameters per rank: the largest pipeline stage / tp" + (", its experts / ep" if moe else "")
+                 + "):")
     trained = set(config.trained_tasks().values())
+    wl, element = workload(config), job_precision(config).weight
     for task, line in zip(placement.meshes, describe_placement(placement)):
         mesh, model = placement[task], TASK_MODEL[task]
-        stages = stage_parameters(config.models[model], MODEL_KIND[model], mesh.strategy.pp)
-        line += f"; {short_count(max(stages) / mesh.strategy.tp)}/rank"
+        cfg = config.models[model]
+        line += f"; {short_count(rank_parameters(cfg, MODEL_KIND[model], mesh.strategy))}/rank"
+        if cfg.is_moe and mesh.strategy.ep > 1:
+            a2a = expert_alltoall_bytes_per_iteration(task, cfg, mesh, wl, element=element)
+            line += (f"; ep {mesh.strategy.ep}: {cfg.num_experts // mesh.strategy.ep} experts per rank, expert "
+                     f"all-to-all {short_bytes(a2a)} sent per rank per iteration (predicted)")
         if task in trained and config.ppo.max_tokens_per_microbatch is None:
             line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
