@@ -16,21 +16,34 @@ overlap it (torch.distributed.checkpoint's resharding, the storage layer of
 ``dist_checkpointing``), in this process alone, so a pipeline stage reads its
 own layers and no process group is needed. Keys, against our global names::
 
-    ours                                         Megatron-LM (megatron-core sharded_state_dict)
-    embedding.word_embeddings.weight             embedding.word_embeddings.weight     [padded_vocab_size, h]
-    decoder.layers.{i}.input_layernorm.weight    decoder.layers.self_attention.linear_qkv.layer_norm_weight
-    decoder.layers.{i}.pre_mlp_layernorm.weight  decoder.layers.mlp.linear_fc1.layer_norm_weight
-    decoder.layers.{i}.<rest>                    decoder.layers.<rest>                [num_layers, ...], row i
-    decoder.final_layernorm.weight               decoder.final_layernorm.weight
-    output_layer.weight                          output_layer.weight (the embedding when tied)
+    ours                                          Megatron-LM (megatron-core sharded_state_dict)
+    embedding.word_embeddings.weight              embedding.word_embeddings.weight     [padded_vocab_size, h]
+    decoder.layers.{i}.input_layernorm.weight     decoder.layers.self_attention.linear_qkv.layer_norm_weight
+    decoder.layers.{i}.pre_mlp_layernorm.weight   decoder.layers.mlp.linear_fc1.layer_norm_weight
+                                                  (MoE: also decoder.layers.pre_mlp_layernorm.weight)
+    decoder.layers.{i}.mlp.experts.local_experts.{E}.<fc>
+                                                  decoder.layers.mlp.experts.experts.<fc>
+                                                  [num_layers, num_experts, ...], row (i, E)
+    decoder.layers.{i}.<rest>                     decoder.layers.<rest>                [num_layers, ...], row i
+    decoder.final_layernorm.weight                decoder.final_layernorm.weight
+    output_layer.weight                           output_layer.weight (the embedding when tied)
 
-megatron-core writes TransformerEngine's fused layer-norm names for both
-layer specs; the local spec's own names (``decoder.layers.input_layernorm.weight``)
-load too, and so do per-layer keys (``decoder.layers.{i}.<rest>``, written for
-non-homogeneous layers) beside the default stacked ones. A global tensor is
-laid out as our unsharded model: fused QKV per query group, SwiGLU fc1 as
-[gate; up]. A value model (ours-to-megatron of a critic or reward model) has
-an ``output_layer.weight`` of one row.
+``<rest>``: the attention's ``linear_qkv`` (and bias), ``linear_proj``, Qwen3's
+``q_layernorm`` / ``k_layernorm`` [head_dim]; a dense MLP's ``linear_fc1`` /
+``linear_fc2``; a MoE layer's ``mlp.router.weight`` [num_experts, h] and
+``mlp.shared_experts.linear_fc1`` / ``linear_fc2``. megatron-core writes
+TransformerEngine's fused layer-norm names for both layer specs, but a TE-spec
+MoE layer keeps its pre-MLP norm as ``pre_mlp_layernorm.weight`` (the local
+spec still saves the fused name): both are read, and both are written for MoE.
+The local spec's own names (``decoder.layers.input_layernorm.weight``) load
+too, and so do per-layer keys (``decoder.layers.{i}.<rest>``, experts
+``decoder.layers.{i}.mlp.experts.experts.<w>`` [num_experts, ...], written for
+non-homogeneous layers) beside the default stacked ones. Experts are indexed
+globally whatever expert-parallel layout saved them (megatron-core's
+SequentialMLP and grouped-GEMM experts save the same keys). A global tensor is
+laid out as our unsharded model: fused QKV per query group, SwiGLU fc1 (an
+expert's, the shared expert's) as [gate; up]. A value model (ours-to-megatron
+of a critic or reward model) has an ``output_layer.weight`` of one row.
 
 Trust: ``common.pt`` and ``.metadata`` are pickles, which can run code when
 loaded. ``common.pt`` is read with ``torch.load(weights_only=True)`` and an
@@ -60,7 +73,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf.checkpoint import storage
-from rlhf.checkpoint.hf import export_hf, hf_sources
+from rlhf.checkpoint.hf import export_hf
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state, save_model
 from rlhf.data.tokenizer import copy_tokenizer_files
 from rlhf.models.config import ModelConfig, ModelConfigError
@@ -79,6 +92,9 @@ _LAYERS = "decoder.layers."
 _FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 """Our (local-spec) layer-norm names -> the fused names megatron-core saves them under."""
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.")
+_SAVED_EXPERTS = "mlp.experts.experts."
+"""A routed expert's layer suffix (ours, E global) and the one megatron-core saves all experts under."""
 _MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 _DOCS = "docs/megatron_checkpoints.md"
 
@@ -187,7 +203,6 @@ def read_metadata(path: str):
 
 # --------------------------------------------------------------------------- args -> our model config
 _UNSUPPORTED = (  # (arg, Megatron-LM's default, is the value supported?, what we support)
-    ("num_experts", None, lambda v: not v, "mixture-of-experts (MoE) models are not supported, only dense ones"),
     ("position_embedding_type", "learned_absolute", lambda v: v == "rope",
      "only RoPE ('rope') is supported, not learned absolute positions"),
     ("normalization", "LayerNorm", lambda v: v == "RMSNorm", "only 'RMSNorm' is supported"),
@@ -198,12 +213,31 @@ _UNSUPPORTED = (  # (arg, Megatron-LM's default, is the value supported?, what w
     ("rotary_interleaved", False, lambda v: not v, "only non-interleaved RoPE is supported"),
     ("use_rope_scaling", False, lambda v: not v, "RoPE scaling is not supported"),
     ("apply_layernorm_1p", False, lambda v: not v, "layer norms with 1+weight are not supported"),
-    ("qk_layernorm", False, lambda v: not v, "query/key layer norms are not supported"),
+    ("qk_l2_norm", False, lambda v: not v, "L2 query/key norms are not supported (qk_layernorm is)"),
     ("multi_latent_attention", False, lambda v: not v, "multi-latent attention is not supported"),
     ("mtp_num_layers", None, lambda v: not v, "multi-token prediction layers are not supported"),
     ("hybrid_layer_pattern", None, lambda v: not v, "hybrid (Mamba) models are not supported"),
     ("heterogeneous_layers_config_path", None, lambda v: not v, "heterogeneous layers are not supported"),
     ("heterogeneous_layers_config_encoded_json", None, lambda v: not v, "heterogeneous layers are not supported"),
+)
+_UNSUPPORTED_MOE = (  # checked when num_experts is set; list-valued args of one element count as that element
+    ("moe_layer_freq", 1, lambda v: v == 1 or (isinstance(v, list) and set(v) == {1}),
+     "only MoE layers throughout (moe_layer_freq=1) are supported, not dense layers between them"),
+    ("moe_router_score_function", "softmax", lambda v: v == "softmax",
+     "only softmax router scores are supported, not sigmoid"),
+    ("moe_router_num_groups", None, lambda v: not v, "group-limited routing is not supported"),
+    ("moe_router_group_topk", None, lambda v: not v, "group-limited routing is not supported"),
+    ("moe_router_topk_limited_devices", None, lambda v: not v, "device-limited routing is not supported"),
+    ("moe_router_enable_expert_bias", False, lambda v: not v,
+     "a router expert bias (aux-loss-free load balancing) is not supported"),
+    ("moe_router_topk_scaling_factor", 1.0, lambda v: v == 1.0, "scaled routing weights are not supported"),
+    ("moe_router_load_balancing_type", "aux_loss", lambda v: v in ("aux_loss", "none"),
+     "only 'aux_loss' (or 'none') load balancing is supported"),
+    ("moe_aux_loss_coeff", 0.0, lambda v: isinstance(v, (int, float)), "only one aux-loss coefficient is supported"),
+    ("moe_shared_expert_gate", False, lambda v: not v, "a gated shared expert is not supported"),
+    ("moe_apply_probs_on_input", False, lambda v: not v,
+     "routing weights applied to the experts' input are not supported"),
+    ("moe_latent_size", None, lambda v: not v, "MoE latent projections are not supported"),
 )
 _REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "padded_vocab_size")
 
@@ -214,13 +248,24 @@ def _arg(args: argparse.Namespace, name: str, default=None):
     return default if value is None else value
 
 
-def megatron_model_config(args: argparse.Namespace, where: str) -> ModelConfig:
-    """Our ModelConfig of Megatron-LM ``args`` (``where``: the file, for errors); refuses what our
-    models cannot hold (MoE, learned positions, biases, ...) naming the arg."""
-    for arg, default, supported, what in _UNSUPPORTED:
-        value = _arg(args, arg, default)
+def _one(value):
+    """A list of one element as that element (Megatron-LM's nargs='+' MoE args), anything else as is."""
+    return value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value
+
+
+def _check_supported(args: argparse.Namespace, where: str, table) -> None:
+    for arg, default, supported, what in table:
+        value = _one(_arg(args, arg, default))
         if not supported(value):
             raise MegatronCheckpointError(f"{where}: args.{arg}={value!r}: {what}")
+
+
+def megatron_model_config(args: argparse.Namespace, where: str) -> ModelConfig:
+    """Our ModelConfig of Megatron-LM ``args`` (``where``: the file, for errors); refuses what our
+    models cannot hold (learned positions, biases, sigmoid routing, ...) naming the arg."""
+    _check_supported(args, where, _UNSUPPORTED)
+    if _arg(args, "num_experts"):
+        _check_supported(args, where, _UNSUPPORTED_MOE)
     missing = [a for a in _REQUIRED if _arg(args, a) is None]
     context = _arg(args, "max_position_embeddings", _arg(args, "seq_length"))
     if context is None:
@@ -229,10 +274,7 @@ def megatron_model_config(args: argparse.Namespace, where: str) -> ModelConfig:
         raise MegatronCheckpointError(f"{where}: args lack {', '.join(missing)}; a Megatron-LM checkpoint "
                                       "records each (Megatron-LM sets them before its first save)")
     heads = args.num_attention_heads
-    kv_channels = _arg(args, "kv_channels", args.hidden_size // heads)
-    if kv_channels * heads != args.hidden_size:
-        raise MegatronCheckpointError(f"{where}: args.kv_channels={kv_channels}: only kv_channels x "
-                                      f"num_attention_heads == hidden_size ({args.hidden_size}) is supported")
+    kv_channels = _arg(args, "kv_channels")
     try:
         return ModelConfig(
             num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
@@ -241,40 +283,64 @@ def megatron_model_config(args: argparse.Namespace, where: str) -> ModelConfig:
             rope_theta=float(_arg(args, "rotary_base", 10000)), norm_eps=_arg(args, "norm_epsilon", 1e-5),
             qkv_bias=bool(_arg(args, "add_qkv_bias", False)),
             tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
-            init_std=_arg(args, "init_method_std", 0.02))
+            init_std=_arg(args, "init_method_std", 0.02), qk_norm=bool(_arg(args, "qk_layernorm", False)),
+            kv_channels=None if kv_channels is None or kv_channels * heads == args.hidden_size else kv_channels,
+            **_moe_config(args))
     except (ModelConfigError, TypeError) as exc:
         raise MegatronCheckpointError(f"{where}: args describe no valid model: {exc}") from None
 
 
+def _moe_config(args: argparse.Namespace) -> dict:
+    """Our MoE fields of Megatron-LM ``args`` ({} for a dense model); moe_router_pre_softmax off is
+    HF's norm_topk_prob (rlhf.models.gpt.moe_fields), load balancing 'none' an aux-loss coefficient of 0."""
+    experts = _arg(args, "num_experts")
+    if not experts:
+        return {}
+    ffn = _arg(args, "moe_ffn_hidden_size")
+    balancing = _one(_arg(args, "moe_router_load_balancing_type", "aux_loss"))
+    return dict(num_experts=experts, moe_router_topk=_arg(args, "moe_router_topk", 2),
+                moe_ffn_hidden_size=None if ffn == args.ffn_hidden_size else ffn,
+                moe_shared_expert_intermediate_size=_arg(args, "moe_shared_expert_intermediate_size", 0),
+                moe_norm_topk_prob=not _arg(args, "moe_router_pre_softmax", False),
+                moe_aux_loss_coeff=0.0 if balancing == "none" else float(_one(_arg(args, "moe_aux_loss_coeff", 0.0))),
+                moe_z_loss_coeff=float(_arg(args, "moe_z_loss_coeff", 0.0)))
+
+
 def megatron_args(cfg: ModelConfig, tied: bool, dtype: torch.dtype) -> argparse.Namespace:
-    """The args Megatron-LM records for a model of ``cfg`` (those ``--use-checkpoint-args`` reads back)."""
+    """The args Megatron-LM records for a model of ``cfg`` (those ``--use-checkpoint-args`` reads back;
+    the MoE ones as rlhf.models.gpt.moe_fields sets megatron's TransformerConfig)."""
+    moe = {} if not cfg.is_moe else dict(
+        moe_router_topk=cfg.moe_router_topk, moe_ffn_hidden_size=cfg.expert_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size or None,
+        moe_router_pre_softmax=not cfg.moe_norm_topk_prob, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_layer_freq=1, moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+        moe_router_enable_expert_bias=False, moe_shared_expert_gate=False, moe_router_dtype="fp32",
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
     return argparse.Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_kv_heads,
         group_query_attention=cfg.num_kv_heads != cfg.num_attention_heads, kv_channels=cfg.head_dim,
-        padded_vocab_size=cfg.vocab_size,
+        qk_layernorm=cfg.qk_norm, padded_vocab_size=cfg.vocab_size,
         max_position_embeddings=cfg.max_seq_len, seq_length=cfg.max_seq_len, position_embedding_type="rope",
         use_rotary_position_embeddings=True, add_position_embedding=False, rotary_base=int(cfg.rope_theta),
         rotary_percent=1.0, rotary_interleaved=False, normalization="RMSNorm", norm_epsilon=cfg.norm_eps,
         apply_layernorm_1p=False, swiglu=True, squared_relu=False, add_bias_linear=False, add_qkv_bias=cfg.qkv_bias,
-        untie_embeddings_and_output_weights=not tied, init_method_std=cfg.init_std, num_experts=None,
-        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, ckpt_format="torch_dist",
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+        untie_embeddings_and_output_weights=not tied, init_method_std=cfg.init_std, num_experts=cfg.num_experts or None,
+        **moe, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1, ckpt_format="torch_dist", params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16)
 
 
 # --------------------------------------------------------------------------- keys
 @dataclass(frozen=True)
 class Location:
-    """Where one of our tensors is stored: ``key``'s global tensor, row ``layer`` of its leading
-    (stacked layers) axis, or all of it when ``layer`` is None."""
+    """Where one of our tensors is stored: element ``index`` of the leading axes of ``key``'s global tensor
+    (stacked layers, then experts; of sizes ``lead``), or all of it when ``index`` is ()."""
 
     key: str
-    layer: int | None = None
-
-
-def _layer_suffixes(suffix: str) -> list[str]:
-    """The names a layer tensor may be saved under: the fused layer-norm name first, then our own."""
-    return [_FUSED_NORMS[suffix], suffix] if suffix in _FUSED_NORMS else [suffix]
+    index: tuple = ()
+    lead: tuple = ()
 
 
 def _split_layer(name: str) -> tuple[str, str]:
@@ -285,32 +351,62 @@ def _split_layer(name: str) -> tuple[str, str]:
     return index, suffix
 
 
-def _saved_key(name: str) -> str:
-    """The key megatron-core saves global name ``name`` under (layers stacked, fused norm names)."""
+def _layer_keys(suffix: str, cfg: ModelConfig) -> tuple[list[str], tuple, tuple]:
+    """(the suffixes a layer tensor may be saved under, the one written first; its expert index and the
+    expert count as leading axes after the layer's, () for a tensor that is no routed expert's)."""
+    expert = _EXPERT.match(suffix)
+    if expert:
+        return [_SAVED_EXPERTS + suffix[expert.end():]], (int(expert.group(1)),), (cfg.num_experts,)
+    if suffix in _FUSED_NORMS:
+        return [_FUSED_NORMS[suffix], suffix], (), ()
+    return [suffix], (), ()
+
+
+def _written(name: str, cfg: ModelConfig) -> list[Location]:
+    """Where megatron-core saves global name ``name`` (layers stacked, fused norm names); a MoE layer's
+    pre-MLP norm under the TE spec's own name too."""
     index, suffix = _split_layer(name)
-    return _LAYERS + _layer_suffixes(suffix)[0] if index else name
+    if not index:
+        return [Location(name)]
+    keys, experts, sizes = _layer_keys(suffix, cfg)
+    keys = keys if cfg.is_moe and suffix == "pre_mlp_layernorm.weight" else keys[:1]
+    return [Location(_LAYERS + key, (int(index), *experts), (cfg.num_layers, *sizes)) for key in keys]
 
 
-def _locate(name: str, saved, tied: bool) -> Location | None:
+def _locate(name: str, saved, tied: bool, cfg: ModelConfig) -> Location | None:
     """Where global name ``name`` is stored among ``saved`` keys (None: nowhere)."""
     if name == "output_layer.weight" and tied:
         name = "embedding.word_embeddings.weight"
     index, suffix = _split_layer(name)
     if not index:
         return Location(name) if name in saved else None
-    for candidate in _layer_suffixes(suffix):
-        if _LAYERS + candidate in saved:
-            return Location(_LAYERS + candidate, int(index))
-        if f"{_LAYERS}{index}.{candidate}" in saved:
-            return Location(f"{_LAYERS}{index}.{candidate}")
+    keys, experts, sizes = _layer_keys(suffix, cfg)
+    for key in keys:
+        if _LAYERS + key in saved:
+            return Location(_LAYERS + key, (int(index), *experts), (cfg.num_layers, *sizes))
+        if f"{_LAYERS}{index}.{key}" in saved:
+            return Location(f"{_LAYERS}{index}.{key}", experts, sizes)
     return None
+
+
+def _aliases(name: str, cfg: ModelConfig) -> set[str]:
+    """Every key layer tensor ``name`` may be saved under (a norm under both of its names: one is read);
+    none for other tensors."""
+    index, suffix = _split_layer(name)
+    keys = _layer_keys(suffix, cfg)[0] if index else []
+    return {_LAYERS + key for key in keys} | {f"{_LAYERS}{index}.{key}" for key in keys}
 
 
 def _shape_args(name: str) -> str:
     """The args that set the shape of global tensor ``name``."""
     for part, args in (("embedding", "padded_vocab_size, hidden_size"), ("output_layer", "padded_vocab_size"),
-                       ("linear_qkv.bias", "add_qkv_bias, num_attention_heads, num_query_groups"),
-                       ("linear_qkv", "num_attention_heads, num_query_groups, hidden_size"),
+                       ("linear_qkv.bias", "add_qkv_bias, num_attention_heads, num_query_groups, kv_channels"),
+                       ("linear_qkv", "num_attention_heads, num_query_groups, kv_channels, hidden_size"),
+                       ("linear_proj", "num_attention_heads, kv_channels, hidden_size"),
+                       ("q_layernorm", "qk_layernorm, kv_channels"), ("k_layernorm", "qk_layernorm, kv_channels"),
+                       ("router", "num_experts, hidden_size"),
+                       ("shared_experts", "moe_shared_expert_intermediate_size, hidden_size"),
+                       ("experts", "num_experts, moe_ffn_hidden_size, hidden_size"),
                        ("linear_fc", "ffn_hidden_size, hidden_size")):
         if part in name:
             return args
@@ -413,77 +509,96 @@ def _check_tensors(cfg: ModelConfig, metadata, where: str, args_file: str) -> tu
              if isinstance(md, TensorStorageMetadata) and k.startswith(_MODEL_PREFIXES)}
     role = "value" if saved.get("output_layer.weight") == (1, cfg.hidden_size) else "lm"
     tied = cfg.tie_embeddings and role == "lm"
-    expected = _global_shapes(cfg, role)
-    locations = {}
-    for name, shape in expected.items():
-        loc = _locate(name, saved, tied)
+    locations, used = {}, set()
+    for name, shape in model_shapes(cfg, role).items():
+        loc = _locate(name, saved, tied, cfg)
         if loc is None:
-            raise MegatronCheckpointError(f"{where}: no tensor for {name} (as {_saved_key(name)}), which "
-                                          f"the args in {args_file} imply ({_shape_args(name)}); the args and the "
-                                          "shards disagree")
-        want = (cfg.num_layers, *shape) if loc.layer is not None else shape
+            raise MegatronCheckpointError(f"{where}: no tensor for {name} (as {_written(name, cfg)[0].key}), "
+                                          f"which the args in {args_file} imply ({_shape_args(name)}); the args "
+                                          "and the shards disagree")
+        want = (*loc.lead, *shape)
         if saved[loc.key] != want:
             raise MegatronCheckpointError(f"{where}: {loc.key} has shape {list(saved[loc.key])}, but the args in "
                                           f"{args_file} ({_shape_args(name)}) imply {list(want)}; the args and the "
                                           "shards disagree")
         locations[name] = loc
-    unused = sorted(set(saved) - {loc.key for loc in locations.values()})
+        used |= _aliases(name, cfg)
+    unused = sorted(set(saved) - used - {loc.key for loc in locations.values()})
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
         raise MegatronCheckpointError(f"{where}: holds {unused[0]}{more}, which the args in {args_file} do not "
-                                      "describe (no biases but add_qkv_bias, an output layer only with "
+                                      "describe (no biases but add_qkv_bias, QK norms only with qk_layernorm, "
+                                      "experts only with num_experts, a shared expert only with "
+                                      "moe_shared_expert_intermediate_size, an output layer only with "
                                       "untie_embeddings_and_output_weights); the args and the shards disagree")
     return role, locations
 
 
-def _global_shapes(cfg: ModelConfig, role: str) -> dict[str, tuple[int, ...]]:
-    """Global name -> full shape of every tensor of our model of ``cfg`` and ``role``."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    by_suffix = {"input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
-                 "self_attention.linear_qkv.weight": (qkv, h), "self_attention.linear_qkv.bias": (qkv,),
-                 "self_attention.linear_proj.weight": (h, cfg.num_attention_heads * cfg.head_dim),
-                 "mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f),
-                 "embedding.word_embeddings.weight": (cfg.vocab_size, h), "decoder.final_layernorm.weight": (h,),
-                 "output_layer.weight": (1 if role == "value" else cfg.vocab_size, h)}
-    return {name: by_suffix[_split_layer(name)[1]] for name in hf_sources(cfg, "lm_head")}
+def model_shapes(cfg: ModelConfig, role: str) -> dict[str, tuple[int, ...]]:
+    """Global name -> full shape of every tensor of our model of ``cfg`` and ``role`` (the output layer of a
+    value model one row), layer by layer."""
+    h, f, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_kv_heads * hd
+    layer = {"input_layernorm.weight": (h,), "self_attention.linear_qkv.weight": (q + 2 * kv, h)}
+    if cfg.qkv_bias:
+        layer["self_attention.linear_qkv.bias"] = (q + 2 * kv,)
+    if cfg.qk_norm:
+        layer.update({"self_attention.q_layernorm.weight": (hd,), "self_attention.k_layernorm.weight": (hd,)})
+    layer.update({"self_attention.linear_proj.weight": (h, q), "pre_mlp_layernorm.weight": (h,)})
+    if not cfg.is_moe:
+        layer.update({"mlp.linear_fc1.weight": (2 * f, h), "mlp.linear_fc2.weight": (h, f)})
+    else:
+        ef, sf = cfg.expert_ffn_hidden_size, cfg.moe_shared_expert_intermediate_size
+        layer["mlp.router.weight"] = (cfg.num_experts, h)
+        for e in range(cfg.num_experts):
+            layer.update({f"mlp.experts.local_experts.{e}.linear_fc1.weight": (2 * ef, h),
+                          f"mlp.experts.local_experts.{e}.linear_fc2.weight": (h, ef)})
+        if sf:
+            layer.update({"mlp.shared_experts.linear_fc1.weight": (2 * sf, h),
+                          "mlp.shared_experts.linear_fc2.weight": (h, sf)})
+    out = {"embedding.word_embeddings.weight": (cfg.vocab_size, h)}
+    for i in range(cfg.num_layers):
+        out.update({f"{_LAYERS}{i}.{suffix}": shape for suffix, shape in layer.items()})
+    out["decoder.final_layernorm.weight"] = (h,)
+    out["output_layer.weight"] = (1 if role == "value" else cfg.vocab_size, h)
+    return out
 
 
 # --------------------------------------------------------------------------- reading tensors
 def read_megatron_state(ckpt: MegatronCheckpoint, names=None) -> dict[str, torch.Tensor]:
     """Full tensors of ``names`` (global names; default: all), in the saved dtype, reading only the
-    regions behind them: the layers a stage asks for, whatever (tp, pp) saved the chunks."""
+    regions behind them: the layers a stage asks for (the experts an expert-parallel rank asks for),
+    whatever layout saved the chunks."""
     names = list(ckpt.locations) if names is None else list(names)
     unknown = sorted(set(names) - set(ckpt.locations))
     if unknown:
         raise MegatronCheckpointError(f"{ckpt.path}: no tensor for {unknown[:5]} in this model")
-    by_key: dict[str, list[int | None]] = {}
+    by_key: dict[str, list[tuple]] = {}
     for name in names:
         loc = ckpt.locations[name]
-        by_key.setdefault(loc.key, []).append(loc.layer)
-    regions = {key: _region(ckpt.metadata.state_dict_metadata[key], layers) for key, layers in by_key.items()}
+        by_key.setdefault(loc.key, []).append(loc.index)
+    regions = {key: _region(ckpt.metadata.state_dict_metadata[key], indices) for key, indices in by_key.items()}
     _read_regions(ckpt, regions)
     out, used = {}, set()
     for name in names:
         loc = ckpt.locations[name]
         start, tensor = regions[loc.key]
-        if loc.layer is not None:
-            out[name] = tensor[loc.layer - start[0]].clone()
+        if loc.index:
+            out[name] = tensor[tuple(i - s for i, s in zip(loc.index, start))].clone()
         else:  # a tied output layer shares the embedding's key: a tensor of its own
             out[name] = tensor.clone() if loc.key in used else tensor
             used.add(loc.key)
     return out
 
 
-def _region(md, layers: list) -> tuple[tuple[int, ...], torch.Tensor]:
-    """(offsets, empty target) of the part of a saved tensor ``md`` holding ``layers`` (all when None)."""
-    size = tuple(md.size)
-    if layers[0] is None:
-        offsets = (0,) * len(size)
-    else:
-        lo, hi = min(layers), max(layers) + 1
-        offsets, size = (lo,) + (0,) * (len(size) - 1), (hi - lo, *size[1:])
-    return offsets, torch.empty(size, dtype=md.properties.dtype)
+def _region(md, indices: list[tuple]) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(offsets, empty target) of the box of a saved tensor ``md`` that holds the elements ``indices`` of its
+    leading axes (all of it for ())."""
+    size, lead = tuple(md.size), len(indices[0])
+    lo = [min(index[axis] for index in indices) for axis in range(lead)]
+    hi = [max(index[axis] for index in indices) + 1 for axis in range(lead)]
+    offsets = (*lo, *(0,) * (len(size) - lead))
+    return offsets, torch.empty((*(b - a for a, b in zip(lo, hi)), *size[lead:]), dtype=md.properties.dtype)
 
 
 def _read_regions(ckpt: MegatronCheckpoint, regions: dict) -> None:
@@ -549,30 +664,43 @@ def _check_new(path: str) -> None:
         raise MegatronCheckpointError(f"{path}: already exists; give another output directory or iteration")
 
 
-_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention",
-                        "mlp.linear_fc1", "mlp.linear_fc2")
+_EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.linear_proj", "self_attention.core_attention")
+_EXTRA_STATE_MLP = ("linear_fc1", "linear_fc2")
 """Layer modules whose ``_extra_state`` megatron-core's GPTModel asks for on load (the local spec's linear
-layers keep None there, TransformerEngine's modules their FP8 state; core_attention is TE's alone)."""
+layers keep None there, TransformerEngine's modules their FP8 state; core_attention is TE's alone): these,
+and the MLP's (a MoE layer's: every expert's, the shared expert's) linear layers."""
 
 
 def _megatron_state(cfg: ModelConfig, role: str, full: dict, tied: bool) -> dict:
-    """Megatron-LM key -> global tensor (layers stacked along a leading axis, under the fused norm names),
-    and every layer module's empty ``_extra_state`` as megatron-core writes it (``[None]``, pickled by the
-    writer)."""
-    names = [n for n in _global_shapes(cfg, role) if not (tied and n == "output_layer.weight")]
+    """Megatron-LM key -> global tensor (layers, then experts, stacked along leading axes, under the fused
+    norm names), and every layer module's empty ``_extra_state`` as megatron-core writes it (``[None]``,
+    pickled by the writer)."""
+    names = [n for n in model_shapes(cfg, role) if not (tied and n == "output_layer.weight")]
     missing = [n for n in names if n not in full]
     if missing:
         raise MegatronCheckpointError(f"the model to save lacks {missing[:5]}")
-    out, layers = {}, {}
-    for name in names:  # layer 0's tensors, then layer 1's, ...
-        if name.startswith(_LAYERS):
-            layers.setdefault(_saved_key(name), []).append(full[name])
-        else:
-            out[name] = full[name].contiguous()
-    out.update({key: torch.stack(tensors) for key, tensors in layers.items()})
-    for module in _EXTRA_STATE_MODULES:
-        for i in range(cfg.num_layers):  # megatron-core's ShardedObject key: <key>/shard_<offset>_<shape>
-            out[f"{_LAYERS}{module}._extra_state/shard_{i}_{cfg.num_layers}"] = [None]
+    out = {}
+    for name in names:
+        for loc in _written(name, cfg):
+            if not loc.index:
+                out[loc.key] = full[name].contiguous()
+                continue
+            if loc.key not in out:
+                out[loc.key] = torch.empty((*loc.lead, *full[name].shape), dtype=full[name].dtype)
+            out[loc.key][loc.index] = full[name]
+    layers, experts = cfg.num_layers, cfg.num_experts
+    modules = list(_EXTRA_STATE_MODULES)
+    if not cfg.is_moe:
+        modules += [f"mlp.{fc}" for fc in _EXTRA_STATE_MLP]
+    elif cfg.moe_shared_expert_intermediate_size:
+        modules += [f"mlp.shared_experts.{fc}" for fc in _EXTRA_STATE_MLP]
+    for module in modules:
+        for i in range(layers):  # megatron-core's ShardedObject key: <key>/shard_<offsets>_<shape>
+            out[f"{_LAYERS}{module}._extra_state/shard_{i}_{layers}"] = [None]
+    for fc in _EXTRA_STATE_MLP if cfg.is_moe else ():
+        for i in range(layers):
+            for e in range(experts):
+                out[f"{_LAYERS}{_SAVED_EXPERTS}{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}"] = [None]
     return out
 
 
