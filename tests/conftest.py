@@ -15,13 +15,23 @@ cannot serve over NCCL, so ``RLHF_DEVICE=cpu`` is set for the whole session
 (spawned workers and subprocesses inherit it). Tests marked ``gpu`` need a
 CUDA device, clear it themselves, and are deselected (not skipped) where
 CUDA is absent.
+
+``RLHF_CACHE_DIR`` (the tiny default's trained reward model, rlhf/ppo/reward_cache.py) is one fresh
+directory per session, inherited the same way: each distinct reward model trains once per session, and no
+test reads a user's cache.
 """
 
 import os
 
+import pytest
 import torch
 
 os.environ["RLHF_DEVICE"] = "cpu"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reward_cache_dir(tmp_path_factory):
+    os.environ["RLHF_CACHE_DIR"] = str(tmp_path_factory.mktemp("rlhf-cache"))
 
 
 def pytest_configure(config):

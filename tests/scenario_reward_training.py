@@ -10,8 +10,14 @@
 3. The saved checkpoint as pretrain_rlhf.py's reward model: the PPO Trainer, given ``--reward-model
    <root>`` as rlhf/ppo/job.py reads it, scores the pairs on reward_inf TP2 as the trained model does.
 4. The HF export of the checkpoint: written here, scored by transformers in the test process.
+5. The tiny default's reward training cached (rlhf/ppo/job.py trained_reward_weights, 4 steps here): a miss
+   trains and writes the entry, a second call loads it, an entry with a flipped byte is trained again, a
+   truncated one is not read, another seed misses, ``RLHF_CACHE_DIR=off`` turns it off.
 """
 
+import contextlib
+import dataclasses
+import io
 import json
 import os
 
@@ -172,6 +178,62 @@ def _as_ppo_reward_model(data, trained: dict, root: str) -> dict:
     return out
 
 
+def _cached_reward_training(root: str) -> dict:
+    """Part 5: each call's start-up line and whether its weights equal the first (fresh) training's bitwise."""
+    from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset
+    from rlhf.ppo import job, reward_cache
+
+    saved = job.SYNTHETIC_REWARD_STEPS, job.SYNTHETIC_HELD_OUT, os.environ.get(reward_cache.ENV)
+    os.environ[reward_cache.ENV] = os.path.join(root, "cache")
+    job.SYNTHETIC_REWARD_STEPS, job.SYNTHETIC_HELD_OUT = 4, 64
+    config = JobConfig(models=ModelsConfig(actor=MODEL, critic=MODEL, reward=MODEL),
+                       generation=GenerationConfig(max_prompt_len=16, max_response_len=16),
+                       placement=PlacementConfig(overrides={"reward_inf": {"ranks": "0-3", "tp": 2}}))
+    placement = build_ppo_placement(config, dist.get_world_size())
+    dataset, tokenizer = SyntheticPromptDataset(SyntheticPromptConfig(max_length=16)), ByteTokenizer()
+    out = {"lines": [], "equal": []}
+
+    def call():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            weights = job.trained_reward_weights(config, dataset, tokenizer, placement)
+        out["lines"].append(buf.getvalue().strip())
+        return weights
+
+    def entry_of(cfg):
+        return reward_cache.load(lambda: job.reward_cache_fields(cfg, dataset, tokenizer, placement))[1]
+
+    try:
+        fresh = call()  # a miss: trained, written
+        out["equal"].append(_bitwise_equal(call(), fresh))  # a hit
+        if dist.get_rank() == 0:
+            out["entries"] = sorted(os.listdir(os.environ[reward_cache.ENV]))
+            key = reward_cache.cache_key(job.reward_cache_fields(config, dataset, tokenizer, placement))
+            weights_path = reward_cache.entry_paths(key)[0]
+            data = bytearray(weights_path.read_bytes())
+            data[-1] ^= 1  # a flipped bit of the last tensor: safetensors alone would load it
+            weights_path.write_bytes(bytes(data))
+        out["equal"].append(_bitwise_equal(call(), fresh))  # trained again, rewritten
+        out["equal"].append(_bitwise_equal(call(), fresh))  # a hit again
+        if dist.get_rank() == 0:
+            weights_path.write_bytes(weights_path.read_bytes()[:1000])
+            out["truncated_read"] = reward_cache.read_entry(key)
+        other = dataclasses.replace(config, run=dataclasses.replace(config.run, seed=config.run.seed + 1))
+        out["other_seed"] = entry_of(other)
+        os.environ[reward_cache.ENV] = "off"
+        out["off"] = reward_cache.load(lambda: job.reward_cache_fields(config, dataset, tokenizer, placement))
+    finally:
+        job.SYNTHETIC_REWARD_STEPS, job.SYNTHETIC_HELD_OUT, directory = saved
+        os.environ.pop(reward_cache.ENV)
+        if directory is not None:
+            os.environ[reward_cache.ENV] = directory
+    return out
+
+
+def _bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
+
+
 def run(root: str) -> dict:
     build_task_groups(build_placement(_config("tp2pp2"), dist.get_world_size()))  # the one-rank groups of testing.models
     data = _data(root)
@@ -180,4 +242,5 @@ def run(root: str) -> dict:
     out.update(resume)
     out.update(_as_ppo_reward_model(data, trained, os.path.join(root, "ckpt")))
     out["hf"] = export_reward_model(os.path.join(root, "ckpt"), ByteTokenizer())
+    out["cache"] = _cached_reward_training(root)
     return out

@@ -7,6 +7,7 @@ single-process PyTorch written from the loss definition; transformers is the ora
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,23 @@ def test_checkpoint_is_pretrain_rlhfs_reward_model(results):
     reward, critic = open_source(root, "reward"), open_source(root, "critic")  # --reward-model / --critic-model
     assert reward.checkpoint_model == critic.checkpoint_model == "reward"
     assert not reward.new_head and not critic.new_head and reward.config == critic.config
+
+
+def test_tiny_default_reward_model_is_cached(results):
+    """pretrain_rlhf.py's start-up reward training (4 steps here) is written once and then loaded: the loaded
+    weights equal the fresh training's bitwise; an entry whose bytes changed is trained again (to the same
+    weights), a truncated one is not read; another seed misses; RLHF_CACHE_DIR=off turns the cache off."""
+    cache = results["cache"]
+    trained, hit, retrained, hit_again = cache["lines"]
+    for line in (trained, retrained):
+        assert re.fullmatch(r"reward model: 4 steps on \d+ synthetic preference pairs in [\d.]+ s; held-out "
+                            r"\(\d+ pairs\): accuracy [\d.]+, loss [\d.]+", line), line
+    for line in (hit, hit_again):
+        assert line.startswith("reward model: 4 steps on ") and ", cached (" in line, line
+        assert line.split("; ")[1] == trained.split("; ")[1]  # the held-out numbers of the training
+    assert cache["equal"] == [True, True, True]
+    assert len(cache["entries"]) == 2 and {os.path.splitext(e)[1] for e in cache["entries"]} == {".json", ".safetensors"}
+    assert cache["truncated_read"] is None and cache["other_seed"] is None and cache["off"] == (None, None)
 
 
 def test_hf_export_scores_as_our_model(results):

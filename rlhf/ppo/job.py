@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import time
 
 import torch
@@ -36,6 +38,7 @@ from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIt
                        PromptDataset, Tokenizer, checked_tokenizer)
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
 from rlhf.ppo.arguments import tokenizer_name
+from rlhf.ppo import reward_cache
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.reward_fn import describe_rewards, job_reward_fn
 from rlhf.ppo.trainer import Trainer
@@ -124,17 +127,21 @@ SYNTHETIC_HELD_OUT = 512
 def trained_reward_weights(config: JobConfig, dataset, tokenizer, placement) -> dict:
     """Full weights of a reward model trained on the synthetic task's preference pairs, on every rank
     (collective): rlhf/reward_model/trainer.py on the placement's reward_inf mesh, where PPO serves it; one
-    micro-batch per DP replica and step, AdamW with a cosine decay to 0, the held-out pairs scored last."""
-    dp, steps = placement["reward_inf"].strategy.dp, SYNTHETIC_REWARD_STEPS
-    micro = -(-SYNTHETIC_REWARD.global_batch_size // dp)  # about 64 pairs a step whatever the dp
-    size = micro * dp
-    reward = RewardJobConfig(
-        model=config.models["reward"], run=RunConfig(iterations=steps, seed=config.run.seed + MODEL_SEEDS["reward"]),
-        training=dataclasses.replace(SYNTHETIC_REWARD, global_batch_size=size, micro_batch_size=micro,
-                                     eval_interval=steps),
-        optimizer=RewardOptimizerConfig(lr=SYNTHETIC_REWARD_LR, lr_decay_style="cosine", lr_decay_iters=steps),
-        logging=LoggingConfig(progress=False))
-    held_out, train = synthetic_preferences(config, dataset, tokenizer, steps * size)
+    micro-batch per DP replica and step, AdamW with a cosine decay to 0, the held-out pairs scored last.
+
+    Cached (rlhf/ppo/reward_cache.py: ``$RLHF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rlhf`` or
+    ``~/.cache/rlhf``; ``RLHF_CACHE_DIR=off`` always trains): a run whose key (reward_cache_fields)
+    matches an earlier one's loads its weights instead of training."""
+    reward, steps = synthetic_reward_config(config, placement), SYNTHETIC_REWARD_STEPS
+    key, entry = reward_cache.load(lambda: reward_cache_fields(config, dataset, tokenizer, placement))
+    if entry is not None:
+        if dist.get_rank() == 0:
+            info = entry["info"]
+            print(f"reward model: {steps} steps on {info['pairs']} synthetic preference pairs, cached "
+                  f"({entry['path']}); held-out ({info['held_out']} pairs): accuracy {info['accuracy']:.3f}, "
+                  f"loss {info['loss']:.3f}", flush=True)
+        return entry["weights"]
+    held_out, train = synthetic_preferences(config, dataset, tokenizer, steps * reward.training.global_batch_size)
     trainer = RewardTrainer(reward, placement, train, tokenizer.pad_id, held_out)
     start = time.perf_counter()
     for _ in range(steps):
@@ -143,7 +150,39 @@ def trained_reward_weights(config: JobConfig, dataset, tokenizer, placement) -> 
         print(f"reward model: {steps} steps on {len(train)} synthetic preference pairs in "
               f"{time.perf_counter() - start:.1f} s; held-out ({len(held_out)} pairs): accuracy "
               f"{metrics['eval_accuracy']:.3f}, loss {metrics['eval_loss']:.3f}", flush=True)
-    return trainer.full_weights()
+    weights = trainer.full_weights()
+    reward_cache.store(key, weights, {"pairs": len(train), "held_out": len(held_out),
+                                      "accuracy": metrics["eval_accuracy"], "loss": metrics["eval_loss"]})
+    return weights
+
+
+def synthetic_reward_config(config: JobConfig, placement) -> RewardJobConfig:
+    """The reward training of trained_reward_weights."""
+    dp, steps = placement["reward_inf"].strategy.dp, SYNTHETIC_REWARD_STEPS
+    micro = -(-SYNTHETIC_REWARD.global_batch_size // dp)  # about 64 pairs a step whatever the dp
+    return RewardJobConfig(
+        model=config.models["reward"], run=RunConfig(iterations=steps, seed=config.run.seed + MODEL_SEEDS["reward"]),
+        training=dataclasses.replace(SYNTHETIC_REWARD, global_batch_size=micro * dp, micro_batch_size=micro,
+                                     eval_interval=steps),
+        optimizer=RewardOptimizerConfig(lr=SYNTHETIC_REWARD_LR, lr_decay_style="cosine", lr_decay_iters=steps),
+        logging=LoggingConfig(progress=False))
+
+
+def reward_cache_fields(config: JobConfig, dataset, tokenizer, placement) -> dict:
+    """What determines trained_reward_weights' result, for its cache key: the reward training's whole
+    configuration (model, seed, batch sizes, optimizer, precision), the reward_inf mesh and world size, and
+    the preference pairs' sources (the job's seed, the prompts' ids, the generation lengths, the tokenizer's
+    special ids, the SYNTHETIC_* constants)."""
+    mesh, reward = placement["reward_inf"], synthetic_reward_config(config, placement)
+    prompts = hashlib.sha256(json.dumps([list(p.token_ids) for p in dataset]).encode()).hexdigest()
+    return {"reward": reward, "model": reward.model.to_dict(),
+            "reward_inf": {"ranks": mesh.ranks, "strategy": mesh.strategy, "reverse_pp": mesh.reverse_pp},
+            "world_size": dist.get_world_size(), "seed": config.run.seed, "prompts": prompts,
+            "max_prompt_len": config.generation.max_prompt_len, "max_response_len": config.generation.max_response_len,
+            "tokenizer": {"class": type(tokenizer).__name__, "eos": tokenizer.eos_id, "bos": tokenizer.bos_id,
+                          "pad": tokenizer.pad_id},
+            "constants": {"training": SYNTHETIC_REWARD, "steps": SYNTHETIC_REWARD_STEPS,
+                          "lr": SYNTHETIC_REWARD_LR, "held_out": SYNTHETIC_HELD_OUT}}
 
 
 def synthetic_preferences(config: JobConfig, dataset, tokenizer, n: int) -> tuple:
