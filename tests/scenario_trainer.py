@@ -209,7 +209,29 @@ def run(root: str) -> dict:
     out.update(_critic_warmup(placement))
     out.update(_mixture_of_experts())
     out.update(_routing_replay(root))
+    out.update(_moe_learns())
     return out
+
+
+MOE_LEARNING_ITERATIONS = 12
+
+
+def _moe_learns() -> dict:
+    """The main job's trainer built from ``--actor-model tiny-moe --critic-model tiny-moe-critic --routing-replay
+    --recompute-logprobs`` on the built-in plan of 4 ranks (EP2 in every task but generation), the synthetic
+    task's gold rule as the reward: each iteration's metrics, and the plan's layouts."""
+    from rlhf.ppo.arguments import parse_args
+    from rlhf.ppo.job import build_trainer
+    from rlhf.ppo.layout import build_placement
+
+    config = parse_args(["--actor-model", "tiny-moe", "--critic-model", "tiny-moe-critic", "--routing-replay",
+                         "--recompute-logprobs", "--iterations", str(MOE_LEARNING_ITERATIONS),
+                         "--reward-fn", "rlhf.data.synthetic:gold_reward", "--no-progress"])
+    placement = build_placement(config, dist.get_world_size())
+    trainer = build_trainer(config, placement)
+    return {"moe_learning": [{k: float(v) for k, v in trainer.step().metrics.items()}
+                             for _ in range(MOE_LEARNING_ITERATIONS)],
+            "moe_learning_plan": {task: str(mesh.strategy) for task, mesh in placement.meshes.items()}}
 
 
 MOE_MODELS = tuple(replace(cfg, qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)

@@ -145,23 +145,3 @@ def test_other_ranks_outwait_the_first_ranks_flag_error(flags):
         _, err = other.communicate()
     assert err == ""  # and it prints nothing itself
 
-
-def test_tiny_default_learns_with_a_mixture_of_experts_actor_and_critic(tmp_path):
-    """--actor-model tiny-moe --critic-model tiny-moe-critic with --routing-replay on 4 ranks: the built-in plan
-    splits the experts over EP2 in every task but generation (training at tp 1); 12 iterations, the gold reward
-    of the last 6 above the first 6's by more than 3 standard errors (docs/moe.md: 0.16 -> 0.95 over 30);
-    the load-balancing loss and the routing agreement logged, mismatch_kl at rounding with replay."""
-    from rlhf.testing.learning import rise_in_standard_errors
-
-    metrics = tmp_path / "metrics.jsonl"
-    out = _torchrun("--actor-model", "tiny-moe", "--critic-model", "tiny-moe-critic", "--routing-replay",
-                    "--recompute-logprobs", "--iterations", "12", "--no-progress", "--metrics-file", str(metrics))
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert "  actor_train   ranks [0, 1, 2, 3] dp2xpp2xtp1xep2" in lines
-    assert "  critic_inf    ranks [0, 1, 2, 3] dp2xpp1xtp2xep2" in lines
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert rise_in_standard_errors([r["gold_reward_mean"] for r in records], window=6) > 3
-    assert all(0 < r["actor_load_balancing_loss"] < 0.01 * 2 * 4 for r in records)
-    assert all(0 < r["routing_agreement"] <= 1 for r in records)
-    assert all(r["mismatch_kl"] < 1e-4 for r in records)
