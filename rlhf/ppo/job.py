@@ -37,8 +37,8 @@ from rlhf.config import ConfigError, LoggingConfig, RunConfig
 from rlhf.data import (PreferenceDataset, PreferenceDatasetConfig, PromptBatchIterator, PromptDataError,
                        PromptDataset, Tokenizer, checked_tokenizer)
 from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset, preference_pairs
-from rlhf.ppo.arguments import tokenizer_name
 from rlhf.ppo import reward_cache
+from rlhf.ppo.arguments import tokenizer_name
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.reward_fn import describe_rewards, job_reward_fn
 from rlhf.ppo.trainer import Trainer
