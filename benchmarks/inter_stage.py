@@ -177,6 +177,12 @@ def sleep_rank(lengths: list, threshold: float, repeats: int) -> dict:
     def infer(count: int) -> None:
         time.sleep(count * SLEEP_COST.infer_s)
 
+    class SleepInference:
+        """The runner `InterStageFusion.infer_early` drives: each task's part sleeps its samples' inference."""
+
+        def infer(self, task: str, part) -> None:
+            infer(len(part))
+
     def unfused() -> None:
         engine = SleepEngine(SLEEP_COST)
         for request in requests:
@@ -187,10 +193,10 @@ def sleep_rank(lengths: list, threshold: float, repeats: int) -> dict:
         infer(len(shares(SLEEP_BATCH, 4)[g.coord.dp]))
 
     def fused() -> dict:
-        fusion = InterStageFusion(config, placement, [("ref_inf", "ref_logprobs")], SLEEP_COST.b_sat)
+        fusion = InterStageFusion(config, placement, ["ref_inf"], SLEEP_COST.b_sat)
         fusion.start_iteration()
         out = fusion.generate(SleepEngine(SLEEP_COST), requests, g)
-        early = fusion.infer_early(out, _Samples, lambda task, part, index: infer(len(part)) or {})
+        early = fusion.infer_early(out, _Samples, SleepInference())
         _, early = fusion.gather(out.samples, early, out)
         done = early.done.get("ref_inf", set())
         infer(len(shares(SLEEP_BATCH - len(done), 4)[g.coord.dp]))
