@@ -21,8 +21,14 @@ message between two ranks under one tag (gloo then pairs them by order, as
 NCCL does).
 
 Usage: ``python benchmarks/fused_pipeline.py [--unit-ms 40] [--repeats 3]
-[--tags per_message|per_pair] [--trace-dir DIR]`` (DIR receives Chrome
-traces, open in ui.perfetto.dev).
+[--tags per_message|per_pair] [--trace-dir DIR] [--skip-real]`` (DIR receives
+Chrome traces, open in ui.perfetto.dev). Small values (``--unit-ms 5 --repeats
+1``) make a quick check that it runs.
+
+The last line is the summary: ``fused_pipeline: sleep_speedup=<measured>/<predicted>
+sleep_within_10pct=<k>/2 real_speedup=<measured>/<predicted> real_bubbles=<serial>-><annealed>``
+(fused over serial 1F1B; the mean bubble fraction over ranks; the real fields
+``n/a`` with --skip-real).
 """
 from __future__ import annotations
 
@@ -200,6 +206,12 @@ def real_rank(repeats: int, tags: str, trace_dir=None) -> dict:
 
 
 # -- report ------------------------------------------------------------------------
+def _speedup(res: dict) -> str:
+    """``measured/predicted`` fused-over-serial speedup of a mode's makespans."""
+    (ps, ms), (pf, mf) = res["serial_1f1b"], res["annealed"]
+    return f"{ms / mf:.3f}/{ps / pf:.3f}"
+
+
 def _print_makespans(title: str, res: dict, check: bool = True) -> None:
     print(title)
     print(f"  {'schedule':<12} {'predicted ms':>12} {'measured ms':>12} {'meas/pred':>10}"
@@ -239,7 +251,10 @@ def main(argv=None) -> None:
                      f"median of {args.repeats}):", sleep)
     print("  early receive buffers per rank (order matching): "
           + "; ".join(f"{label} {b}" for label, b in sleep["buffers"].items()))
+    within = sum(abs(meas / pred - 1) <= 0.10 for pred, meas in (sleep[k] for k in ("serial_1f1b", "annealed")))
+    summary = f"fused_pipeline: sleep_speedup={_speedup(sleep)} sleep_within_10pct={within}/2"
     if args.skip_real:
+        print(f"{summary} real_speedup=n/a real_bubbles=n/a")
         return
     real = launch(4, "fused_pipeline:real_rank", repeats=args.repeats, tags=args.tags,
                   trace_dir=args.trace_dir)[0]
@@ -256,6 +271,10 @@ def main(argv=None) -> None:
         print(f"  {label:<12} " + "  ".join(f"rank{r} {b[r]:.3f}" for r in sorted(b))
               + f"   mean {statistics.mean(b.values()):.3f}")
     print(f"  early receive buffers per rank, annealed: {real['buffers']}")
+    bubbles = {k: statistics.mean(real[k]["bubbles"].values()) for k in ("serial_1f1b", "annealed")}
+    print(f"{summary} real_speedup="
+          f"{_speedup({k: (real[k]['predicted_s'], real[k]['measured_s']) for k in ('serial_1f1b', 'annealed')})} "
+          f"real_bubbles={bubbles['serial_1f1b']:.3f}->{bubbles['annealed']:.3f}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,15 @@ Prints, side by side in one run: wall time of each (median of repeats), their
 ratio, and peak extra memory of each, for B=64 and T in {1024, 4096, 16384}
 (mixed response lengths in [T/2, T], with masked spans inside responses).
 
-    python benchmarks/gae.py [--sweep-blocks] [--default-malloc]
+    python benchmarks/gae.py [--sweep-blocks] [--default-malloc] [--quick]
+
+``--quick`` (a check that it runs, not a measurement) shrinks T to {256, 1024} and
+the side-by-side timing to 2 rounds (instead of 10, 6 for T > 4096), and with
+--sweep-blocks times each block size 3 times instead of 30.
+
+The last line is the summary: ``gae: T=<T> ratio=<r>x loop_mib=<a> matrix_mib=<b>,
+...`` per T, then ``max_rel_err=<e>`` (r: loop time over matrix time, the minima;
+a, b: peak MiB per call; e: the largest relative error of the matrix form).
 
 Memory method: a TorchDispatchMode sees every tensor produced by an ATen op
 during one call (composite ops included) and counts its storage bytes until
@@ -37,6 +45,7 @@ from rlhf.algorithms.gae import DEFAULT_BLOCK, compute_gae
 from rlhf.testing.reference import gae_loop
 
 GAMMA, LAM, BATCH = 0.99, 0.95, 64
+LENGTHS, QUICK_LENGTHS = (1024, 4096, 16384), (256, 1024)
 _MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
@@ -114,27 +123,32 @@ def peak_mib(fn) -> float:
     return tracker.peak / 2**20
 
 
-def compare(length: int) -> None:
+def compare(length: int, rounds: int | None = None) -> dict:
+    """Print one T's row; returns its ratio, memories and error for the summary line.  ``rounds``:
+    side-by-side timing rounds (default 6 for T > 4096, else 10)."""
     rewards, values, mask = make_inputs(length)
     loop = lambda: gae_loop(rewards, values, mask, GAMMA, LAM)  # noqa: E731
     matrix = lambda: compute_gae(rewards, values, mask, GAMMA, LAM)  # noqa: E731
     reference = loop()[0]
     err = (reference - matrix()[0]).abs().max() / reference.abs().max()
-    (loop_ms, loop_med), (matrix_ms, matrix_med) = time_side_by_side(loop, matrix, 6 if length > 4096 else 10)
+    (loop_ms, loop_med), (matrix_ms, matrix_med) = time_side_by_side(
+        loop, matrix, rounds or (6 if length > 4096 else 10))
     loop_mem, matrix_mem = peak_mib(loop), peak_mib(matrix)
     print(
         f"{length:>6} | {loop_ms:8.2f} ({loop_med:8.2f}) | {matrix_ms:6.3f} ({matrix_med:6.3f}) | "
         f"{loop_ms / matrix_ms:6.1f}x | {loop_mem:8.2f} | {matrix_mem:8.2f} | {err:.1e}"
     )
+    return {"ratio": loop_ms / matrix_ms, "loop_mib": loop_mem, "matrix_mib": matrix_mem, "err": float(err)}
 
 
-def sweep_blocks() -> None:
-    print("\nmatrix time (ms, min of 30) by block size K")
+def sweep_blocks(lengths=LENGTHS, repeats: int = 30) -> None:
+    print(f"\nmatrix time (ms, min of {repeats}) by block size K")
     blocks = (16, 32, 64, 128, 256)
     print("     T | " + " | ".join(f"K={k:<5}" for k in blocks))
-    for length in (1024, 4096, 16384):
+    for length in lengths:
         rewards, values, mask = make_inputs(length)
-        row = [time_ms(lambda: compute_gae(rewards, values, mask, GAMMA, LAM, block=k), 30)[0] for k in blocks]
+        row = [time_ms(lambda: compute_gae(rewards, values, mask, GAMMA, LAM, block=k), repeats)[0]
+               for k in blocks]
         print(f"{length:>6} | " + " | ".join(f"{ms:7.3f}" for ms in row))
 
 
@@ -145,7 +159,11 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true",
                         help="keep glibc's default trimming instead of re-executing with raised "
                              "MALLOC_*_THRESHOLD_ (see the module docstring)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a check that it runs, not a measurement: T in {256, 1024} instead of {1024, 4096, "
+                             "16384}, 2 timing rounds per T, 3 repeats per block size with --sweep-blocks")
     args = parser.parse_args()
+    lengths = QUICK_LENGTHS if args.quick else LENGTHS
     if not args.default_malloc and any(os.environ.get(k) != v for k, v in _MALLOC_ENV.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **_MALLOC_ENV})
     allocator = "glibc default" if args.default_malloc else "glibc, trim/mmap thresholds raised"
@@ -156,11 +174,13 @@ def main() -> None:
     print(f"B={BATCH}, gamma={GAMMA}, lam={LAM}, block={DEFAULT_BLOCK}; memory = peak tensor bytes per call")
     print("load average (1 min) at the start: %.2f" % os.getloadavg()[0])
     print("     T | loop ms min (median) | matrix ms min (median) |  ratio  | loop MiB | matrix MiB | max rel err")
-    for length in (1024, 4096, 16384):
-        compare(length)
+    rows = {length: compare(length, 2 if args.quick else None) for length in lengths}
     print("load average (1 min) at the end: %.2f on %d cores" % (os.getloadavg()[0], os.cpu_count()))
     if args.sweep_blocks:
-        sweep_blocks()
+        sweep_blocks(lengths, 3 if args.quick else 30)
+    print("gae: " + ", ".join(f"T={length} ratio={r['ratio']:.1f}x loop_mib={r['loop_mib']:.2f} "
+                              f"matrix_mib={r['matrix_mib']:.2f}" for length, r in rows.items())
+          + f" max_rel_err={max(r['err'] for r in rows.values()):.1e}")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ model, rlhf/planner/cost.py ``task_memory``, at the job's precision) for the sam
 per case and part, the heaviest rank's measured and predicted bytes and their ratio, then the same for
 each rank's total; docs/planner.md, "Memory: predicted against measured", has a run.
 
-    python benchmarks/memory.py [--iterations 1] [--smollm2]
+    python benchmarks/memory.py [--iterations 1] [--smollm2] [--bf16] [--no-tiny] [--quick]
 
 ``--smollm2`` adds SmolLM2-135M's shape (random weights) on 1, 2 and 4 ranks; ``--bf16`` runs every
-case in bf16; ``--no-tiny`` leaves the tiny default's cases out. The last line is the summary,
+case in bf16; ``--no-tiny`` leaves the tiny default's cases out. ``--quick`` (a check that it runs, not
+a measurement) runs the tiny default's cases with SMALL_BATCH's flags, as the SmolLM2 cases run: 4
+prompts x 2 samples, and the synthetic task's gold rule as the reward instead of a reward model
+trained at start-up (so no reward model is resident). The last line is the summary,
 e.g. ``memory: predicted / measured total per rank 0.99-1.01 over 4 placements``.
 """
 from __future__ import annotations
@@ -34,13 +37,15 @@ SMOLLM2_4_RANKS = ["--actor-train", "tp=1,pp=2,dp=2", "--actor-gen", "tp=1,dp=4"
 """The built-in 4-rank plan with tp 1 wherever it has 2: SmolLM2's 9 heads admit no tp=2."""
 
 
-def cases(tiny: bool, smollm2: bool, precision: list) -> list:
-    """(name, world size, flags) of the placements compared, each run with the ``precision`` flags."""
-    out = []
+def cases(tiny: bool, smollm2: bool, precision: list, quick: bool = False) -> list:
+    """(name, world size, flags) of the placements compared, each run with the ``precision`` flags
+    (and SMALL_BATCH's with ``quick``)."""
+    out, small = [], (SMALL_BATCH if quick else [])
     if tiny:
-        out += [("tiny, built-in 4-rank plan", 4, []),
-                ("tiny, 2 ranks data parallel", 2, []),
-                ("tiny, 1 rank, full recompute", 1, ["--recompute-granularity", "full"])]
+        label = ", small batch, gold reward" if quick else ""
+        out += [(f"tiny{label}, built-in 4-rank plan", 4, [*small]),
+                (f"tiny{label}, 2 ranks data parallel", 2, [*small]),
+                (f"tiny{label}, 1 rank, full recompute", 1, ["--recompute-granularity", "full", *small])]
     if smollm2:
         shape = Path(tempfile.mkdtemp(prefix="memory_bench_")) / "smollm2.json"
         shape.write_text(json.dumps(SMOLLM2_SHAPE))
@@ -98,10 +103,14 @@ def main(argv=None) -> None:
     parser.add_argument("--smollm2", action="store_true", help="add SmolLM2-135M's shape on 1, 2 and 4 ranks")
     parser.add_argument("--no-tiny", dest="tiny", action="store_false", help="leave out the tiny default's cases")
     parser.add_argument("--bf16", action="store_true", help="run every case with --bf16 (docs/precision.md)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a check that it runs, not a measurement: the tiny cases with 4 prompts x 2 samples "
+                             "and the gold rule as the reward (no reward model trained at start-up), as the "
+                             "SmolLM2 cases run")
     args = parser.parse_args(argv)
     precision = ["--bf16"] if args.bf16 else []
     ratios = [compare(name, world, flags, args.iterations)
-              for name, world, flags in cases(args.tiny, args.smollm2, precision)]
+              for name, world, flags in cases(args.tiny, args.smollm2, precision, args.quick)]
     print(f"memory: predicted / measured total per rank {min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} "
           "placements")
 

@@ -41,9 +41,12 @@
 
     python benchmarks/planner.py [--real-only] [--real-tables FILE]
                                  [--cpu-runs [--record FILE] | --measured FILE] [--iterations 5] [--warmup 2]
-                                 [--rounds 3]
+                                 [--rounds 3] [--quick]
 
 ``--real-only`` runs (a) and (b) alone (the 70B search takes minutes on 2 cores).
+``--quick`` (a check that it runs, not a measurement) leaves the 70B+7B setting out of (b)'s search
+(about 45 s on 2 cores; 7B+7B's runs) and searches (e) with ``PlacementSearchConfig(options=1)``
+(one option per task instead of 3: about 1 s instead of 8).
 The last line is the summary:
 ``planner: table1=<k>/4 table6=<k>/4 hybridflow=<k/2|n/a> cpu_rank_agreement=<yes|no|n/a> max_cpu_error=<x|n/a>
 real_percall_median_error=<y>`` (y: the median of every held-out call's relative error, all four choices).
@@ -149,10 +152,11 @@ def real_held_out(app: RealAppendix) -> tuple[list, str]:
     return fits, f"{overall:.3f}"
 
 
-def real_search(app: RealAppendix, fits: list) -> None:
+def real_search(app: RealAppendix, fits: list, settings: tuple | None = None) -> None:
+    """The planner's search per setting (all, or ``settings``: ``7B+7B`` ...) beside ReaL's plans."""
     print("(b) the planner's own search beside ReaL's plans, all predicted by the file calibrated on the "
-          "setting's heuristic plan")
-    for s in search_beside_real(app, fits):
+          "setting's heuristic plan" + (f" (settings {', '.join(settings)} only)" if settings else ""))
+    for s in search_beside_real(app, fits, settings=settings):
         print(f"    {s.setting} ({s.best.plan.name.split(' [')[0]} at micro-batches of {s.micro_batch_size}): "
               f"planner {s.best.seconds:.1f} s; " + "; ".join(f"{n} {sec:.1f} s" for n, sec in s.real.items()))
         print(f"      planner: {s.best.plan.describe()}")
@@ -182,13 +186,16 @@ def hybridflow() -> int:
     return hits
 
 
-def inter_stage() -> None:
+def inter_stage(options: int = PlacementSearchConfig.options) -> None:
+    """(e), searching with ``options`` options per task (PlacementSearchConfig)."""
     print("(e) inter-stage fusion in the search: 7B/7B on 2 x 8 H100, 512 samples of 512 + up to 1024 tokens, "
-          "lengths lognormal around 128")
+          "lengths lognormal around 128" + ("" if options == PlacementSearchConfig.options
+                                            else f" ({options} option(s) per task)"))
     models = {m: LLAMA_SHAPES["llama-7b"] for m in ("actor", "reference", "reward", "critic")}
     wl = Workload(512, 512, 1024, 4, 4, long_tail_median=128)
     best = {fused: search_placements(models, wl, HARDWARE_PRESETS["h100"], Cluster(2, 8),
-                                     PlacementSearchConfig(fuse_generation=fused)).best for fused in (False, True)}
+                                     PlacementSearchConfig(options=options, fuse_generation=fused)).best
+            for fused in (False, True)}
     for fused, ev in best.items():
         st = stage_seconds(ev)
         r = f", R={ev.migration_threshold:g}" if ev.plan.fuse_generation else ""
@@ -343,9 +350,9 @@ def cpu_table(table: dict) -> tuple[str, str]:
     return ("yes" if agree else "no"), f"{max(errors):.3f}"
 
 
-def real_part(path: Path) -> tuple[int, int, str]:
+def real_part(path: Path, search_settings: tuple | None = None) -> tuple[int, int, str]:
     """(a) and (b): (Table 1 hits, Table 6 hits, the held-out calls' median error); none when the tables are
-    not readable."""
+    not readable. ``search_settings``: the settings the planner searches (default all)."""
     try:
         app = load_appendix(path)
     except PlannerError as exc:
@@ -353,7 +360,7 @@ def real_part(path: Path) -> tuple[int, int, str]:
         return 0, 0, "n/a"
     t1, t6 = table1(app), table6(app)
     fits, median = real_held_out(app)
-    real_search(app, fits)
+    real_search(app, fits, search_settings)
     return t1, t6, median
 
 
@@ -389,12 +396,15 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed iterations before them in (d)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="in (d), measure every placement this many times, interleaved; report the median")
+    ap.add_argument("--quick", action="store_true",
+                    help="a check that it runs, not a measurement: (b)'s search for 7B+7B only (not 70B+7B), (e) "
+                         "searched with one option per task")
     args = ap.parse_args(argv)
-    t1, t6, median = real_part(args.real_tables)
+    t1, t6, median = real_part(args.real_tables, ("7B+7B",) if args.quick else None)
     hf, agree, error = "n/a", "n/a", "n/a"
     if not args.real_only:
         hf = f"{hybridflow()}/2"
-        inter_stage()
+        inter_stage(1 if args.quick else PlacementSearchConfig.options)
         agree, error = cpu_part(args)
     print(f"planner: table1={t1}/4 table6={t6}/4 hybridflow={hf} cpu_rank_agreement={agree} max_cpu_error={error} "
           f"real_percall_median_error={median}")
