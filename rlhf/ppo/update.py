@@ -27,6 +27,7 @@ from rlhf.algorithms.losses import (loss_denominator, loss_numerator, policy_los
 from rlhf.batch import Batch
 from rlhf.config import ConfigError
 from rlhf.metrics import StageTimer
+from rlhf.models import moe
 from rlhf.models.logprobs import vocab_parallel_entropy
 from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.parallel import Placement
@@ -348,8 +349,6 @@ def moe_metrics(name: str, cfg, model, g: TaskGroups, forwards: int) -> dict:
     forwards read the engine's routing, ``routing_agreement`` (the fraction of (token, layer) choices
     where the model's own top-k set equals the engine's, over the tokens the engine computed). Collective over
     the model's mesh; one TP rank of each stage counts (its TP peers route the same tokens alike)."""
-    from rlhf.models import moe
-
     counts = g.tp_rank == 0
     aux = moe.aux_losses(model)
     agree, counted = moe.routing_agreement(model)
