@@ -13,7 +13,7 @@ metrics and the saved fp32 main weights of the two must agree.
 import torch
 import torch.distributed as dist
 
-from rlhf.checkpoint.rlhf_state import read_full_state
+from rlhf.checkpoint.sources import read_full_state
 from rlhf.models.precision import PrecisionConfig
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups

@@ -20,9 +20,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.checkpoint.hf import (HFConversionError, export_hf, export_saved_model, fuse_qkv, hf_config_dict,
-                               hf_sources, read_hf_config, read_hf_state, split_qkv)
-from rlhf.checkpoint.rlhf_state import read_full_state
+from rlhf.checkpoint.convert import export_saved_model
+from rlhf.checkpoint.hf import (HFConversionError, export_hf, fuse_qkv, hf_config_dict, hf_sources, read_hf_config,
+                               read_hf_state, split_qkv)
+from rlhf.checkpoint.sources import read_full_state
 from rlhf.models import ModelConfig
 from rlhf.models.naming import owning_stage
 from rlhf.models.config import padded_vocab_size

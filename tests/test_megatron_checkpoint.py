@@ -34,8 +34,8 @@ import torch
 
 from rlhf.ppo.arguments import parse_args
 from rlhf.checkpoint.megatron import MegatronCheckpointError, model_shapes, open_megatron, read_megatron_state
-from rlhf.checkpoint.rlhf_state import read_full_state, save_model
-from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
+from rlhf.checkpoint.rlhf_state import save_model
+from rlhf.checkpoint.sources import ModelSourceError, open_source, read_full_state, read_weights
 from rlhf.cli import UsageError
 from rlhf.models.config import ModelConfig
 from rlhf.testing.distributed import launch

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from rlhf.checkpoint import CheckpointError
-from rlhf.checkpoint.rlhf_state import load_rlhf_state, read_full_state
+from rlhf.checkpoint.rlhf_state import load_rlhf_state
+from rlhf.checkpoint.sources import read_full_state
 from rlhf.testing.distributed import launch
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -310,7 +310,7 @@ def test_interrupted_conversion_leaves_no_cache(tmp_path, monkeypatch):
 def test_gguf_to_ours_imports_the_converted_directory(tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rlhf.checkpoint.rlhf_state import read_full_state
+    from rlhf.checkpoint.sources import read_full_state
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

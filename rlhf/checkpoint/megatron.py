@@ -53,6 +53,9 @@ resolves only torch.distributed.checkpoint's metadata classes, ``torch.Size``
 and dtypes. Anything else is refused before it is built. The tensor chunks
 are read with ``torch.load(weights_only=True)``; TransformerEngine's pickled
 ``_extra_state`` entries are never read (docs/megatron_checkpoints.md).
+
+A format module: it imports nothing of rlhf.checkpoint; sources.py and the conversions to and from
+HF and ours (convert.py) sit above it.
 """
 
 from __future__ import annotations
@@ -72,10 +75,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rlhf.checkpoint import storage
-from rlhf.checkpoint.hf import export_hf
-from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR, read_full_state, save_model
-from rlhf.data.tokenizer import copy_tokenizer_files
 from rlhf.models.config import ModelConfig, ModelConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -640,7 +639,7 @@ def save_megatron(out: str, cfg: ModelConfig, role: str, full: dict[str, torch.T
     import torch.distributed.checkpoint as dcp
 
     path = os.path.join(out, f"iter_{iteration:07d}")
-    _check_new(path)
+    check_new_path(path)
     tied = (cfg.tie_embeddings and role == "lm"
             and torch.equal(full["output_layer.weight"], full["embedding.word_embeddings.weight"]))
     tensors = _megatron_state(cfg, role, full, tied)
@@ -659,7 +658,8 @@ def save_megatron(out: str, cfg: ModelConfig, role: str, full: dict[str, torch.T
     return path
 
 
-def _check_new(path: str) -> None:
+def check_new_path(path: str) -> None:
+    """MegatronCheckpointError if ``path`` (a checkpoint's iteration directory about to be written) exists."""
     if os.path.exists(path):
         raise MegatronCheckpointError(f"{path}: already exists; give another output directory or iteration")
 
@@ -703,36 +703,3 @@ def _megatron_state(cfg: ModelConfig, role: str, full: dict, tied: bool) -> dict
                 out[f"{_LAYERS}{_SAVED_EXPERTS}{fc}._extra_state/shard_{i}.{e}_{layers}.{experts}"] = [None]
     return out
 
-
-# --------------------------------------------------------------------------- conversions
-def megatron_to_hf(src: str, out: str, family: str | None = None) -> str:
-    """Export Megatron-LM checkpoint directory ``src`` as an HF directory loadable by transformers (a value
-    model as ``*ForSequenceClassification``), with its tokenizer files if it saved any; returns ``out``."""
-    ckpt = open_megatron(src)
-    kind = "sequence_classification" if ckpt.role == "value" else "causal_lm"
-    export_hf(out, ckpt.config, read_megatron_state(ckpt), kind=kind, family=family)
-    copy_tokenizer_files(ckpt.tokenizer_dir(), out)
-    return out
-
-
-def megatron_to_ours(src: str, out: str, model_name: str = "actor", iteration: int | None = None) -> str:
-    """Import Megatron-LM checkpoint directory ``src`` as model ``model_name`` of a new checkpoint of ours
-    (iteration: the Megatron-LM one unless given); returns its directory."""
-    ckpt = open_megatron(src)
-    iteration = ckpt.iteration if iteration is None else iteration
-    _check_new(storage.checkpoint_path(out, iteration))
-    path = save_model(out, iteration, model_name, ckpt.config, ckpt.role, read_megatron_state(ckpt),
-                      {"converted_from": os.path.abspath(ckpt.path), "format": "megatron-lm torch_dist"})
-    copy_tokenizer_files(ckpt.tokenizer_dir(), os.path.join(out, TOKENIZER_DIR))
-    return path
-
-
-def ours_to_megatron(root: str, out: str, model_name: str = "actor", iteration: int | None = None) -> str:
-    """Export model ``model_name`` of our checkpoint root (``latest`` unless ``iteration``) as a Megatron-LM
-    checkpoint directory ``out`` of the same iteration, with ``<root>/tokenizer``; returns its iteration
-    directory."""
-    it = storage.resolve_checkpoint(root, iteration)
-    cfg, role, full = read_full_state(root, model_name, it)
-    path = save_megatron(out, cfg, role, full, it)
-    copy_tokenizer_files(os.path.join(root, TOKENIZER_DIR), os.path.join(path, "tokenizer"))
-    return path

@@ -12,6 +12,9 @@ and ours holds the same full tensors as ``decoder.layers.i.<megatron layer>.lora
 ``modules_to_save`` (LORA_MODULES_TO_SAVE) are saved under the HF name, ``base_model.model.lm_head.weight``
 (our ``output_layer.weight``), ``base_model.model.model.norm.weight`` and so on, without the vocabulary's
 padded rows.
+
+A format module: it imports nothing of rlhf.checkpoint; exporting a checkpoint's adapters and importing
+PEFT's onto an HF base are conversions (convert.py, above it).
 """
 
 from __future__ import annotations
@@ -188,35 +191,3 @@ def check_adapters(state: dict[str, torch.Tensor], config: LoRAConfig, model, wh
                                       f"{config.rank}, targets {','.join(config.target_modules)}, "
                                       f"{model.num_layers} layers) needs {expected.get(name, 'none')}")
 
-
-def export_peft(root: str, out: str, model_name: str = "actor", iteration: int | None = None) -> str:
-    """Model ``model_name`` of our checkpoint root ``root``'s adapters (and modules_to_save) as PEFT's files
-    in ``out``, loadable by ``peft.PeftModel.from_pretrained`` on its base (ours-to-hf); returns ``out``."""
-    from rlhf.checkpoint.rlhf_state import read_full_state, saved_lora_config
-
-    lora = saved_lora_config(root, model_name, iteration)
-    if lora is None:
-        raise PeftConversionError(f"--model-name {model_name}: the model in {root} has no LoRA adapters "
-                                  "(trained without --lora-rank)")
-    cfg, _, full = read_full_state(root, model_name, iteration, with_base=False)  # no base needed (nor read)
-    return save_peft(out, full, lora, vocab_size=cfg.vocab_size)
-
-
-def import_peft(peft_dir: str, hf_dir: str, out: str, model_name: str = "actor", iteration: int = 0) -> str:
-    """PEFT's adapter files in ``peft_dir`` on the HF causal LM ``hf_dir`` -> our checkpoint root ``out``
-    (its base, adapters and modules_to_save, and the LoRA config); returns the checkpoint directory."""
-    from rlhf.checkpoint.hf import read_hf_config, read_hf_state
-    from rlhf.checkpoint.rlhf_state import save_model
-
-    lora, state = load_peft(peft_dir)
-    info = read_hf_config(hf_dir)
-    check_adapters(state, lora, info.config, f"--peft {peft_dir} on --hf {hf_dir}")
-    full = read_hf_state(hf_dir, info, "lm")
-    for name, tensor in state.items():
-        if not _OURS.match(name):  # a module to save: its HF rows, padded as the base
-            if name not in full or tensor.shape[1:] != full[name].shape[1:] or len(tensor) > len(full[name]):
-                raise PeftConversionError(f"--peft {peft_dir}: {name} of shape {tuple(tensor.shape)} does not fit "
-                                          f"the model's {tuple(full[name].shape) if name in full else 'nothing'}")
-            tensor = torch.cat([tensor.to(full[name].dtype), full[name][len(tensor):]])
-        full[name] = tensor
-    return save_model(out, iteration, model_name, info.config, "lm", full, lora=lora)

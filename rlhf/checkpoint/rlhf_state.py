@@ -36,7 +36,11 @@ critic's value head) and their optimizer state; its meta's ``"base"`` records wh
 from (``ModelSlot.base_source``: the starting model's directory, None for weights given in memory or drawn
 at random) and the sha256 and shape of every frozen tensor (full, without vocabulary padding, as fp32), so
 that loading it into a model whose base differs is refused (:class:`BaseMismatchError`), and so that
-:func:`read_full_state` can fill the base in from the source for exports.
+:func:`rlhf.checkpoint.sources.read_full_state` can fill the base in from the source for exports
+(:func:`read_saved_state` reads what the checkpoint holds and says which base tensors it lacks).
+
+A format module: of rlhf.checkpoint it imports only storage and rng; sources.py and the conversions
+(convert.py) sit above it.
 """
 
 from __future__ import annotations
@@ -310,26 +314,60 @@ def _read_stage_tensors(path: str, model_name: str, pp: int, num_layers: int,
     return out
 
 
-def read_full_state(root: str, model_name: str, iteration: Optional[int] = None, names=None,
-                    with_base: bool = True) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
-    """(config, role, full weights by global name) of one saved model, in this process alone.
+@dataclass(frozen=True)
+class MissingBase:
+    """The frozen tensors a read asked for that a base-free LoRA checkpoint left out: where the run that saved
+    it took its base from (``source``: a model directory, None for a base given in memory) and their recorded
+    digests (name -> {"shape", "sha256"})."""
 
-    ``names`` limits what is read (default: every weight of the model). A LoRA model saved without its base
-    gets its frozen tensors from the recorded base source, checked against the recorded digests (unless
-    ``with_base`` is False: then only what the checkpoint holds); :class:`BaseMismatchError` when that
-    cannot be done.
+    path: str
+    model_name: str
+    source: Optional[str]
+    digests: dict
+
+    @property
+    def _what(self) -> str:
+        return f"checkpoint {self.path}: model {self.model_name!r} holds its LoRA adapters, not its frozen base"
+
+    def source_dir(self) -> str:
+        """The recorded base directory to read the tensors from; BaseMismatchError when none was recorded."""
+        if self.source is None:
+            raise BaseMismatchError(f"{self._what}, and the run that saved it was given its base in memory (no "
+                                    "model directory recorded); nothing to read the base from")
+        return self.source
+
+    def unreadable(self, problem: Exception) -> BaseMismatchError:
+        """The error for a recorded base that could not be read (``problem``: why)."""
+        return BaseMismatchError(f"{self._what}; reading it from the recorded base {self.source} failed: {problem}")
+
+    def verify(self, full: Mapping[str, torch.Tensor]) -> None:
+        """BaseMismatchError unless ``full`` (read from the recorded base) holds every wanted tensor as
+        recorded."""
+        for name, saved in self.digests.items():
+            problem = _base_differs(name, base_digest(full[name]), saved)
+            if problem:
+                raise BaseMismatchError(f"{self._what}; the recorded base {self.source} has changed since: {problem}")
+
+
+def read_saved_state(root: str, model_name: str, iteration: Optional[int] = None, names=None
+                     ) -> tuple[ModelConfig, str, dict[str, torch.Tensor], Optional[MissingBase]]:
+    """(config, role, the tensors the checkpoint holds by global name, the frozen tensors it left out) of one
+    saved model, in this process alone.
+
+    ``names`` limits what is read (default: every weight of the model). The last item is None unless a LoRA
+    model saved without its base lacks some of ``names``: filling those in is
+    :func:`rlhf.checkpoint.sources.read_full_state`'s.
     """
     path, meta = _resolve_model(root, model_name, iteration)
     cfg = ModelConfig.from_dict(meta["config"])
     base = saved_base(path, model_name, meta)
     stored = _all_names(path, model_name, meta["pp"])
     if names is None:
-        names = stored + (sorted(base) if with_base else [])
+        names = stored + sorted(base)
     full = _read_stage_tensors(path, model_name, meta["pp"], cfg.num_layers, [(n, n) for n in names if n in stored])
-    wanted = [n for n in names if n in base] if with_base else []
-    if wanted:
-        full.update(_read_base(path, model_name, meta["base"]["source"], base, wanted))
-    return cfg, meta["role"], full
+    wanted = {n: base[n] for n in names if n in base}
+    missing = MissingBase(path, model_name, meta["base"]["source"], wanted) if wanted else None
+    return cfg, meta["role"], full, missing
 
 
 def saved_base(path: str, model_name: str, meta: dict) -> dict:
@@ -341,29 +379,6 @@ def saved_base(path: str, model_name: str, meta: dict) -> dict:
     for stage in range(meta["pp"]):
         out.update(_read_json(path, shard_name(model_name, stage, meta["pp"]) + "_meta.json")["base"]["tensors"])
     return out
-
-
-def _read_base(path: str, model_name: str, source: Optional[str], base: dict, names: list) -> dict:
-    """The frozen tensors ``names`` of a base-free LoRA checkpoint, read from its recorded ``source`` and
-    checked against the recorded digests ``base``."""
-    from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights  # sources imports this module
-
-    what = f"checkpoint {path}: model {model_name!r} holds its LoRA adapters, not its frozen base"
-    if source is None:
-        raise BaseMismatchError(f"{what}, and the run that saved it was given its base in memory (no model "
-                                "directory recorded); nothing to read the base from")
-    try:
-        full = read_weights(open_source(source, model_name if model_name in MODEL_PARTS else "actor"), names, 0)
-    except ModelSourceError as e:
-        raise BaseMismatchError(f"{what}; reading it from the recorded base {source} failed: {e}") from None
-    for name in names:
-        problem = _base_differs(name, base_digest(full[name]), base[name])
-        if problem:
-            raise BaseMismatchError(f"{what}; the recorded base {source} has changed since: {problem}")
-    return full
-
-
-MODEL_PARTS = ("actor", "reference", "critic", "reward")
 
 
 def _base_differs(name: str, now: dict, saved: dict) -> Optional[str]:

@@ -3,7 +3,8 @@
 Python ``random``, numpy's global RNG and torch's CPU RNG always; any other
 generator (the accelerator's, megatron's tracker...) through an :class:`RngHook`.
 Storage (:mod:`rlhf.checkpoint.storage`) writes the result as a per-rank JSON
-file, e.g. ``json_files={f"rng_rank{r}": capture_rng_state()}``.
+file, e.g. ``json_files={f"rng_rank{r}": capture_rng_state()}``. Of rlhf.checkpoint it imports only
+storage's error class.
 """
 from __future__ import annotations
 

@@ -25,7 +25,11 @@ gives; ``tools/convert_checkpoint.py --role value`` draws the same one.
 
 Whatever opens a model directory goes through :func:`open_source` and
 :func:`read_weights`: the job's parts, and one unsharded LM for the inference
-tools (rlhf/checkpoint/loading.py).
+tools (rlhf/checkpoint/loading.py). :func:`read_full_state` reads one model of
+our checkpoint whole, a LoRA checkpoint's frozen base from the directory it recorded.
+
+This module sits above the format modules (hf.py, megatron.py, rlhf_state.py), which never import it;
+loading.py and the cross-format conversions (convert.py) sit above it.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import torch
 from rlhf.checkpoint import storage
 from rlhf.checkpoint.hf import HFConversionError, is_hf_dir, read_hf_config, read_hf_state
 from rlhf.checkpoint.megatron import MegatronCheckpointError, is_megatron_dir, open_megatron, read_megatron_state
-from rlhf.checkpoint.rlhf_state import (TOKENIZER_DIR, read_full_state, saved_lora_config, saved_model_config,
+from rlhf.checkpoint.rlhf_state import (TOKENIZER_DIR, read_saved_state, saved_lora_config, saved_model_config,
                                         saved_models)
 from rlhf.data.tokenizer import is_tokenizer_dir
 from rlhf.models.config import ModelConfig
@@ -209,3 +213,24 @@ def read_weights(source: ModelSource, names: list[str], head_seed: int) -> dict[
     if source.new_head and HEAD in names:
         full[HEAD] = new_value_head(source.config, head_seed)
     return full
+
+
+def read_full_state(root: str, model_name: str, iteration: int | None = None, names=None,
+                    with_base: bool = True) -> tuple[ModelConfig, str, dict[str, torch.Tensor]]:
+    """(config, role, full weights by global name) of one model of our checkpoint root, in this process alone.
+
+    ``names`` limits what is read (default: every weight of the model). A LoRA model saved without its base
+    gets its frozen tensors from the recorded base source, checked against the recorded digests (unless
+    ``with_base`` is False: then only what the checkpoint holds); BaseMismatchError when that cannot be done.
+    """
+    cfg, role, full, missing = read_saved_state(root, model_name, iteration, names)
+    if with_base and missing is not None:
+        source = missing.source_dir()
+        part = model_name if model_name in CHECKPOINT_NAMES else "actor"  # a model named as a part opens as it
+        try:
+            base = read_weights(open_source(source, part), list(missing.digests), 0)
+        except ModelSourceError as e:
+            raise missing.unreadable(e) from None
+        missing.verify(base)
+        full.update(base)
+    return cfg, role, full

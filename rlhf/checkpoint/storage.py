@@ -1,4 +1,5 @@
-"""Atomic, verified checkpoint storage (layout-agnostic).
+"""Atomic, verified checkpoint storage (layout-agnostic); the ground floor of rlhf.checkpoint (it imports none
+of it).
 
 This module owns how a checkpoint lands on disk and how it is found and
 checked again; *what* goes into it (which parameters, sharded how) belongs to

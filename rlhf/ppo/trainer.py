@@ -40,7 +40,7 @@ from rlhf.algorithms import (AdvantageInputs, compute_advantages, kl_estimate, m
                              masked_var, token_rewards)
 from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.batch import Batch
-from rlhf.checkpoint.megatron import ours_to_megatron
+from rlhf.checkpoint.convert import ours_to_megatron
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.data.tokenizer import readable_text
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams, mixed_seed

@@ -25,7 +25,7 @@ import os
 
 import torch.distributed as dist
 
-from rlhf.checkpoint.hf import export_saved_model
+from rlhf.checkpoint.convert import export_saved_model
 from rlhf.checkpoint.rlhf_state import TOKENIZER_DIR
 from rlhf.checkpoint.sources import ModelSourceError, open_source, read_weights
 from rlhf.config import ConfigError
