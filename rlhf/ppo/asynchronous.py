@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,10 @@ from rlhf.batch import Batch
 from rlhf.parallel import Placement
 from rlhf.parallel.collectives import new_group
 from rlhf.parallel.exchange import first_rank
+from rlhf.ppo.rollouts import Rollout, RolloutHost, RolloutSource
 
 if TYPE_CHECKING:
     from rlhf.fusion.inter_stage import FusionOutcome
-    from rlhf.ppo.trainer import IterationResult, Trainer
 
 
 def learner_group(placement: Placement):
@@ -49,81 +49,84 @@ def learner_group(placement: Placement):
     return new_group([r for r in range(placement.world_size) if r not in generation], "the learners")
 
 
-class GenerationAhead:
-    """The asynchronous iteration of a Trainer (module docstring): up to K batches generated ahead.
+class GenerationAhead(RolloutSource):
+    """The asynchronous iteration (module docstring): up to K batches generated ahead.
 
     Each batch waiting was generated on every actor_gen replica and gathered onto every rank;
     ``positions`` keeps the data position before each batch's prompts were drawn, by its (0-based)
     iteration. rlhf.ppo.partial_rollouts.PartialRollouts runs generation free between the meetings.
     """
 
-    def __init__(self, trainer: "Trainer"):
-        self.trainer = trainer
-        self.k = trainer.config.ppo.max_staleness
-        self.generating = trainer.groups["actor_gen"] is not None
-        self.learner_root = first_rank(trainer.learners)
+    def __init__(self, host: RolloutHost):
+        super().__init__(host)
+        self.k = host.config.ppo.max_staleness
+        self.generating = host.groups["actor_gen"] is not None
+        self.learner_root = first_rank(host.learners)
         self.waiting: deque[Batch] = deque()
         self.positions: dict[int, dict] = {}
         self.version = 0  # the policy version of the weights actor_gen holds
         self._pending = None  # (prompts, this rank's samples) until the ranks meet
 
     def data_position(self) -> dict:
-        """Where a resumed run continues drawing prompts: before the oldest batch not trained yet."""
-        return self.positions.get(self.trainer.iteration, self.trainer.prompts.state_dict())
+        return self.positions.get(self.host.iteration, super().data_position())
 
     def forget(self) -> None:
         """Drop the batches generated ahead (a checkpoint was loaded: its position is before them)."""
         self.waiting.clear()
         self.positions.clear()
 
-    def step(self) -> "IterationResult":
-        """One iteration: learners train on the oldest batch while actor_gen generates ahead, then all ranks
-        meet (collective)."""
-        t = self.trainer
-        t.timer.start_iteration(t.iteration + 1)
-        platform.reset_peak_memory()
+    def next_rollout(self) -> Optional[Rollout]:
+        """Learners: the oldest batch waiting (and what they inferred of it meanwhile). Generation ranks
+        generate the batch K iterations ahead instead (None). The run's first call generates the first
+        K batches (collective)."""
+        host = self.host
         if not self.waiting:  # the run's start, or a resumed one
-            with t.timer.stage("reshard"):
-                t.sync_generation_weights()
-            self._hold_version(t.iteration)
+            with host.timer.stage("reshard"):
+                host.sync_generation_weights()
+            self._hold_version(host.iteration)
             self._fill()
         oldest = self.waiting.popleft()
-        self.positions.pop(t.iteration, None)
-        batch, local = None, {}
+        self.positions.pop(host.iteration, None)
         if self.generating:
             self._generate_meanwhile()
-        else:
-            batch, local = t.update_from(oldest, self._inferred(t.iteration))
+            return None
+        return Rollout(oldest, self._inferred(host.iteration))
+
+    def after_update(self, batch: Optional[Batch], local: dict) -> Batch:
+        """Every rank meets: the learned batch is shared, the update's weights resharded into actor_gen
+        (collective); ``local`` gets the idle fraction and the staleness metrics."""
+        host = self.host
+        if not self.generating:
             self._updated()
         self._meet()
         local["generation_idle_fraction" if self.generating else "training_idle_fraction"] = (
-            t.timer.seconds["wait"] / t.timer.elapsed())
+            host.timer.seconds["wait"] / host.timer.elapsed())
         batch = self._share_learned(batch)
-        with t.timer.stage("reshard"):
-            t.sync_generation_weights()
-        self._hold_version(t.iteration + 1)
+        with host.timer.stage("reshard"):
+            host.sync_generation_weights()
+        self._hold_version(host.iteration + 1)
         local.update(self._metrics(batch))
-        return t.finish_iteration(batch, local)
+        return batch
 
-    # ---- what the lockstep iteration does at each point of step() ------------------------
+    # ---- what the lockstep iteration does at each point of the iteration ------------------------
 
     def _fill(self) -> None:
         """At the start: the first K batches, each generated and gathered at once (collective)."""
         for ahead in range(self.k):
-            self._generate(self.trainer.iteration + ahead)
+            self._generate(self.host.iteration + ahead)
             self._meet()
 
     def _generate_meanwhile(self) -> None:
         """Generation ranks, while the learners train: the batch K iterations ahead."""
-        self._generate(self.trainer.iteration + self.k)
+        self._generate(self.host.iteration + self.k)
 
     def _updated(self) -> None:
         """Learners, after their update: draw the prompts the generation ranks drew meanwhile."""
-        self._generate(self.trainer.iteration + self.k)
+        self._generate(self.host.iteration + self.k)
 
     def _metrics(self, batch: Batch) -> dict:
         """The iteration's asynchronous metrics (rlhf.ppo.asynchronous.staleness_metrics)."""
-        return staleness_metrics(batch, self.trainer.iteration)
+        return staleness_metrics(batch, self.host.iteration)
 
     def _inferred(self, iteration: int) -> "FusionOutcome | None":
         """What the learners inferred of batch ``iteration`` while it was generated (none in lockstep)."""
@@ -132,30 +135,30 @@ class GenerationAhead:
     def _meet(self) -> None:
         """Wait for both sides, then gather the pending batch's samples onto every rank and queue it
         (collective)."""
-        with self.trainer.timer.stage("wait"):
+        with self.host.timer.stage("wait"):
             dist.barrier()
         if self._pending is not None:
             prompts, mine = self._pending
             self._pending = None
-            self.waiting.append(self.trainer.collect_rollout(prompts, mine).batch)
+            self.waiting.append(self.host.collect_rollout(prompts, mine).batch)
 
     # ---- pieces ------------------------------------------------------------------------
 
     def _hold_version(self, version: int) -> None:
         """actor_gen now holds the weights after ``version`` updates; its engine records them per token."""
         self.version = version
-        if self.trainer.engine is not None:
-            self.trainer.engine.refresh_weights(version, keep_kv=self.trainer.config.ppo.partial_rollout_kv == "keep")
+        if self.host.engine is not None:
+            self.host.engine.refresh_weights(version, keep_kv=self.host.config.ppo.partial_rollout_kv == "keep")
 
     def _draw(self, iteration: int):
         """The prompts of (0-based) ``iteration``, its data position kept (every rank draws them, in order)."""
-        self.positions[iteration] = self.trainer.prompts.state_dict()
-        return next(self.trainer.prompts)
+        self.positions[iteration] = self.host.prompts.state_dict()
+        return next(self.host.prompts)
 
     def _generate(self, iteration: int) -> None:
         """Draw the prompts of ``iteration`` and generate them on actor_gen (pending until the next
         :meth:`_meet`); none past the run's end."""
-        t = self.trainer
+        t = self.host
         if iteration >= t.config.run.iterations:
             return
         prompts = self._draw(iteration)
@@ -166,7 +169,7 @@ class GenerationAhead:
     def _share_learned(self, batch: Batch | None) -> Batch:
         """The learners' finished batch on every rank, and their KL coefficient, which the checkpoint
         keeps (collective; generation ranks have neither)."""
-        kl = self.trainer.kl
+        kl = self.host.kl
         box = [None if batch is None else (batch.to("cpu"), float(kl.value))]
         dist.broadcast_object_list(box, src=self.learner_root)
         if batch is None:

@@ -44,6 +44,7 @@ from rlhf.parallel import Placement
 from rlhf.parallel.collectives import new_group
 from rlhf.parallel.exchange import first_rank, gather_to_all
 from rlhf.ppo.asynchronous import GenerationAhead
+from rlhf.ppo.rollouts import RolloutHost
 
 SIGNAL_BACKEND = "gloo"
 """The signal group's backend: its tensors stay on the host and its work can be polled."""
@@ -72,8 +73,8 @@ class InFlight:
 class PartialRollouts(GenerationAhead):
     """The asynchronous iteration with generation running free between meetings (module docstring)."""
 
-    def __init__(self, trainer, signals):
-        super().__init__(trainer)
+    def __init__(self, host: RolloutHost, signals):
+        super().__init__(host)
         self.signals = signals
         self.in_flight: dict[int, InFlight] = {}  # by (0-based) iteration, generation ranks only
         self.early: dict[int, EarlyInference] = {}  # by iteration, learners only: streamed and inferred
@@ -85,27 +86,27 @@ class PartialRollouts(GenerationAhead):
         super().forget()
         self.in_flight.clear()
         self.early.clear()
-        if self.trainer.engine is not None:
-            self.trainer.engine.abort_all()
+        if self.host.engine is not None:
+            self.host.engine.abort_all()
 
-    # ---- step()'s hooks --------------------------------------------------------------------
+    # ---- the iteration's hooks --------------------------------------------------------------------
 
     def _fill(self) -> None:
         """At the start: start what the bound allows, then meet once the first batch is finished."""
-        self.next_start = self.next_delivery = self.trainer.iteration
+        self.next_start = self.next_delivery = self.host.iteration
         if self.generating:
-            self._run_until(self.trainer.iteration, signal=None)
+            self._run_until(self.host.iteration, signal=None)
         self._meet()
 
     def _generate_meanwhile(self) -> None:
         """Generate until the learners signal, streaming them the samples of the batch they need next as
         they finish, until this rank's share of it is done."""
-        self._run_until(self.trainer.iteration + 1, self._awaited_signal())
+        self._run_until(self.host.iteration + 1, self._awaited_signal())
 
     def _updated(self) -> None:
         """Learners, after their update: signal the generation ranks (the first learner does), then infer
         the next batch's samples as they arrive, round after round, until every share of it is done."""
-        need = self.trainer.iteration + 1
+        need = self.host.iteration + 1
         self._signal()
         while not self._stream_round(need):
             self._signal()
@@ -127,7 +128,7 @@ class PartialRollouts(GenerationAhead):
     def _meet(self) -> None:
         """Gather every batch finished on all generation ranks onto every rank, in order, and queue them
         (collective; the learners draw their prompts here)."""
-        t = self.trainer
+        t = self.host
         with t.timer.stage("wait"):
             finished = torch.tensor([self._finished_run() if self.generating else t.config.run.iterations],
                                     device=platform.device())
@@ -150,7 +151,7 @@ class PartialRollouts(GenerationAhead):
         rank), a streaming round, until the round where every share is done. A round follows each arrival
         whether or not this rank has news, so no replica waits in a round for another one's next sample
         while its own engine could step."""
-        t = self.trainer
+        t = self.host
         while True:
             self._start_allowed()
             if signal is None:
@@ -172,12 +173,12 @@ class PartialRollouts(GenerationAhead):
         t.memory.note("generation")
 
     def _share_done(self, need: int) -> bool:
-        t = self.trainer
+        t = self.host
         return need >= t.config.run.iterations or need < self.next_delivery or self.in_flight[need].done
 
     def _start_allowed(self) -> None:
         """Start every batch whose weights are at most K versions older than the update that trains it."""
-        t = self.trainer
+        t = self.host
         while self.next_start <= self.version + self.k and self.next_start < t.config.run.iterations:
             j = self.next_start
             prompts = self._draw(j)
@@ -188,7 +189,7 @@ class PartialRollouts(GenerationAhead):
             self.next_start += 1
 
     def _engine_step(self) -> None:
-        for sample in self.trainer.engine.step():
+        for sample in self.host.engine.step():
             iteration, request_id = sample.request_id.split("/")
             self.in_flight[int(iteration)].finished.append(replace(sample, request_id=request_id))
 
@@ -216,7 +217,7 @@ class PartialRollouts(GenerationAhead):
         finished since the last round and whether its share is done; the learners infer what came, unless
         every share is done (True: the meeting follows and delivers the batch, whose inference then skips
         the samples inferred here)."""
-        t = self.trainer
+        t = self.host
         new, done = [], True
         if self.generating and need in self.in_flight:
             started = self.in_flight[need]
@@ -235,7 +236,7 @@ class PartialRollouts(GenerationAhead):
     def _infer_early(self, need: int, samples: list) -> None:
         """Learners: reference, reward, critic (and proximal log-prob) inference of streamed samples of
         batch ``need``, each task's replicas sharing them, kept for its update (``early``)."""
-        t = self.trainer
+        t = self.host
         n = t.config.ppo.n_samples_per_prompt
         samples = sorted(samples, key=lambda s: (int(s.request_id), s.sample_index))
         batch = Batch.from_samples(samples, t.tokenizer.pad_id, {s.request_id: int(s.request_id) for s in samples})
@@ -246,7 +247,7 @@ class PartialRollouts(GenerationAhead):
 
     def _agreed(self, arrived: bool) -> bool:
         """Whether the signal arrived on any TP rank of this replica (then every one waits for it)."""
-        g = self.trainer.groups["actor_gen"]
+        g = self.host.groups["actor_gen"]
         if g.mesh.strategy.tp == 1:
             return arrived
         flag = torch.tensor([float(arrived)], device=platform.device())

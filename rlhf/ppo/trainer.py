@@ -15,13 +15,14 @@ Every rank runs the same program and takes part in the tasks whose meshes
 hold it. Samples move between meshes as one ``Batch``: after generation and
 after inference every rank receives the whole batch (an object all-gather;
 a batch is small next to the models), so each task's DP replica takes its
-share by index. Weights move only by resharding. Synchronous semantics: every
-mini-batch sees samples of the current policy (docs/training.md), unless
-``--max-staleness K`` makes the iteration asynchronous: then generation, on
-ranks of its own, runs K iterations ahead (rlhf/ppo/asynchronous.py, which
-drives the pieces here: generate_here, collect_rollout, update_from,
-finish_iteration), with ``--partial-rollouts`` free-running between the
-iterations (rlhf/ppo/partial_rollouts.py, on requests_here and the engine).
+share by index. Weights move only by resharding.
+
+When the samples are generated is a rollout source's choice (rlhf/ppo/rollouts.py, the one seam):
+synchronous by default (every mini-batch sees samples of the current policy, docs/training.md),
+K iterations ahead on ranks of their own with ``--max-staleness K`` (rlhf/ppo/asynchronous.py), and
+free-running between the iterations with ``--partial-rollouts`` (rlhf/ppo/partial_rollouts.py). The
+trainer is their host: it owns generation (requests_here, generate_here, collect_rollout), inference,
+the update and the metrics; a source calls those and never imports this module.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf import platform
-from rlhf.algorithms import (AdvantageInputs, compute_advantages, kl_estimate, make_kl_controller, masked_mean,
-                             masked_var, token_rewards)
+from rlhf.algorithms import AdvantageInputs, compute_advantages, make_kl_controller, token_rewards
 from rlhf.algorithms.shaping import overlong_penalty
 from rlhf.batch import Batch
 from rlhf.checkpoint.convert import ours_to_megatron
@@ -63,23 +63,16 @@ from rlhf.parallel.reshard import load_full_weights, reshard
 from rlhf.pipeline.inference import InferenceRunner
 from rlhf.ppo import layout
 from rlhf.ppo.asynchronous import GenerationAhead, learner_group
+from rlhf.ppo.batch_metrics import batch_metrics
 from rlhf.ppo.config import JobConfig
 from rlhf.ppo.partial_rollouts import PartialRollouts, signal_group
 from rlhf.ppo.reward_fn import RewardFn, check_model_scores, drop_nonfinite_samples, function_scores
+from rlhf.ppo.rollouts import Lockstep, Rollout, RolloutSource
 from rlhf.ppo.update import PPOUpdate, stop_after_skipped_steps
 from rlhf.tasks import INFERENCE_FIELDS, MODEL_SEEDS, TASK_MODEL, WEIGHTS_TASK, task_kind
 
 MEGATRON_EXPORT_DIR = "megatron"
 """Beside the checkpoints (``<save>/``): the actor as Megatron-LM checkpoints with ``--save-format torch_dist``."""
-
-
-@dataclass
-class Rollout:
-    """What generation hands to inference: the samples as one Batch (on every rank) and, with
-    inter-stage fusion, what the fused generation did and inferred on this rank meanwhile."""
-
-    batch: Batch
-    fusion: Optional[FusionOutcome] = None
 
 
 @dataclass
@@ -141,11 +134,7 @@ class Trainer:
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
                                          config.generation.logprob_temperature, config.ppo.max_tokens_per_microbatch,
                                          config.ppo.routing_replay)
-        self.ahead = None
-        if config.ppo.partial_rollouts:
-            self.ahead = PartialRollouts(self, signal_group(placement, self.learners))
-        elif config.ppo.max_staleness:
-            self.ahead = GenerationAhead(self)
+        self.rollouts = self._rollout_source()
 
     # ---- the iteration ---------------------------------------------------------------
 
@@ -168,17 +157,17 @@ class Trainer:
                     self.save(ckpt.save)
 
     def step(self) -> IterationResult:
-        """One PPO iteration on the next prompts (asynchronous with ``ppo.max_staleness``: GenerationAhead)."""
-        if self.ahead is not None:
-            return self.ahead.step()
+        """One PPO iteration: the rollout source's next batch (rlhf/ppo/rollouts.py), the update on the ranks
+        that have it, what the source does after the update, the metrics (collective)."""
         self.timer.start_iteration(self.iteration + 1)
         platform.reset_peak_memory()
-        prompts = next(self.prompts)
-        with self.timer.stage("reshard"):
-            self.sync_generation_weights()
-        with self.timer.stage("generation"):
-            rollout = self.generate(prompts)
-        return self.learn(rollout.batch, rollout.fusion)
+        rollout = self.rollouts.next_rollout()
+        batch, local, fusion = None, {}, None
+        if rollout is not None:
+            fusion = rollout.fusion
+            batch, local = self.update_from(rollout.batch, fusion)
+        batch = self.rollouts.after_update(batch, local)
+        return self.finish_iteration(batch, local, fusion)
 
     def learn(self, batch: Batch, fusion: Optional[FusionOutcome] = None) -> IterationResult:
         """Everything after generation: :meth:`update_from`, then :meth:`finish_iteration`."""
@@ -208,7 +197,7 @@ class Trainer:
         """Count the iteration and reduce its metrics (``local`` and the batch's, timings, memory) over
         all ranks (collective; ``batch`` complete on every rank)."""
         self.iteration += 1
-        local.update(self._batch_metrics(batch))
+        local.update(batch_metrics(batch, self.config, self.reward_fn))
         local.update(self.timer.metrics())
         local.update(self.memory.metrics())
         fused = None if fusion is None else fusion.fused
@@ -438,7 +427,7 @@ class Trainer:
         generated ahead (asynchronous runs) are not saved: the position is that of their prompts, which
         the resumed run generates again."""
         with self.memory.on_device(*self.memory.offloaders):  # collectives gather the weights where they compute
-            position = self.prompts.state_dict() if self.ahead is None else self.ahead.data_position()
+            position = self.rollouts.data_position()
             path = save_rlhf_state(root, self.iteration, self._slots(), data_position=position,
                                    extra={"kl_coef": float(self.kl.value)}, group=dist.group.WORLD,
                                    keep_last=self.config.checkpoint.keep_last)
@@ -459,8 +448,7 @@ class Trainer:
             state = load_rlhf_state(root, self._slots(), group=dist.group.WORLD)
         self.iteration = state.iteration
         self.prompts.load_state_dict(state.data_position)
-        if self.ahead is not None:
-            self.ahead.forget()
+        self.rollouts.forget()
         self.kl.value = torch.tensor(state.extra["kl_coef"])
         self._reshard("critic_train", "critic_inf")
         self.ppo_update.reuse_cached_schedule(root)  # searched by the run that saved
@@ -534,6 +522,14 @@ class Trainer:
             return EnvironmentDriver(target, self.tokenizer)
         return AgentDriver(target, self.tokenizer, prompt_records=None, max_prompt_len=gen.max_prompt_len)
 
+    def _rollout_source(self) -> RolloutSource:
+        """How batches reach the update: generated now (Lockstep), K iterations ahead (``ppo.max_staleness``)
+        or free-running between meetings (``ppo.partial_rollouts``); collective."""
+        ppo = self.config.ppo
+        if ppo.partial_rollouts:
+            return PartialRollouts(self, signal_group(self.placement, self.learners))
+        return GenerationAhead(self) if ppo.max_staleness else Lockstep(self)
+
     def _engine_config(self) -> EngineConfig:
         """Each actor_gen replica's engine (rlhf.ppo.layout.engine_config)."""
         return layout.engine_config(self.config, self.placement)
@@ -544,78 +540,3 @@ class Trainer:
         lrs = {"actor": ppo.lr, "critic": ppo.critic_lr}
         return {m: ModelOptimizer(self.models[t], self.groups[t], ppo.optimizer_config(lrs[m]), self.config.precision)
                 for m, t in self.config.trained_tasks().items() if t in self.models}
-
-    # ---- metrics ---------------------------------------------------------------------
-
-    def _batch_metrics(self, batch: Batch) -> dict:
-        """Per-iteration statistics of the samples (every rank holds the batch, so each computes the same;
-        counts from rank 0 only): rewards, lengths, truncation, advantages, returns, values, the samples
-        dropped for non-finite scores and, with recomputed log-probs, how far the engine's are from the
-        trainer's (docs/training.md, "Metrics")."""
-        lengths = batch.response_lengths.float()
-        truncated = sum(reason == "length" for reason in batch.finish_reasons) / len(batch)
-        out = {**reward_statistics(batch.scores, batch.sample_mask),
-               "prompt_length_mean": batch.prompt_lengths.float().mean(), "response_length_mean": lengths.mean(),
-               "response_length_min": lengths.min(), "response_length_max": lengths.max(),
-               "truncated_fraction": float(truncated),
-               **sample_statistics(batch), **episode_statistics(batch)}
-        if self.config.ppo.recomputes_logprobs:
-            out.update(rollout_mismatch(batch))
-        if dist.get_rank() == 0:  # *_count keys are summed over the ranks that report them
-            out.update(samples_count=float(len(batch)), tokens_count=lengths.sum())
-        out["nonfinite_samples_dropped"] = 0.0 if batch.sample_mask is None else len(batch) - batch.sample_mask.sum()
-        if self.reward_fn is not None and self.config.has_reward_model:
-            gold = function_scores(self.reward_fn, batch, nonfinite_ok=self.config.reward.skip_nonfinite_samples)
-            gold = reward_statistics(gold, batch.sample_mask)
-            if gold:
-                out["gold_reward_mean"] = gold["reward_mean"]
-        return out
-
-
-def reward_statistics(scores: torch.Tensor, sample_mask: Optional[torch.Tensor]) -> dict:
-    """``reward_mean``, ``reward_std``, ``reward_min`` and ``reward_max`` of the samples trained on: with a
-    ``sample_mask`` (``--skip-nonfinite-samples``) only of its kept samples' finite scores; none when none is left."""
-    if sample_mask is not None:
-        scores = scores[torch.isfinite(scores) & (sample_mask > 0)]  # a host sync on accelerators
-        if not len(scores):
-            return {}
-    return {"reward_mean": scores.mean(), "reward_std": scores.std(correction=0), "reward_min": scores.min(),
-            "reward_max": scores.max()}
-
-
-def sample_statistics(batch: Batch) -> dict:
-    """Means over the batch's response tokens: advantages (and their std), returns and, with a critic,
-    values and the value function's explained variance 1 - Var(returns - values) / Var(returns)."""
-    mask = batch.response_mask
-    out = {"advantage_mean": masked_mean(batch.advantages, mask),
-           "advantage_std": masked_var(batch.advantages, mask, unbiased=False).sqrt(),
-           "return_mean": masked_mean(batch.returns, mask)}
-    if batch.values is not None:
-        unexplained = masked_var(batch.returns - batch.values, mask, unbiased=False)
-        out.update(value_mean=masked_mean(batch.values, mask),
-                   value_explained_variance=1 - unexplained / masked_var(batch.returns, mask, unbiased=False).clamp(
-                       min=1e-8))
-    return out
-
-
-def episode_statistics(batch: Batch) -> dict:
-    """A multi-turn run's (``batch.loss_mask`` set) statistics per episode: ``turns_mean`` (the model's turns:
-    its runs of tokens between observations), ``multi_turn_fraction`` (episodes of two turns or more: a tool
-    agent's tool-call rate) and ``observation_tokens_mean`` (the tokens that answered the model)."""
-    if batch.loss_mask is None:
-        return {}
-    model = batch.response_mask
-    turns = model[:, :1].sum(dim=1) + (model[:, 1:] * (1 - model[:, :-1])).sum(dim=1)
-    inserted = batch.response_lengths.float().sum() - model.sum().cpu()
-    return {"turns_mean": turns.mean(), "multi_turn_fraction": (turns >= 2).float().mean(),
-            "observation_tokens_mean": inserted / len(batch)}
-
-
-def rollout_mismatch(batch: Batch) -> dict:
-    """How far the engine's rollout log-probs are from the trainer's recomputed ones on the response tokens:
-    ``mismatch_kl``, the mean k3 estimate of KL(rollout || trainer) per token (NeMo-RL's gen_kl_error, 0
-    when they agree), and ``mismatch_logprob_abs_max``, the largest |difference|."""
-    mask = batch.response_mask
-    diff = batch.old_logprobs - batch.rollout_logprobs
-    return {"mismatch_kl": masked_mean(kl_estimate(batch.rollout_logprobs, batch.old_logprobs, "k3"), mask),
-            "mismatch_logprob_abs_max": (diff.abs() * mask).max()}
