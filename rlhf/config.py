@@ -6,7 +6,7 @@ them elsewhere. One error protocol: a section raises ``ConfigError(message,
 field)`` naming its own field; a config that holds it names the field from
 its own level with :meth:`ConfigError.renamed` (``lr`` -> ``ppo.lr``), so an
 entry point reports the flag that set it. The sections here (run, logging,
-checkpoint, placement) serve ``pretrain_rlhf.py`` (rlhf/ppo/config.py) and
+checkpoint, placement) serve ``pretrain_rlhf.py`` (rlhf/ppo/config/) and
 ``train_reward.py`` (rlhf/reward_model/config.py) alike. A leaf: it imports
 no runtime package (only the torch-free task table, value checks and plan
 files).

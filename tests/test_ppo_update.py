@@ -1,4 +1,4 @@
-"""rlhf/ppo/update.py's losses without processes, and the loss options' refusals (rlhf/ppo/config.py).
+"""rlhf/ppo/update.py's losses without processes, and the loss options' refusals (rlhf/ppo/config/ppo.py).
 
 What the trainer trains on: the actor's loss mask drops samples cut at the length budget with
 ``mask_truncated``; each aggregation's mini-batch denominator counts that mask over the whole
