@@ -10,9 +10,23 @@ How the suite is laid out:
   module (a fixture), since each process pays the megatron import.
 - Shared helpers live in ``rlhf/testing/`` (importable; no test edits the import path).
 
+The budget: ``make test``'s pytest time stays within 15 minutes on an idle 2-core machine
+(README.md quotes the last measurement). A new test keeps it there:
+
+- A multi-rank check joins its module's existing launch (one more part of the scenario). A new
+  module's launch costs little: ``launch`` forks each rank from a fork server that imported torch,
+  megatron-core and the trainer once per session. A ``torchrun`` subprocess (a fresh Python and the
+  megatron import on every rank, about 10 s on 2 cores) is for tests of an entry point itself.
+- Shapes, iterations and batches are the smallest that make the test's point.
+- A launch of the tiny default that trains its reward model reuses the session's cached one
+  (``RLHF_CACHE_DIR`` below) unless its reward-inference layout differs; prefer the default layout or
+  ``--reward-fn``.
+- A benchmark runs in its quick mode (tests/test_benchmarks.py), checked by its summary line, never
+  by a time. Print the slowest tests with ``--durations`` and compare before adding a launch.
+
 The multi-rank tests run gloo process sets on one host, which a single GPU
 cannot serve over NCCL, so ``RLHF_DEVICE=cpu`` is set for the whole session
-(spawned workers and subprocesses inherit it). Tests marked ``gpu`` need a
+(launched workers and subprocesses inherit it). Tests marked ``gpu`` need a
 CUDA device, clear it themselves, and are deselected (not skipped) where
 CUDA is absent.
 
