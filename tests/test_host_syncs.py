@@ -1,0 +1,46 @@
+"""rlhf/testing/host_syncs.py: the would-be synchronisations it counts on the CPU, and those it does not."""
+
+import inspect
+
+import torch
+
+from rlhf.testing.host_syncs import HostSyncCounter
+
+
+def _ops(block) -> list:
+    with HostSyncCounter() as counter:
+        block()
+    return [e.op for e in counter.events]
+
+
+def test_scalar_reads_and_data_dependent_shapes_are_counted():
+    x = torch.tensor([0.5, -1.0, 2.0])
+    assert _ops(lambda: x.sum().item()) == ["aten._local_scalar_dense.default"]
+    assert _ops(lambda: bool(x.max() > 0)) == ["aten._local_scalar_dense.default"]
+    assert _ops(lambda: torch.equal(x, x)) == ["aten.equal.default"]
+    assert _ops(lambda: x.nonzero()) == ["aten.nonzero.default"]
+    assert _ops(lambda: x[x > 0]) == ["aten.index.Tensor"]
+    assert _ops(lambda: x.masked_select(x > 0)) == ["aten.masked_select.default"]
+    assert len(_ops(lambda: torch.unique(x))) == 1
+    repeats = torch.tensor([1, 2, 0])
+    assert _ops(lambda: torch.repeat_interleave(x, repeats)) == ["aten.repeat_interleave.Tensor"]
+
+
+def test_device_side_work_is_not_counted():
+    x, index = torch.randn(4, 3), torch.tensor([2, 0])
+    repeats = torch.tensor([1, 2, 0, 1])
+    assert _ops(lambda: (x @ x.T).softmax(-1)[index].sum(0)) == []
+    assert _ops(lambda: torch.where(x > 0, x, 0.0).masked_fill(x < -1, 0.0)) == []
+    assert _ops(lambda: torch.repeat_interleave(x, repeats, dim=0, output_size=4)) == []
+    assert _ops(lambda: x.repeat_interleave(2, dim=0)) == []
+
+
+def test_events_name_the_callers_line_and_exclusions_drop_them():
+    x = torch.ones(2)
+    with HostSyncCounter() as counter:
+        x.sum().item()
+        line = inspect.currentframe().f_lineno - 1
+    assert [e.where for e in counter.events] == [f"{__file__}:{line}"]
+    with HostSyncCounter(exclude=("test_host_syncs.py",)) as counter:
+        x.sum().item()
+    assert counter.events == []
