@@ -114,10 +114,23 @@ def training_logprobs(model, prompt, tokens, tp_group, temperature=1.0):
     return lp[len(prompt) - 1:]
 
 
+def logprob_errors(model, results, tp_group, temperature=1.0) -> torch.Tensor:
+    """|engine - training model| of every log-prob of ``results``, the model's logits divided by ``temperature``."""
+    return torch.cat([(training_logprobs(model, r.prompt, r.tokens, tp_group, temperature) - torch.tensor(r.logprobs))
+                      .abs() for r in results])
+
+
 def logprob_err(model, results, tp_group, temperature=1.0) -> float:
-    """Largest |engine - training model| log-prob over ``results``, the model's logits divided by ``temperature``."""
-    return max((training_logprobs(model, r.prompt, r.tokens, tp_group, temperature) - torch.tensor(r.logprobs))
-               .abs().max().item() for r in results)
+    """Largest |engine - training model| log-prob over ``results``."""
+    return logprob_errors(model, results, tp_group, temperature).max().item()
+
+
+def bf16_distances(prefix: str, model, fp32, results, tp_group) -> dict:
+    """A bf16 engine's log-probs against its bf16 training ``model`` (largest and mean |difference|) and the mean
+    against the ``fp32`` model of the same weights."""
+    errors = logprob_errors(model, results, tp_group)
+    return {f"{prefix}_logprob_err": errors.max().item(), f"{prefix}_logprob_mean_err": errors.mean().item(),
+            f"{prefix}_vs_fp32_logprob_mean": logprob_errors(fp32, results, tp_group).mean().item()}
 
 
 def check_vs_training_model(model, local) -> dict:
@@ -266,9 +279,7 @@ def check_bf16(local) -> dict:
     engine = Engine(model, local, CFG, EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16))
     results = engine.generate(_requests(_prompts(5, seed=3), replace(SAMPLED, logprobs_of="raw")))
     fp32 = build_model(CFG, "lm", local.pg_collection, local.stage, seed=SEED)
-    return {"bf16_logprob_err": logprob_err(model, results, local.tp),
-            "bf16_vs_fp32_logprob": logprob_err(fp32, results, local.tp),
-            "bf16_kv_dtype": str(engine.decoder.kv_cache.dtype)}
+    return {**bf16_distances("bf16", model, fp32, results, local.tp), "bf16_kv_dtype": str(engine.decoder.kv_cache.dtype)}
 
 
 def check_weight_refresh(local) -> dict:
@@ -630,8 +641,7 @@ def check_moe_bf16(local) -> dict:
         ecfg = EngineConfig(num_blocks=128, block_size=4, max_tokens_per_step=16)
         engine = Engine(model, local, VARIANTS[name], ecfg)
         results = engine.generate(_requests(_prompts(4, seed=13), replace(SAMPLED, logprobs_of="raw")))
-        out[f"{name}_bf16_logprob_err"] = logprob_err(model, results, local.tp)
-        out[f"{name}_bf16_vs_fp32_logprob"] = logprob_err(variant_model(name, local), results, local.tp)
+        out.update(bf16_distances(f"{name}_bf16", model, variant_model(name, local), results, local.tp))
     return out
 
 

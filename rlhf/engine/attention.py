@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 from rlhf.engine.native import cpu_kernels
 
@@ -73,11 +74,12 @@ class _Group:
 
 
 class TorchPagedAttention:
-    """Gather blocks per KV head, then ``softmax(q k^T * scale + mask) v`` with bmm (GQA-aware).
+    """Gather blocks per KV head, then ``softmax(q k^T * scale + mask) v`` by PyTorch's
+    ``scaled_dot_product_attention`` (GQA-aware).
 
-    The scores are in the model's ``dtype`` and the softmax in fp32, cast back
-    (megatron's ``attention_softmax_in_fp32``), so a bf16 engine computes what a
-    bf16 megatron model does.
+    The training models' attention is the same fused call (rlhf/models/attention.py), which keeps the scores
+    and the softmax in fp32 whatever the model's dtype, so a bf16 engine rounds where a bf16 trained model
+    does and its log-probs are that model's.
 
     Queries of one KV head are stacked, so no K/V head is repeated::
 
@@ -124,8 +126,9 @@ class TorchPagedAttention:
             qg = q[g.rows].view(g.batch, g.queries, kvh, qpg, d).permute(2, 0, 1, 3, 4).reshape(kvh * g.batch, -1, d)
             k = k_cache.index_select(1, g.idx).view(kvh * g.batch, -1, d)
             v = v_cache.index_select(1, g.idx).view(kvh * g.batch, -1, d)
-            probs = torch.baddbmm(g.mask, qg, k.transpose(1, 2), alpha=scale).float().softmax(-1).to(q.dtype)
-            o = torch.bmm(probs, v).view(kvh, g.batch, g.queries, qpg, d).permute(1, 2, 0, 3, 4)
+            o = F.scaled_dot_product_attention(qg[:, None], k[:, None], v[:, None], attn_mask=g.mask[:, None],
+                                               scale=scale)  # 4-D: the fused kernels' layout (3-D runs the math one)
+            o = o.view(kvh, g.batch, g.queries, qpg, d).permute(1, 2, 0, 3, 4)
             out[g.rows] = o.reshape(g.batch * g.queries, kvh * qpg, d)
         return out
 

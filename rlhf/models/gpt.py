@@ -20,9 +20,10 @@ import torch.nn.functional as F
 
 from rlhf import platform
 from rlhf.models import moe
+from rlhf.models.attention import sdpa_core_attention
 from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, padded_vocab_size
 from rlhf.models.naming import named_global_parameters
-from rlhf.models.packing import PackedLayout, packed_core_attention
+from rlhf.models.packing import PackedLayout
 from rlhf.models.sharding import ShardSpec, full_to_shard
 from rlhf.models.vocab import VOCAB_PARAMETERS, mask_vocab_padding
 from rlhf.tasks import KINDS
@@ -150,8 +151,8 @@ def _layer_spec(transformer_impl: str, cfg: ModelConfig):
     """megatron's local layer spec, or the TransformerEngine one (GPU, TE installed), with ``cfg``'s
     QK-norm and MoE MLP (megatron's SequentialMLP experts: one local MLP per expert).
 
-    The local spec's core attention also takes packed samples
-    (rlhf.models.packing.packed_core_attention), as TE's does. The TE spec
+    The local spec's core attention is PyTorch's fused scaled_dot_product_attention, which also takes
+    packed samples (rlhf.models.attention), as TE's does. The TE spec
     fuses the pre-attention and pre-MLP norms into the following linear
     layers; `rlhf.models.naming.global_name` maps those parameter names back
     to the local spec's, so conversion and resharding see one naming.
@@ -161,7 +162,7 @@ def _layer_spec(transformer_impl: str, cfg: ModelConfig):
     experts = cfg.num_experts or None
     if transformer_impl == "local":
         spec = specs.get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = packed_core_attention()  # THD input too
+        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()  # THD input too
         return spec
     if transformer_impl == "transformer_engine":
         return specs.get_gpt_layer_with_transformer_engine_spec(num_experts=experts, qk_layernorm=cfg.qk_norm)

@@ -14,53 +14,15 @@ attention inside its own sample (causal within it):
              p p p p r r r        cu_seqlens = [0, 5, 10, 17]
 
 TransformerEngine's attention takes the THD layout itself; megatron's local
-one does not, so :func:`packed_core_attention` stands in for it on the
-local spec (CPU). :class:`PackedLayout` packs a
+one does not, so the local spec's core attention is rlhf.models.attention's,
+which does. :class:`PackedLayout` packs a
 micro-batch's tokens and puts per-token outputs back in the padded layout,
 where the losses and the batch fields read them.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
-
-
-@functools.cache
-def packed_core_attention() -> type:
-    """megatron's local core attention, which also takes packed (THD) input: causal attention within each
-    sample of ``packed_seq_params.cu_seqlens_q`` (query [t, heads, d], key and value [t, groups, d] on this
-    TP rank). Padded input goes to megatron's ``DotProductAttention`` unchanged. (Made on first use, as
-    megatron is imported only once rlhf.platform has set it up.)"""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class PackedDotProductAttention(DotProductAttention):
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if packed_seq_params is None:
-                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias)
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed input must be in the THD layout; got {packed_seq_params.qkv_format!r}")
-            per_group = query.shape[1] // key.shape[1]
-            key, value = (x.repeat_interleave(per_group, dim=1) for x in (key, value))
-            bounds = packed_seq_params.cu_seqlens_q.tolist()
-            out = [self.causal(*(x[start:end].transpose(0, 1) for x in (query, key, value))).transpose(0, 1)
-                   for start, end in zip(bounds[:-1], bounds[1:])]
-            return torch.cat(out).reshape(query.shape[0], -1)
-
-        def causal(self, query, key, value):
-            """Causal attention of one sample ([heads, L, d] each) with the padded path's arithmetic: scores
-            scaled in the model's dtype, softmax in fp32 (megatron's attention_softmax_in_fp32), then cast
-            back, so a packed sample rounds where a padded one does."""
-            scores = torch.baddbmm(query.new_empty(query.shape[0], query.shape[1], key.shape[1]), query,
-                                   key.transpose(1, 2), beta=0.0, alpha=self.softmax_scale)
-            future = torch.ones(scores.shape[1:], dtype=torch.bool, device=scores.device).triu(1)
-            probs = torch.softmax(scores.float().masked_fill(future, float("-inf")), dim=-1)
-            return torch.bmm(probs.to(value.dtype), value)
-
-    return PackedDotProductAttention
 
 
 class PackedLayout:
