@@ -231,16 +231,17 @@ class ModelLoss:
         """[b, R] 0/1: the response tokens this loss trains on."""
         return mb.response_mask
 
-    def denominator(self, minibatch: Batch) -> float:
-        """The aggregation's denominator of a whole mini-batch (every DP replica's samples)."""
+    def denominator(self, minibatch: Batch) -> torch.Tensor:
+        """The aggregation's denominator of a whole mini-batch (every DP replica's samples): a 0-dim float32
+        tensor where the mask is, so that no micro-batch waits to read it on the host."""
         lengths = self.mask(minibatch).sum(dim=1)
-        return float(loss_denominator(lengths, self.ppo.loss_agg, norm_length=self.max_response_len))
+        return loss_denominator(lengths, self.ppo.loss_agg, norm_length=self.max_response_len)
 
     def term_names(self) -> tuple:
         """The loss terms this loss logs, in a fixed order (every rank of the model's mesh agrees)."""
         raise NotImplementedError
 
-    def share(self, per_token: torch.Tensor, mask: torch.Tensor, denominator: float) -> torch.Tensor:
+    def share(self, per_token: torch.Tensor, mask: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the mini-batch's aggregated loss of ``per_token`` [b, R] (0-dim)."""
         return loss_numerator(per_token, mask, self.ppo.loss_agg) / denominator
 
@@ -289,7 +290,7 @@ class ActorLoss(ModelLoss):
         actor minimises policy_loss + kl_coef x kl_loss - entropy_coef x entropy_loss."""
         return ("policy_loss",) + ("kl_loss",) * bool(self.kl_coef) + ("entropy_loss",) * bool(self.ppo.entropy_coef)
 
-    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, denominator: float,
+    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, denominator: torch.Tensor,
                  averaged: int) -> torch.Tensor:
         ppo, mask, packed = self.ppo, self.mask(mb), self.layout(mb)
         positions = tempered_positions(logits, self.temperature, packed)
@@ -330,7 +331,7 @@ class CriticLoss(ModelLoss):
     def term_names(self) -> tuple:
         return ("value_loss",)
 
-    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, denominator: float,
+    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, denominator: torch.Tensor,
                  averaged: int) -> torch.Tensor:
         mask = self.mask(mb)
         values = mb.response_from_positions(unpacked(values, self.layout(mb)))
