@@ -81,10 +81,10 @@ class InferenceRunner:
                 routing = mb.routing if task == "actor_train" else None
                 with moe.replayed(model, routing, self.routing_replay, packed):
                     out = pipeline_forward(model, g, mb.tokens, packed)
-                if out is not None:
-                    outputs.append(task_output(task, out, mb, g, self.temperature, packed).cpu())
+                if out is not None:  # kept where it was computed: no host wait between micro-batches
+                    outputs.append(task_output(task, out, mb, g, self.temperature, packed))
             self.memory.note("inference")
         if not outputs or g.tp_rank != 0:
             return None
         bare = part.with_fields(**dict.fromkeys(OPTIONAL_FIELDS)).to("cpu")  # the samples' identity and tokens
-        return bare.with_fields(**{field or INFERENCE_FIELDS[task]: torch.cat(outputs)})
+        return bare.with_fields(**{field or INFERENCE_FIELDS[task]: torch.cat(outputs).cpu()})  # one transfer
