@@ -28,9 +28,12 @@ import torch
 import torch.nn.functional as F
 
 
+@functools.lru_cache(maxsize=1)
 def packed_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """[t, t] bool, True where packed token i may attend to token j: the same sample and j <= i.
-    ``cu_seqlens`` [n + 1]: where each sample starts (and the end); computed where it lives."""
+    ``cu_seqlens`` [n + 1]: where each sample starts (and the end); computed where it lives. Every layer of a
+    micro-batch passes the same ``cu_seqlens`` tensor (a tensor hashes by identity), so the mask is built
+    once per micro-batch, not once per layer."""
     position = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     sample = torch.searchsorted(cu_seqlens[1:], position, right=True)
     same = sample.unsqueeze(1) == sample.unsqueeze(0)
