@@ -113,13 +113,13 @@ def sleep_rank(unit_ms: float, repeats: int, tags: str, trace_dir=None) -> dict:
 
 
 # -- real tiny models ------------------------------------------------------------
-def _lm_loss(logits, mb, groups):
+def _lm_loss(logits, mb, groups, packed=None):
     from rlhf.models.logprobs import vocab_parallel_log_probs
 
     return -vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], groups.tp).mean()
 
 
-def _value_loss(values, mb, groups):
+def _value_loss(values, mb, groups, packed=None):
     return values.square().mean()
 
 

@@ -4,7 +4,7 @@ For each case (a world size and ``pretrain_rlhf.py`` flags) the job runs in-proc
 (``rlhf.testing.distributed.launch``, ``rlhf.ppo.job.build_trainer``) for ``--iterations`` iterations;
 each rank reports the parts ``StageMemory`` measured in the last one's training stage (parameters of
 every model resident, KV cache, gradient buffers, optimizer state, activations saved for backward:
-docs/training.md, "Memory per rank"). Beside it, ``rlhf.ppo.dry_run.predicted_memory`` (the planner's
+docs/training.md, "Memory per rank"). Beside it, ``rlhf.ppo.memory_plan.predicted_memory`` (the planner's
 model, rlhf/planner/cost.py ``task_memory``, at the job's precision) for the same placement. It prints,
 per case and part, the heaviest rank's measured and predicted bytes and their ratio, then the same for
 each rank's total; docs/planner.md, "Memory: predicted against measured", has a run.
@@ -78,7 +78,8 @@ def measure(job_flags: list, iterations: int) -> dict:
 def compare(name: str, world: int, flags: list, iterations: int) -> float:
     """Print one case's parts; returns its predicted / measured total on the heaviest rank."""
     from rlhf.ppo.arguments import parse_args
-    from rlhf.ppo.dry_run import predicted_memory, short_bytes
+    from rlhf.ppo.dry_run import short_bytes
+    from rlhf.ppo.memory_plan import predicted_memory
     from rlhf.ppo.layout import build_placement
     from rlhf.testing.distributed import launch
 

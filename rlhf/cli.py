@@ -259,6 +259,11 @@ def fraction_or_auto(text: str):
     return None if text.lower() == "auto" else float(text)
 
 
+def int_or_auto(text: str):
+    """'auto' -> None (chosen at run time), else an int."""
+    return None if text.lower() == "auto" else int(text)
+
+
 def add_section_flags(parser: argparse.ArgumentParser, sections: dict) -> None:
     """One argument group per config section of the flag table ``sections``, one flag per listed field,
     defaulting to the dataclass's default."""

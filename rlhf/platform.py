@@ -155,6 +155,11 @@ def peak_memory_bytes() -> int | None:
     return torch.cuda.max_memory_allocated() if has_accelerator() else None
 
 
+def device_memory_bytes() -> int | None:
+    """The accelerator's memory in bytes (None on the CPU, whose memory is not what limits a micro-batch)."""
+    return torch.cuda.get_device_properties(device()).total_memory if has_accelerator() else None
+
+
 def reset_peak_memory() -> None:
     """Start :func:`peak_memory_bytes` again from what is allocated now (no-op on CPU)."""
     if has_accelerator():
@@ -171,6 +176,22 @@ def synchronize() -> None:
     """Wait for queued device work (no-op on CPU)."""
     if has_accelerator():
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def syncs_raise():
+    """Inside, a device operation that makes the host wait for the device raises
+    (``torch.cuda.set_sync_debug_mode("error")``): how a GPU test proves a loop free of host stalls; nothing
+    on the CPU, where rlhf.testing.host_syncs counts them instead."""
+    if not has_accelerator():
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def capture_graph(fn):

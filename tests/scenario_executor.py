@@ -33,12 +33,12 @@ MICROBATCHES, MB_SIZE, SEQ, LR = 4, 2, 8, 0.5
 SGD = OptimizerConfig(optimizer="sgd", lr=LR, clip_grad=0.0)
 
 
-def actor_loss(logits, mb: Batch, groups):
+def actor_loss(logits, mb: Batch, groups, packed=None):
     logprobs = mb.response_from_positions(vocab_parallel_log_probs(logits[:, :-1], mb.tokens[:, 1:], groups.tp))
     return policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask)[0]
 
 
-def critic_loss(values, mb: Batch, groups):
+def critic_loss(values, mb: Batch, groups, packed=None):
     return value_loss(mb.response_from_positions(values), mb.values, mb.returns, mb.response_mask)[0]
 
 

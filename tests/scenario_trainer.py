@@ -312,7 +312,7 @@ def _entropy_gradient(g) -> dict:
     vocab = full.shape[-1] // tp
     mine = full[..., rank * vocab:(rank + 1) * vocab].clone().to(platform.device()).requires_grad_()
     loss = ActorLoss(replace(PPO, entropy_coef=0.01), NORM_LENGTH, TEMPERATURE, 0.0)
-    loss(mine, batch.to(platform.device()), g, float(mask.sum()), 1).backward()
+    loss(mine, batch.to(platform.device()), g, None, float(mask.sum()), 1).backward()
     want = grads[0.01][..., rank * vocab:(rank + 1) * vocab]
     return {f"entropy_grad_diff_rank{dist.get_rank()}": (mine.grad.cpu() - want).abs().max().item(),
             "entropy_grad_effect": (grads[0.01] - grads[0.0]).abs().max().item(),

@@ -118,7 +118,8 @@ def test_flags_fill_the_configs(tmp_path):
     (["--max-tokens-per-microbatch", "31"], "--max-tokens-per-microbatch: max_tokens_per_microbatch 31 is smaller "
                                             "than the longest sample: max_prompt_len 16 + max_response_len 16 = 32 "
                                             "tokens; give at least 32"),
-    (["--max-tokens-per-microbatch", "0"], "--max-tokens-per-microbatch: max_tokens_per_microbatch=0 must be >= 1"),
+    (["--max-tokens-per-microbatch", "-1"],
+     "--max-tokens-per-microbatch: max_tokens_per_microbatch=-1 must be >= 1 tokens"),
     (["--max-skipped-steps", "-1"], "--max-skipped-steps: max_skipped_steps=-1 must be >= 0 optimizer steps (0: "
                                     "never stop)"),
     (["--agent", "c:d", "--skip-nonfinite-samples"], "--skip-nonfinite-samples: reward.skip_nonfinite_samples cannot "

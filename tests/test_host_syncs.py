@@ -44,3 +44,17 @@ def test_events_name_the_callers_line_and_exclusions_drop_them():
     with HostSyncCounter(exclude=("test_host_syncs.py",)) as counter:
         x.sum().item()
     assert counter.events == []
+
+
+def test_a_training_and_an_inference_micro_batch_make_no_host_sync():
+    """tests/scenario_host_syncs.py: the compute of one micro-batch, padded and packed (the actor's log-probs
+    and the critic's values; the actor's full loss and the critic's, with backward) makes none, so on a GPU
+    the host can queue micro-batch after micro-batch without waiting for the device."""
+    from rlhf.testing.distributed import launch
+
+    (counts,) = launch(1, "scenario_host_syncs:run")
+    for layout in ("padded", "packed"):
+        assert set(counts[layout]) == {"inference/actor_train", "inference/critic_inf", "training/actor_train",
+                                       "training/critic_train"}
+        for part, events in counts[layout].items():
+            assert events == [], (layout, part, events)

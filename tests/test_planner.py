@@ -925,8 +925,9 @@ def test_the_dry_run_prints_the_predicted_memory_per_rank():
     """The tiny default on its built-in 4-rank plan, fp32 (every model today): each rank's static parts
     summed by hand from its tasks (a task's largest stage / tp)."""
     from rlhf.ppo.arguments import parse_args
-    from rlhf.ppo.dry_run import dry_run, predicted_memory, short_bytes
+    from rlhf.ppo.dry_run import dry_run, short_bytes
     from rlhf.ppo.layout import build_placement
+    from rlhf.ppo.memory_plan import predicted_memory
 
     config = parse_args([])
     actor, critic = config.models["actor"], config.models["critic"]

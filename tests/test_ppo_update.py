@@ -77,7 +77,7 @@ def test_the_logged_loss_is_the_minibatch_loss_however_it_is_split(mode):
         micro = [[i] for i in share[:-2]] + [share[-2:]] if len(share) > 2 else [[i] for i in share]
         averaged = len(micro) * len(shares)
         for members in micro:
-            backpropagated += float(loss(outputs[members], batch.select(members), None, denominator, averaged)) / averaged
+            backpropagated += float(loss(outputs[members], batch.select(members), None, None, denominator, averaged)) / averaged
     mask = batch.response_mask
     per_token, _ = value_loss_per_token(batch.response_from_positions(outputs), batch.values, batch.returns, mask,
                                         clip_eps=PPOConfig().value_clip)

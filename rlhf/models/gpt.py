@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf import platform
-from rlhf.models import moe
+from rlhf.models import moe, rope
 from rlhf.models.attention import sdpa_core_attention
 from rlhf.models.config import RECOMPUTE_GRANULARITIES, ModelConfig, padded_vocab_size
 from rlhf.models.naming import named_global_parameters
@@ -105,10 +105,12 @@ def moe_fields(cfg: ModelConfig, ep: int) -> dict:
 def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = torch.float32,
                        recompute_granularity: str | None = None, recompute_num_layers: int | None = None,
                        ep: int = 1):
-    """megatron TransformerConfig for ``cfg`` sharded tp x pp (experts over ``ep``; no fusions, no
-    dropout), recomputing activations as :func:`recompute_fields` says."""
+    """megatron TransformerConfig for ``cfg`` sharded tp x pp (experts over ``ep``; no dropout, no fusions
+    but RoPE's, which rlhf.models.rope provides where TransformerEngine does not: packed samples' positions
+    found on the device), recomputing activations as :func:`recompute_fields` says."""
     from megatron.core.transformer import TransformerConfig
 
+    rope.install()
     recompute = recompute_fields(recompute_granularity, recompute_num_layers, cfg.num_layers // pp)
     return TransformerConfig(
         num_layers=cfg.num_layers,
@@ -129,7 +131,7 @@ def transformer_config(cfg: ModelConfig, tp: int, pp: int, dtype: torch.dtype = 
         attention_dropout=0.0,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=True,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,

@@ -41,9 +41,10 @@ class PackedLayout:
         offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
         rows = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
         positions = torch.arange(self.total) - offsets[:-1][rows]  # each packed token's position in its sample
-        self.positions = positions.unsqueeze(0).to(device)  # [1, t] position ids
-        self.index = (rows * width + positions).to(device)  # [t]: each packed token's place in the padded [b * T]
-        cu_seqlens = offsets.to(dtype=torch.int32, device=device)
+        # host -> device without waiting for the queued kernels (a blocking copy would)
+        self.positions = positions.unsqueeze(0).to(device, non_blocking=True)  # [1, t] position ids
+        self.index = (rows * width + positions).to(device, non_blocking=True)  # [t]: place in the padded [b * T]
+        cu_seqlens = offsets.to(dtype=torch.int32).to(device, non_blocking=True)
         longest = int(lengths.max())
         self.seq_params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                           max_seqlen_q=longest, max_seqlen_kv=longest)

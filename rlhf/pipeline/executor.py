@@ -51,7 +51,8 @@ class ModelRuntime:
     ``mesh``: its TaskMesh (placement); ``microbatches``: this rank's data
     replica's micro-batches (``groups.coord.dp``), each a ``rlhf.batch.Batch``
     (its ``tokens`` [b, s] feed the model; ``loss_fn(output, microbatch,
-    groups) -> scalar`` reads the fields it needs).
+    groups, packed) -> scalar`` reads the fields it needs; ``packed``: the micro-batch's PackedLayout, or
+    None when it ran padded).
     ``optimizer``: an object with ``backward_scope(last_microbatch)`` (the context
     of one backward), ``scale_loss(loss)`` (the loss backward starts from: times the
     fp16 loss scale), ``reduce_grads()`` (finish the DP gradient reduction) and
@@ -108,7 +109,7 @@ class StageCompute:
         with moe.replayed(rt.module, routing, bool(rt.routing_replay), packed):
             out = stage_forward(rt.module, data.tokens, x, packed, padding)
         if rt.is_last(ins.stage):
-            return rt.loss_fn(out, data, rt.groups) / len(rt.microbatches)
+            return rt.loss_fn(out, data, rt.groups, packed) / len(rt.microbatches)
         return out
 
     def backward(self, rt: ModelRuntime, ins: C.Instr, out, grad, x, last: bool):

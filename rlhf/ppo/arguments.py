@@ -17,8 +17,8 @@ from typing import Mapping
 
 from rlhf.checkpoint.sources import ModelSourceError, open_source
 from rlhf.cli import (LOGGING_FLAGS, PRECISION_FLAGS, TIMEOUT_FLAG, UsageError, add_section_flags, flag_name,
-                      fraction_or_auto, load_model_config, optional_float, parse_task_spec, section_configs,
-                      section_flag, usage_errors)
+                      fraction_or_auto, int_or_auto, load_model_config, optional_float, parse_task_spec,
+                      section_configs, section_flag, usage_errors)
 from rlhf.config import CheckpointConfig, ConfigError, PlacementConfig, RunConfig
 from rlhf.data import named_tokenizer
 from rlhf.models.config import LORA_MODULES_TO_SAVE, LORA_TARGET_MODULES, MODEL_PRESETS
@@ -123,11 +123,14 @@ SECTIONS = {
                                      "n_samples_per_prompt, and be a multiple of DP x micro-batch size"),
         ("ppo_epochs", int, "passes over the iteration's samples"),
         ("micro_batch_size", int, "samples per micro-batch (training and inference)"),
-        ("max_tokens_per_microbatch", int, "sequence packing: micro-batches of consecutive samples while their "
-                                           "tokens (prompt + response) fit this budget, each packed into one row "
-                                           "without padding, attention kept within each sample (training and "
-                                           "inference; unset: --micro-batch-size samples padded to the longest); "
-                                           "at least --max-prompt-len + --max-response-len"),
+        ("max_tokens_per_microbatch", int_or_auto, "sequence packing: micro-batches of consecutive samples while "
+                                                   "their tokens (prompt + response) fit this budget, each packed "
+                                                   "into one row without padding, attention kept within each sample "
+                                                   "(training and inference); at least --max-prompt-len + "
+                                                   "--max-response-len. 0: --micro-batch-size samples padded to the "
+                                                   "longest. auto (None): on a GPU the largest budget whose "
+                                                   "predicted peak fits the card (--dry-run shows it), padded on the "
+                                                   "CPU and with --intra-stage-fusion (rlhf/ppo/memory_plan.py)"),
         ("lr", float, "actor learning rate"),
         ("critic_lr", float, "critic learning rate"),
         ("clip_grad", float, "clip each model's global gradient norm to this (0: off)"),

@@ -15,7 +15,8 @@ function's import and a ``--load`` root's checkpoints.
 
 It also prints the planner's predicted memory per rank (rlhf/planner/cost.py
 ``task_memory``) in the parts the job measures and logs (``memory_training_*``
-metrics, docs/training.md), at the job's precision (:func:`job_precision`).
+metrics, docs/training.md), at the job's precision (rlhf/ppo/memory_plan.py, which also chooses the
+``--max-tokens-per-microbatch auto`` budget this report shows for a GPU).
 A mixture of experts' model line adds its experts and its total and active
 parameters (rlhf.planner.shapes ``active_parameter_count``); a task with
 expert parallelism (ep > 1) its experts per rank and the bytes each of its
@@ -26,13 +27,10 @@ samples and the job's activation type (rlhf.planner.cost
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from rlhf.planner.cost import (BF16, FP32, MEMORY_PARTS, Precision, Workload, expert_alltoall_bytes_per_iteration,
-                               task_memory)
-from rlhf.planner.plan import Plan, memory_parts_per_rank
-from rlhf.planner.shapes import BYTES, active_parameter_count, kv_bytes_per_token, parameter_count, rank_parameters
+from rlhf.planner.cost import MEMORY_PARTS, expert_alltoall_bytes_per_iteration
+from rlhf.planner.shapes import active_parameter_count, parameter_count, rank_parameters
 from rlhf.ppo import layout
+from rlhf.ppo.memory_plan import MEMORY_MARGIN, auto_budget, job_precision, predicted_memory, workload
 from rlhf.ppo.config import JobConfig
 from rlhf.tasks import MODEL_KIND, MODELS, TASK_MODEL
 
@@ -95,10 +93,11 @@ def dry_run(config: JobConfig, world_size: int) -> str:
             a2a = expert_alltoall_bytes_per_iteration(task, cfg, mesh, wl, element=element)
             line += (f"; ep {mesh.strategy.ep}: {cfg.num_experts // mesh.strategy.ep} experts per rank, expert "
                      f"all-to-all {short_bytes(a2a)} sent per rank per iteration (predicted)")
-        if task in trained and config.ppo.max_tokens_per_microbatch is None:
+        if task in trained and config.ppo.packing_budget is None:
             line += f"; {layout.microbatches(config, placement, task)} micro-batches per mini-batch and DP replica"
         lines.append(line + ("" if task in needed else "; placed, not run by this job"))
-    lines += [_describe_batches(config), _describe_generation(config, placement), _describe_training(config, placement)]
+    lines += [_describe_batches(config), *_describe_auto_budget(config, placement),
+              _describe_generation(config, placement), _describe_training(config, placement)]
     lines += describe_memory(config, placement)
     return "\n".join(lines)
 
@@ -109,52 +108,6 @@ def short_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n / 2**10:.1f} KiB"
-
-
-def job_precision(config: JobConfig) -> Precision:
-    """The element sizes the job trains with (``--bf16``/``--fp16``, docs/precision.md): fp32 weights,
-    gradients and Adam moments; or 16-bit weights with fp32 main weights and moments, and fp32 gradients
-    unless fp16 keeps them 16-bit (no --accumulate-allreduce-grads-in-fp32)."""
-    p = config.precision
-    if p.name == "fp32":
-        return FP32
-    return replace(BF16, name=p.name, grad=BF16.grad if p.grads_in_fp32 else BF16.weight)
-
-
-def workload(config: JobConfig) -> Workload:
-    """The planner's workload of the job: its samples, token budgets, mini-batches and micro-batches (packed
-    ones as the fewest full-length samples that hold their token budget: their activations at most)."""
-    ppo, gen = config.ppo, config.generation
-    size = ppo.micro_batch_size
-    if ppo.max_tokens_per_microbatch is not None:
-        size = -(-ppo.max_tokens_per_microbatch // (gen.max_prompt_len + gen.max_response_len))
-    return Workload(ppo.rollout_samples, gen.max_prompt_len, gen.max_response_len, ppo.minibatches, size,
-                    ppo.ppo_epochs)
-
-
-def predicted_memory(config: JobConfig, placement, precision: Precision | None = None) -> dict:
-    """{rank: {part: bytes}} the planner predicts at the peak of each rank (rlhf.planner.plan
-    ``memory_parts_per_rank``) for the tasks the job runs, at ``precision`` (default :func:`job_precision`),
-    with the job's activation recomputation, and its engine's KV cache (:func:`engine_kv_bytes`) resident
-    unless ``--release-generation-memory`` frees it between generations."""
-    precision = precision or job_precision(config)
-    meshes = {t: m for t, m in placement.meshes.items() if t in config.needed_tasks()}
-    wl, mem = workload(config), config.memory
-    recompute = (mem.recompute_granularity, mem.recompute_num_layers)
-    memory = {task: task_memory(task, config.models[TASK_MODEL[task]], MODEL_KIND[TASK_MODEL[task]], mesh, wl,
-                                None, precision, recompute, "local") for task, mesh in meshes.items()}
-    if "actor_gen" in memory:
-        memory["actor_gen"]["kv"] = engine_kv_bytes(config, placement, precision)
-    plan = Plan("job", meshes, fuse_training=config.fusion.intra_stage_fusion)
-    return memory_parts_per_rank(plan, memory, resident_kv=not mem.release_generation_memory)
-
-
-def engine_kv_bytes(config: JobConfig, placement, precision: Precision) -> float:
-    """Bytes of the KV cache one actor_gen rank allocates (rlhf.ppo.layout.engine_config's blocks: every
-    sample of a replica's share of the prompts, one prompt more, whole blocks and a spare per sequence)."""
-    engine, tp = layout.engine_config(config, placement), placement["actor_gen"].strategy.tp
-    per_token = kv_bytes_per_token(config.models["actor"]) / BYTES * precision.weight
-    return engine.num_blocks * engine.block_size * per_token / tp
 
 
 def describe_memory(config: JobConfig, placement) -> list[str]:
@@ -195,9 +148,30 @@ def _describe_batches(config: JobConfig) -> str:
     return (f"PPO: {ppo.rollout_batch_size} prompts x {ppo.n_samples_per_prompt} samples = {ppo.rollout_samples} "
             f"samples per iteration ({gen.max_prompt_len} + {gen.max_response_len} tokens at most), "
             f"{ppo.minibatches} mini-batches of {ppo.ppo_mini_batch_size} x {ppo.ppo_epochs} epoch(s), "
-            + (f"micro-batches of {ppo.micro_batch_size}" if ppo.max_tokens_per_microbatch is None else
-               f"packed micro-batches of up to {ppo.max_tokens_per_microbatch} tokens")
+            + (f"micro-batches of {ppo.micro_batch_size}" if ppo.packing_budget is None else
+               f"packed micro-batches of up to {ppo.packing_budget} tokens")
             + f"; {config.run.iterations} iterations")
+
+
+CARDS_GIB = {"H100": 80, "H200": 141}
+"""The cards an automatic token budget is shown for (their memory in GiB)."""
+
+
+def _describe_auto_budget(config: JobConfig, placement) -> list[str]:
+    """What ``--max-tokens-per-microbatch auto`` (the default) becomes on the CPU and on each card of
+    ``CARDS_GIB`` (rlhf/ppo/memory_plan.py); nothing when the flag gave a budget or 0."""
+    if config.ppo.max_tokens_per_microbatch is not None:
+        return []
+    ppo = config.ppo
+    padded = f"padded micro-batches of {ppo.micro_batch_size} samples"
+    if config.fusion.intra_stage_fusion:
+        return [f"micro-batches (--max-tokens-per-microbatch auto): {padded} on every device (the fused schedule "
+                "fixes their count); --max-tokens-per-microbatch N packs them"]
+    cards = ", ".join(f"up to {auto_budget(config, placement, gib * 2 ** 30)} tokens on an {name} ({gib} GiB)"
+                      for name, gib in CARDS_GIB.items())
+    return [f"micro-batches (--max-tokens-per-microbatch auto): on a GPU packed, {cards}: the largest budget whose "
+            f"predicted peak is within {MEMORY_MARGIN:.0%} of the card; on the CPU {padded}; "
+            "--max-tokens-per-microbatch 0 keeps them padded everywhere"]
 
 
 def _describe_training(config: JobConfig, placement) -> str:

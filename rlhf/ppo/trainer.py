@@ -65,6 +65,7 @@ from rlhf.ppo import layout
 from rlhf.ppo.asynchronous import GenerationAhead, learner_group
 from rlhf.ppo.batch_metrics import batch_metrics
 from rlhf.ppo.config import JobConfig
+from rlhf.ppo.memory_plan import describe_choice, resolve_micro_batches
 from rlhf.ppo.partial_rollouts import PartialRollouts, signal_group
 from rlhf.ppo.reward_fn import RewardFn, check_model_scores, drop_nonfinite_samples, function_scores
 from rlhf.ppo.rollouts import Lockstep, Rollout, RolloutSource
@@ -98,6 +99,10 @@ class Trainer:
 
     def __init__(self, config: JobConfig, placement, prompts, tokenizer,
                  initial_weights: Optional[dict] = None, reward_fn: Optional[RewardFn] = None):
+        chosen = resolve_micro_batches(config, placement)  # --max-tokens-per-microbatch auto, for this device
+        if chosen.ppo.max_tokens_per_microbatch != config.ppo.max_tokens_per_microbatch and dist.get_rank() == 0:
+            print(describe_choice(chosen, placement), flush=True)
+        config = chosen
         self.config, self.placement, self.prompts, self.tokenizer = config, placement, prompts, tokenizer
         if reward_fn is None and not config.has_reward_model and config.generation.multi_turn is None:
             raise ValueError("a run without a reward model needs a reward_fn: its scores are the reward")
@@ -132,7 +137,7 @@ class Trainer:
                                   release_generation=config.memory.release_generation_memory,
                                   optimizers=self.optimizers)
         self.inference = InferenceRunner(self.models, self.groups, self.memory, config.ppo.micro_batch_size,
-                                         config.generation.logprob_temperature, config.ppo.max_tokens_per_microbatch,
+                                         config.generation.logprob_temperature, config.ppo.packing_budget,
                                          config.ppo.routing_replay)
         self.rollouts = self._rollout_source()
 

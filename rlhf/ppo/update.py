@@ -193,7 +193,7 @@ class PPOUpdate:
         g, ppo, cfg = self.groups[task], self.config.ppo, self.config.models[name]
         fused = self.config.fusion.intra_stage_fusion  # a fused schedule's micro-batch count is fixed
         fixed = layout.microbatches(self.config, self.placement, task) if fused else None
-        micro = share.micro_batches(ppo.micro_batch_size, ppo.max_tokens_per_microbatch, count=fixed)
+        micro = share.micro_batches(ppo.micro_batch_size, ppo.packing_budget, count=fixed)
         averaged = len(micro) * g.mesh.strategy.dp
         aux_weights = routing = None
         if cfg.is_moe:
@@ -207,8 +207,9 @@ class PPOUpdate:
 
 
 class ModelLoss:
-    """One model's loss over an iteration's micro-batches: ``loss(output, mb, groups, denominator, averaged)``
-    is what the executor backpropagates, and every call keeps the micro-batch's statistics for
+    """One model's loss over an iteration's micro-batches: ``loss(output, mb, groups, packed, denominator,
+    averaged)`` is what the executor backpropagates (``packed``: the micro-batch's layout, which the executor
+    made once), and every call keeps the micro-batch's statistics for
     :meth:`metrics` and its share of the logged loss terms for :meth:`step_losses`.
 
     The aggregation (``ppo.loss_agg``) is exact over DP replicas and micro-batches: a micro-batch's loss is
@@ -219,13 +220,9 @@ class ModelLoss:
 
     def __init__(self, ppo, max_response_len: int):
         self.ppo, self.max_response_len = ppo, max_response_len
-        self.packed = ppo.max_tokens_per_microbatch is not None  # the model output comes packed
+        self.packed = ppo.packing_budget is not None  # the model output comes packed
         self.recorded: list = []  # (valid tokens, {metric: value}) per micro-batch
         self.terms: dict = {}  # {logged term: sum over this rank's micro-batches of numerator / denominator}
-
-    def layout(self, mb: Batch) -> PackedLayout | None:
-        """Where ``mb``'s samples sit in the packed output (None: the output is padded)."""
-        return PackedLayout.of(mb) if self.packed else None
 
     def mask(self, mb: Batch) -> torch.Tensor:
         """[b, R] 0/1: the response tokens this loss trains on."""
@@ -282,7 +279,7 @@ class ActorLoss(ModelLoss):
         mask = mb.response_mask
         if self.ppo.mask_truncated:
             finished = [reason != "length" for reason in mb.finish_reasons]
-            mask = mask * torch.tensor(finished, dtype=mask.dtype, device=mask.device).unsqueeze(1)
+            mask = mask * torch.tensor(finished, dtype=mask.dtype).to(mask.device, non_blocking=True).unsqueeze(1)
         return mask
 
     def term_names(self) -> tuple:
@@ -290,9 +287,9 @@ class ActorLoss(ModelLoss):
         actor minimises policy_loss + kl_coef x kl_loss - entropy_coef x entropy_loss."""
         return ("policy_loss",) + ("kl_loss",) * bool(self.kl_coef) + ("entropy_loss",) * bool(self.ppo.entropy_coef)
 
-    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, denominator: torch.Tensor,
-                 averaged: int) -> torch.Tensor:
-        ppo, mask, packed = self.ppo, self.mask(mb), self.layout(mb)
+    def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, packed: PackedLayout | None,
+                 denominator: torch.Tensor, averaged: int) -> torch.Tensor:
+        ppo, mask = self.ppo, self.mask(mb)
         positions = tempered_positions(logits, self.temperature, packed)
         logprobs = response_logprobs(positions, mb, g, packed)
         per_token, stats = policy_loss_per_token(logprobs, mb.old_logprobs, mb.advantages, mask, ppo.clip_eps,
@@ -331,10 +328,10 @@ class CriticLoss(ModelLoss):
     def term_names(self) -> tuple:
         return ("value_loss",)
 
-    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, denominator: torch.Tensor,
-                 averaged: int) -> torch.Tensor:
+    def __call__(self, values: torch.Tensor, mb: Batch, g: TaskGroups, packed: PackedLayout | None,
+                 denominator: torch.Tensor, averaged: int) -> torch.Tensor:
         mask = self.mask(mb)
-        values = mb.response_from_positions(unpacked(values, self.layout(mb)))
+        values = mb.response_from_positions(unpacked(values, packed))
         per_token, stats = value_loss_per_token(values, mb.values, mb.returns, mask,
                                                 clip_eps=self.ppo.value_clip)
         loss = self.share(per_token, mask, denominator)

@@ -190,7 +190,7 @@ class RewardTrainer:
         scale = len(micro) * dp / len(pairs)
         records: list = []
 
-        def loss_fn(values, mb, groups):
+        def loss_fn(values, mb, groups, packed=None):  # pairs always run padded
             chosen, rejected = pair_scores(values, mb)
             margin = margins[mb.prompt_ids[0::2].to(margins.device)]
             loss = preference_loss(chosen, rejected, margin, self.config.training.center_rewards_coef)

@@ -80,7 +80,7 @@ class JobConfig:
         self._check_environment()
         self._check_routing_replay()
         total = self.generation.max_prompt_len + self.generation.max_response_len
-        budget = self.ppo.max_tokens_per_microbatch
+        budget = self.ppo.packing_budget
         if budget is not None and budget < total:
             raise ConfigError(f"max_tokens_per_microbatch {budget} is smaller than the longest sample: "
                               f"max_prompt_len {self.generation.max_prompt_len} + max_response_len "

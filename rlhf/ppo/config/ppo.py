@@ -33,7 +33,9 @@ class PPOConfig:
     ``micro_batch_size`` samples (inference tasks use the same micro-batch size), or with
     ``max_tokens_per_microbatch`` consecutive samples while their tokens fit that budget, packed
     into one row each (rlhf/models/packing.py: no padding; training and inference alike; with a fused
-    schedule, training keeps its micro-batch count and balances them by tokens).
+    schedule, training keeps its micro-batch count and balances them by tokens). 0 keeps them padded;
+    None (``auto``) lets the job choose on its device (rlhf/ppo/memory_plan.py: packed to what fits a GPU's
+    memory, padded on the CPU) and is padded until then (:attr:`packing_budget`).
     The old log-probs are the engine's unless ``recompute_logprobs`` (then
     actor_train recomputes them before the update). ``routing_replay``: a
     mixture-of-experts actor's recomputed old log-probs and training forwards
@@ -105,13 +107,20 @@ class PPOConfig:
     partial_rollout_kv: str = "recompute"
     routing_replay: bool = False
 
+    @property
+    def packing_budget(self) -> int | None:
+        """The tokens per packed micro-batch, or None: padded micro-batches of ``micro_batch_size`` (0, or an
+        automatic budget not yet chosen: rlhf.ppo.memory_plan.resolve_micro_batches)."""
+        return self.max_tokens_per_microbatch or None
+
     def __post_init__(self):
         check_field_types("ppo", self)
         check_positive_ints("ppo", self, ("rollout_batch_size", "n_samples_per_prompt", "ppo_mini_batch_size",
                                            "ppo_epochs", "micro_batch_size"))
         if self.max_tokens_per_microbatch is not None:
-            check_range("ppo", "max_tokens_per_microbatch", self.max_tokens_per_microbatch, 1, float("inf"),
-                        ">= 1 tokens (prompt + response), or None for micro-batches of micro_batch_size samples")
+            check_range("ppo", "max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0, float("inf"),
+                        ">= 1 tokens (prompt + response), 0 for padded micro-batches of micro_batch_size samples, "
+                        "or auto (None) for the job to choose")
         for name in ("lr", "critic_lr"):
             check_range("ppo", name, getattr(self, name), 1e-12, float("inf"), "> 0")
         check_range("ppo", "clip_eps", self.clip_eps, 1e-9, 1.0, "in (0, 1]")
