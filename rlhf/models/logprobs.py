@@ -1,13 +1,26 @@
-"""Log-probabilities of target tokens from vocab-parallel logits.
+"""Log-probabilities of target tokens, and the entropy, from vocab-parallel logits, chunked.
 
 Each TP rank holds the logits of a contiguous vocab slice ``[V/tp * r, V/tp * (r+1))``.
 The log-softmax needs the max and the sum of exponentials over the whole
-vocabulary and the target's logit from whichever rank owns it: three
-all-reduces over the TP group. Backward is local (each rank's loss is the same
-replicated value), as megatron's reduce-from-TP-region mapping provides.
-Padded vocabulary ids arrive as -inf logits (rlhf.models.vocab): they add
-nothing to the sums, and ``where`` (not a product with 0) keeps them from
-turning into NaN, even on a rank whose whole slice is padding.
+vocabulary and the target's logit from whichever rank owns it; the entropy one
+sum more. Backward is local (each rank's loss is the same replicated value), as
+megatron's reduce-from-TP-region mapping provides. Padded vocabulary ids arrive
+as -inf logits (rlhf.models.vocab): they add nothing to the sums, and ``where``
+(not a product with 0) keeps them from turning into NaN, even on a rank whose
+whole slice is padding.
+
+:func:`vocab_parallel_logprobs_entropy` never holds fp32 logits of more than
+``CHUNK_ELEMENTS`` at once: it runs over chunks of rows (tokens), keeps only
+the model's logits and three numbers per token for the backward, and computes
+the gradient there chunk by chunk, analytically::
+
+    log p_j = x_j - lse       d log p_t / d x_j = [j = t] - p_j
+    H = -sum_j p_j log p_j    d H / d x_j = -p_j (log p_j + H)
+
+(x the tempered logits, lse their log-sum-exp). Autograd through the plain
+formulas would keep several fp32 copies of a micro-batch's logits (at a
+128k vocabulary and 8k tokens, 4.2 GB each). Two all-reduces per call: the
+maxima, then the three sums together.
 """
 
 from __future__ import annotations
@@ -15,53 +28,94 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+CHUNK_ELEMENTS = 1 << 26
+"""fp32 logits one chunk of rows may make at a time (256 MiB): what the log-probs add to the logits' memory."""
+
+
+def _tp_all_reduce(t: torch.Tensor, op, tp_group) -> None:
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(t, op=op, group=tp_group)
+
+
+class _LogProbsEntropy(torch.autograd.Function):
+    """(log p(targets), entropy) per row of [N, V/tp] logits divided by a temperature; see the module."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, tp_group):
+        rows, vocab_local = logits.shape
+        step = max(1, CHUNK_ELEMENTS // vocab_local)
+        start = (dist.get_rank(tp_group) if tp_group is not None else 0) * vocab_local
+        local = targets - start
+        in_slice = (local >= 0) & (local < vocab_local)
+        local = local.clamp(0, vocab_local - 1)
+
+        def tempered(i: int) -> torch.Tensor:
+            x = logits[i:i + step].float()  # a bf16 model's logits cast before the division, as the engine's are
+            return x if temperature == 1.0 else x / temperature
+
+        maxima = torch.cat([tempered(i).max(dim=-1).values for i in range(0, rows, step)])
+        _tp_all_reduce(maxima, dist.ReduceOp.MAX, tp_group)
+        sums = logits.new_empty((3, rows), dtype=torch.float32)  # sum exp, sum exp * shifted, target's shifted
+        for i in range(0, rows, step):
+            shifted = tempered(i) - maxima[i:i + step, None]
+            exp = shifted.exp()
+            sums[0, i:i + step] = exp.sum(dim=-1)
+            sums[1, i:i + step] = (exp * torch.where(exp > 0, shifted, 0.0)).sum(dim=-1)  # exp * -inf is NaN
+            picked = shifted.gather(-1, local[i:i + step, None]).squeeze(-1)
+            sums[2, i:i + step] = torch.where(in_slice[i:i + step], picked, 0.0)
+        _tp_all_reduce(sums, dist.ReduceOp.SUM, tp_group)
+        log_z = sums[0].log()
+        logprobs, entropy = sums[2] - log_z, log_z - sums[1] / sums[0]
+        ctx.save_for_backward(logits, local, in_slice, maxima + log_z, entropy)
+        ctx.temperature, ctx.step = temperature, step
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local, in_slice, lse, entropy = ctx.saved_tensors
+        temperature, step = ctx.temperature, ctx.step
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], step):
+            x = logits[i:i + step].float()
+            log_p = (x if temperature == 1.0 else x / temperature) - lse[i:i + step, None]
+            p = log_p.exp()
+            g = torch.zeros_like(p)
+            if grad_logprobs is not None:
+                g_rows = grad_logprobs[i:i + step]
+                g -= p * g_rows[:, None]
+                g.scatter_add_(-1, local[i:i + step, None],
+                               torch.where(in_slice[i:i + step], g_rows, 0.0)[:, None])
+            if grad_entropy is not None:
+                term = p * (torch.where(p > 0, log_p, 0.0) + entropy[i:i + step, None])
+                g -= term * grad_entropy[i:i + step, None]
+            grad[i:i + step] = g if temperature == 1.0 else g / temperature
+        return grad, None, None, None
+
+
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group,
+                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets), entropy in nats) of softmax(logits / ``temperature``) over the whole vocabulary, from
+    this rank's vocab slice.
+
+    logits: [..., V/tp] in the model's dtype (cast to fp32 a chunk at a time); targets: [...] int64 global
+    token ids. Returns two [...] float32 tensors, both differentiable w.r.t. ``logits`` (the policy loss and
+    the entropy bonus); an output the loss does not use costs nothing in the backward.
+    """
+    rows = logits.shape[:-1]
+    flat = logits.reshape(-1, logits.shape[-1])
+    logprobs, entropy = _LogProbsEntropy.apply(flat, targets.reshape(-1), float(temperature), tp_group)
+    return logprobs.view(rows), entropy.view(rows)
+
 
 def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, tp_group) -> torch.Tensor:
-    """log p(targets) from this rank's vocab slice of the logits.
-
-    logits: [..., V/tp] float; targets: [...] int64 global token ids.
-    Returns [...] float32 log-probabilities, differentiable w.r.t. ``logits``.
-    """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
-
-    logits = logits.float()
-    vocab_local = logits.shape[-1]
-    rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    start = rank * vocab_local
-
-    with torch.no_grad():
-        max_logit = logits.max(dim=-1).values
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - max_logit.unsqueeze(-1)
-    sum_exp = tp_sum(shifted.exp().sum(dim=-1), tp_group)
-
-    local = targets - start
-    in_slice = (local >= 0) & (local < vocab_local)
-    picked = shifted.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1)).squeeze(-1)
-    target_logit = tp_sum(torch.where(in_slice, picked, 0.0), tp_group)
-    return target_logit - sum_exp.log()
+    """log p(targets) from this rank's vocab slice of the logits ([..., V/tp]; targets [...] global ids):
+    [...] float32, differentiable."""
+    return vocab_parallel_logprobs_entropy(logits, targets, tp_group)[0]
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
-    """Entropy (nats) of softmax over the whole vocabulary from this rank's vocab slice.
-
-    logits: [..., V/tp]. Returns [...] float32, differentiable w.r.t. ``logits`` when autograd is on
-    (the entropy bonus of the actor loss); call it under ``torch.no_grad()`` for the metric alone. With
-    ``shifted = logits - max`` and ``Z = sum exp(shifted)``: ``H = log Z - sum(exp(shifted) * shifted) / Z``,
-    the two sums all-reduced together over the TP group with megatron's reduce-from-TP mapping (backward
-    local, as in :func:`vocab_parallel_log_probs`). The max carries no gradient: H does not depend on the
-    shift. Padded ids (-inf logits) add 0 to both sums and get a zero gradient.
-    """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
-
-    logits = logits.float()
-    with torch.no_grad():
-        max_logit = logits.max(dim=-1).values
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=tp_group)
-    shifted = logits - max_logit.unsqueeze(-1)
-    exp = shifted.exp()
-    finite = torch.where(exp > 0, shifted, 0.0)  # exp * -inf would be NaN, in the value and the gradient
-    sums = tp_sum(torch.stack([exp.sum(dim=-1), (exp * finite).sum(dim=-1)]), tp_group)
-    return sums[0].log() - sums[1] / sums[0]
+    """Entropy (nats) of softmax over the whole vocabulary from this rank's vocab slice of the logits
+    ([..., V/tp]): [...] float32, differentiable."""
+    return vocab_parallel_logprobs_entropy(logits, torch.zeros(logits.shape[:-1], dtype=torch.int64,
+                                                               device=logits.device), tp_group)[1]

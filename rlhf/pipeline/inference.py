@@ -19,27 +19,22 @@ from rlhf.batch import OPTIONAL_FIELDS, Batch
 from rlhf.memory import StageMemory
 from rlhf.models import moe
 from rlhf.models.gpt import eval_mode
-from rlhf.models.logprobs import vocab_parallel_log_probs
+from rlhf.models.logprobs import vocab_parallel_logprobs_entropy
 from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.pipeline.microbatch import pipeline_forward
 from rlhf.tasks import INFERENCE_FIELDS, task_kind
 
 
-def tempered_positions(logits: torch.Tensor, temperature: float = 1.0, packed: PackedLayout | None = None
-                       ) -> torch.Tensor:
-    """fp32 vocab-parallel logits of the positions that predict a next token, divided by ``temperature``:
-    [b, T-1, V/tp] padded, or [1, t, V/tp] packed (every position: a sample's last one predicts nothing a
-    response field reads). The distribution the engine sampled from, before top-k / top-p (as the peers). A
-    bf16 model's logits are cast before the division, as the engine's are. Made once per micro-batch: the
-    log-probs and the entropy both read it."""
-    positions = (logits if packed is not None else logits[:, :-1]).float()
-    return positions if temperature == 1.0 else positions / temperature
-
-
-def response_logprobs(positions: torch.Tensor, mb: Batch, g, packed: PackedLayout | None = None) -> torch.Tensor:
-    """[b, R] log-probs of the response tokens from ``tempered_positions``."""
-    targets = mb.tokens[:, 1:] if packed is None else packed.next_tokens(mb.tokens)
-    return mb.response_from_positions(unpacked(vocab_parallel_log_probs(positions, targets, g.tp), packed))
+def response_logprobs(logits: torch.Tensor, mb: Batch, g, temperature: float = 1.0,
+                      packed: PackedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[b, R] log-probs of the response tokens and [b, R] entropies of the distributions they were drawn from,
+    from a micro-batch's vocab-parallel logits ([b, T, V/tp] padded, [1, t, V/tp] packed) divided by
+    ``temperature``: the distribution the engine sampled from, before top-k / top-p (as the peers). Both in
+    one chunked pass over the vocabulary (rlhf.models.logprobs), differentiable; each position predicts the
+    next token of its sample (a sample's last position predicts nothing a response field reads)."""
+    targets = torch.roll(mb.tokens, -1, dims=1) if packed is None else packed.next_tokens(mb.tokens)
+    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, g.tp, temperature)
+    return tuple(mb.response_from_positions(unpacked(x, packed)) for x in (logprobs, entropy))
 
 
 def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float = 1.0,
@@ -48,7 +43,7 @@ def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float =
     response log-probs at ``temperature`` (a language model), [b] scores (the reward model's value at each
     sample's last token, prompt + response) or [b, R] values (the critic's, per response token)."""
     if task_kind(task) == "lm":
-        return response_logprobs(tempered_positions(out, temperature, packed), mb, g, packed)
+        return response_logprobs(out, mb, g, temperature, packed)[0]
     values = unpacked(out, packed)
     if INFERENCE_FIELDS[task] == "scores":
         return mb.last_token_values(values).float()

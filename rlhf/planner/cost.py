@@ -245,9 +245,10 @@ def task_memory(task: str, cfg: ModelConfig, kind: str, mesh: TaskMesh, wl: Work
         out["optimizer"] = stage * (precision.main + precision.optimizer)
         m, samples = split(wl.samples // wl.minibatches, s.dp, wl, count)
         tokens = samples * wl.seq
-        # fp32 logits: one copy (Korthikanti); our vocab-parallel log-softmax saves two (shifted logits, exp)
-        copies = 2 if activation_model == "local" else 1
-        head = copies * tokens * head_outputs(cfg, kind) * 4 / s.tp
+        # fp32 logits: one copy (Korthikanti); ours (rlhf/models/logprobs.py, chunked) keeps the logits in the
+        # weights' type and, in the backward, their gradient beside them
+        element = 2 * precision.weight if activation_model == "local" else 4
+        head = tokens * head_outputs(cfg, kind) * element / s.tp
         out["activations"] = training_activations(cfg, s.pp, s.tp, min(m, s.pp), tokens, precision, head,
                                                   *recompute, wl.seq, activation_model)
     elif role == "inference":
@@ -370,15 +371,15 @@ def pass_collectives(cfg: ModelConfig, kind: str, mesh: TaskMesh, role: str, bac
     """Collectives and pipeline messages of one micro-batch's forward (or backward) through the busiest stage.
 
     Forward, with tp > 1: 2 all-reduces per layer (attention and MLP outputs), 1 on the first stage (the
-    vocab-parallel embedding), on an LM's last stage the log-softmax's 3 (max, sum, target logit; in
-    training 2 more for the entropy metric). Backward: 2 per layer (the column-parallel inputs' gradients)
+    vocab-parallel embedding), on an LM's last stage the log-probs' and entropy's 2 (the maxima, then their
+    three sums together: rlhf/models/logprobs.py). Backward: 2 per layer (the column-parallel inputs' gradients)
     and 1 for an LM head's input. With pp > 1, one message to the next (previous) stage. A mixture of
     experts with ep > 1: 2 all-to-alls (dispatch, combine) per layer each way.
     """
     s = mesh.strategy
     layers = 2 * (cfg.num_layers // s.pp)
     if kind == "lm":
-        head = 1 if backward else (5 if role == "training" else 3)
+        head = 1 if backward else 2
     else:
         head = 0
     ends = 0 if backward else 1  # the embedding

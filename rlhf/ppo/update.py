@@ -28,14 +28,13 @@ from rlhf.batch import Batch
 from rlhf.config import ConfigError
 from rlhf.metrics import StageTimer
 from rlhf.models import moe
-from rlhf.models.logprobs import vocab_parallel_entropy
 from rlhf.models.packing import PackedLayout, unpacked
 from rlhf.parallel import Placement
 from rlhf.parallel.exchange import first_rank
 from rlhf.parallel.groups import TaskGroups
 from rlhf.pipeline.compiler import serial_schedule
 from rlhf.pipeline.executor import ModelRuntime, run_step
-from rlhf.pipeline.inference import response_logprobs, tempered_positions
+from rlhf.pipeline.inference import response_logprobs
 from rlhf.pipeline.timeline import StageTimes, idle_fraction
 from rlhf.ppo import layout
 from rlhf.ppo.config import JobConfig
@@ -290,8 +289,7 @@ class ActorLoss(ModelLoss):
     def __call__(self, logits: torch.Tensor, mb: Batch, g: TaskGroups, packed: PackedLayout | None,
                  denominator: torch.Tensor, averaged: int) -> torch.Tensor:
         ppo, mask = self.ppo, self.mask(mb)
-        positions = tempered_positions(logits, self.temperature, packed)
-        logprobs = response_logprobs(positions, mb, g, packed)
+        logprobs, entropy = response_logprobs(logits, mb, g, self.temperature, packed)
         per_token, stats = policy_loss_per_token(logprobs, mb.old_logprobs, mb.advantages, mask, ppo.clip_eps,
                                                  ppo.clip_eps_high, ppo.dual_clip)
         record = {"clip_fraction": stats["clipfrac"], "approx_kl": stats["approx_kl"],
@@ -306,7 +304,6 @@ class ActorLoss(ModelLoss):
             kl = self.share(kl_estimate(logprobs, mb.ref_logprobs, ppo.kl_estimator_name), mask, denominator)
             self.add_term("kl_loss", kl)
             loss = loss + self.kl_coef * kl
-        entropy = self.entropy(positions, mb, g, packed)
         record["entropy_mean"] = masked_mean(entropy.detach(), mask)
         if ppo.entropy_coef:
             bonus = self.share(entropy, mask, denominator)
@@ -314,12 +311,6 @@ class ActorLoss(ModelLoss):
             loss = loss - ppo.entropy_coef * bonus
         self.recorded.append((mask.sum(), record))
         return loss * averaged
-
-    def entropy(self, positions: torch.Tensor, mb: Batch, g: TaskGroups, packed: PackedLayout | None) -> torch.Tensor:
-        """[b, R] entropy of the tempered policy at the response tokens: with its gradient when it is a bonus
-        of the loss (``entropy_coef``), else the cheap metric without one."""
-        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(self.ppo.entropy_coef)):
-            return mb.response_from_positions(unpacked(vocab_parallel_entropy(positions, g.tp), packed))
 
 
 class CriticLoss(ModelLoss):
