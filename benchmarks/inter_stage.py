@@ -124,13 +124,11 @@ class SleepEngine:
                       for (rid, i), (request, tokens) in self.running.items())
 
     def export_sequence(self, request_id: str, index: int, with_kv: bool):
-        import torch
-
         from rlhf.engine.migration import MigratedSequence
 
         request, tokens = self.running.pop((request_id, index))
         return MigratedSequence(request_id, index, len(request.prompt), list(request.prompt) + tokens,
-                                [0.0] * len(tokens), request.params, torch.zeros(8, dtype=torch.uint8), 0)
+                                [0.0] * len(tokens), request.params, 0)
 
     def import_sequence(self, state) -> None:
         from rlhf.engine.types import Request

@@ -36,6 +36,20 @@ def load_sampler_at(revision: str):
     return module
 
 
+def timed_sample(module, logits: torch.Tensor, params) -> float:
+    """Seconds of one ``module.sample`` on ``logits`` in the API of its revision: rows keyed by seed and counter
+    (`SampleInputs`, built inside the timing as the engine builds them each step) from 2026-12-06 on, a CPU
+    generator per row (made outside it) before."""
+    if hasattr(module, "SampleInputs"):
+        start = time.perf_counter()
+        module.sample(logits, module.SampleInputs.of(params, [p.seed for p in params], [0] * len(params)))
+        return time.perf_counter() - start
+    generators = [torch.Generator().manual_seed(p.seed) for p in params]
+    start = time.perf_counter()
+    module.sample(logits, params, generators)
+    return time.perf_counter() - start
+
+
 def settings(rows: int):
     """(name, params per row): the engine benchmark's plain temperature-1 rows, and a mix of every filter."""
     from rlhf.engine import SamplingParams
@@ -56,18 +70,15 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from rlhf.engine import sampler as new
-    from rlhf.engine.sequence import make_generator
     old = load_sampler_at(args.against)
     logits = torch.randn(args.rows, args.vocab, generator=torch.Generator().manual_seed(0)) * 4
     for name, params in settings(args.rows):
         seconds = {"new": [], "old": []}
         for repeat in range(args.repeats + 1):  # the first round warms up
             for label, module in (("new", new), ("old", old)):
-                generators = [make_generator(p.seed) for p in params]
-                start = time.perf_counter()
-                module.sample(logits, params, generators)
+                took = timed_sample(module, logits, params)
                 if repeat:
-                    seconds[label].append(time.perf_counter() - start)
+                    seconds[label].append(took)
         ms = {label: 1000 * statistics.median(s) for label, s in seconds.items()}
         print(f"sampler {name}: new={ms['new']:.1f} ms old={ms['old']:.1f} ms "
               f"speedup={ms['old'] / ms['new']:.1f}x ({args.rows} x {args.vocab}, median of {args.repeats})")

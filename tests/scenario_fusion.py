@@ -19,7 +19,7 @@ from rlhf.parallel.exchange import gather_to_all
 
 
 def sample(index: int, with_kv: bool) -> MigratedSequence:
-    """A sample with distinct tokens, log-probs, generator state and (optionally) K/V with their routing record
+    """A sample with distinct tokens, log-probs and (optionally) K/V with their routing record
     (5 positions, 2 layers, top-3 of 60 experts)."""
     g = torch.Generator().manual_seed(index)
     tokens = torch.randint(0, 1000, (7 + index,), generator=g).tolist()
@@ -27,7 +27,7 @@ def sample(index: int, with_kv: bool) -> MigratedSequence:
     routing = torch.randint(0, 60, (5, 2, 3), generator=g).to(torch.int16) if with_kv else None
     params = SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.9, seed=index, stop_token_ids=(2, 5))
     return MigratedSequence(f"req-{index}", index, 4, tokens, torch.randn(len(tokens) - 4, generator=g).tolist(),
-                            params, g.get_state(), 5 if with_kv else 0, kv, routing=routing)
+                            params, 5 if with_kv else 0, kv, routing=routing)
 
 
 def other_version(state) -> bytes:
@@ -86,7 +86,7 @@ LENGTHS = (4, 6, 30, 3, 5, 24, 2, 7)
 
 
 def _requests():
-    """8 prompts x 2 samples of LENGTHS tokens; odd requests sampled (their generator state must migrate)."""
+    """8 prompts x 2 samples of LENGTHS tokens; odd requests sampled (their draws must continue exactly)."""
     from rlhf.engine import Request
 
     g = torch.Generator().manual_seed(3)

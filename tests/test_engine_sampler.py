@@ -1,15 +1,31 @@
-"""Sampler filters, log-prob modes, seeded draws and seed mixing (no model)."""
+"""Sampler filters, log-prob modes, counter-based draws and seed mixing (no model)."""
 
 import math
+import random
 
 import pytest
 import torch
 
-from rlhf.engine.sampler import CDF_CHUNK, filter_logits, inverse_cdf, mixed_seed, sample
-from rlhf.engine.sequence import make_generator
+from rlhf.engine.sampler import CDF_CHUNK, SampleInputs, SamplePlan, filter_logits, inverse_cdf, mixed_seed, sample, \
+    uniforms
 from rlhf.engine.types import EngineConfigError, SamplingParams
 
 NEG = float("-inf")
+MASK64 = (1 << 64) - 1
+
+
+def reference_uniform(key: int, counter: int) -> float:
+    """Output number ``counter`` of splitmix64 seeded with ``key`` (Steele et al. 2014), in Python ints: its top 24
+    bits as a fraction."""
+    z = (key + (counter + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((z ^ (z >> 31)) >> 40) / 2**24
+
+
+def inputs(params: list[SamplingParams], keys=None, counters=None) -> SampleInputs:
+    """`SampleInputs` of ``params`` (keys and counters 0 unless given)."""
+    return SampleInputs.of(params, keys or [0] * len(params), counters or [0] * len(params))
 
 
 def reference_kept(row: torch.Tensor, p: SamplingParams) -> list[int]:
@@ -34,10 +50,9 @@ def reference_probs(row: torch.Tensor, p: SamplingParams) -> dict[int, float]:
     return {i: w / sum(weights) for i, w in zip(kept, weights)}
 
 
-def reference_token(row: torch.Tensor, p: SamplingParams, seed: int) -> int:
-    """A plain per-row inverse CDF: the first kept id whose cumulative probability exceeds the generator's
-    one uniform."""
-    u = torch.rand((), dtype=torch.float64, generator=make_generator(seed)).item()
+def reference_token(row: torch.Tensor, p: SamplingParams, key: int, counter: int) -> int:
+    """A plain per-row inverse CDF: the first kept id whose cumulative probability exceeds the row's uniform."""
+    u = reference_uniform(key, counter)
     cumulative = 0.0
     for i, prob in sorted(reference_probs(row, p).items()):
         cumulative += prob
@@ -51,7 +66,7 @@ def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
     params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8),
               SamplingParams(temperature=1.0, top_p=0.1), SamplingParams(temperature=2.0)]
     # probs of [3, 2, 1, 0] are about [.64, .24, .09, .03]: top_p=0.8 keeps the first two
-    assert filter_logits(logits.expand(4, 4), params).tolist() == [
+    assert filter_logits(logits.expand(4, 4), inputs(params)).tolist() == [
         [NEG, 3.0, NEG, 2.0], [NEG, 3.0, NEG, 2.0], [NEG, 3.0, NEG, NEG], [0.0, 1.5, 0.5, 1.0]]
 
 
@@ -63,52 +78,93 @@ def test_batched_filter_matches_a_per_row_reference_whatever_the_batch():
               SamplingParams(temperature=1.0), SamplingParams(temperature=0.9, top_k=50, top_p=0.8),
               SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=1.0, top_k=300, top_p=0.5),
               SamplingParams(temperature=0.5, top_k=7, top_p=0.999)]
-    batched = filter_logits(logits, params)
+    batched = filter_logits(logits, inputs(params))
     for row, p in enumerate(params):
         expected = torch.full((300,), NEG)
         kept = reference_kept(logits[row], p)
         expected[kept] = logits[row, kept] / p.temperature
         assert torch.equal(batched[row], expected), p
-        assert torch.equal(filter_logits(logits[row:row + 1], [p])[0], expected)
+        assert torch.equal(filter_logits(logits[row:row + 1], inputs([p]))[0], expected)
+
+
+def test_uniforms_equal_splitmix64_in_python_ints():
+    """The device arithmetic (int64 tensors in 32-bit halves) gives the Python-int splitmix64's bits on 20,000
+    random (key, counter) pairs and on the edges of both ranges."""
+    rng = random.Random(0)
+    keys = [rng.randrange(2**63) for _ in range(20_000)] + [0, 2**63 - 1, 2**32 - 1, 2**32] * 3
+    counters = [rng.randrange(2**32) for _ in range(20_000)] + [0] * 4 + [2**32 - 1] * 4 + [1, 2**31, 7, 2**16]
+    got = uniforms(torch.tensor(keys), torch.tensor(counters))
+    assert got.dtype == torch.float32
+    assert got.tolist() == [reference_uniform(k, c) for k, c in zip(keys, counters)]
+
+
+def test_uniforms_are_uniform_along_a_sample_and_across_samples():
+    """10**5 draws as the engine makes them (counters 0..999 of 100 mixed keys) and one long stream of one key:
+    the mean within 4 standard errors of 1/2, and a chi-square over 100 equal bins with p > 1e-4."""
+    keys = torch.tensor([mixed_seed(11, i) for i in range(100)]).repeat_interleave(1000)
+    counters = torch.arange(1000).repeat(100)
+    for u in (uniforms(keys, counters), uniforms(torch.full((10**5,), mixed_seed(5)), torch.arange(10**5))):
+        n = u.numel()
+        assert u.min() >= 0 and u.max() < 1
+        assert abs(u.double().mean().item() - 0.5) < 4 * (1 / 12 / n) ** 0.5
+        counts = torch.bincount((u * 100).long(), minlength=100).double()
+        chi2 = ((counts - n / 100) ** 2 / (n / 100)).sum()
+        assert torch.special.gammaincc(torch.tensor(99 / 2, dtype=torch.float64), chi2 / 2) > 1e-4, chi2
 
 
 def test_greedy_raw_logprobs_and_seeded_draws():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     greedy = SamplingParams()
-    toks, lps = sample(logits.clone(), [greedy] * 3, [make_generator(0)] * 3)
+    toks, lps = sample(logits.clone(), inputs([greedy] * 3))
     assert toks.tolist() == logits.argmax(-1).tolist()
     assert torch.allclose(lps, torch.log_softmax(logits, -1).max(-1).values)
     hot = SamplingParams(temperature=1.0, top_k=10, seed=4)
-    a = sample(logits[:2].clone(), [hot, greedy], [make_generator(4), make_generator(0)])[0][0]
-    b = sample(logits[:1].clone(), [hot], [make_generator(4)])[0][0]
-    assert a == b  # one draw per sample from its own generator: batch-independent
-    _, lp = sample(logits[:1].clone(), [SamplingParams(temperature=1.0, top_k=1, logprobs_of="sampling")],
-                   [make_generator(1)])
+    a = sample(logits[:2].clone(), inputs([hot, greedy], [4, 0], [9, 0]))[0][0]
+    b = sample(logits[:1].clone(), inputs([hot], [4], [9]))[0][0]
+    assert a == b  # a row's draw is its key's and counter's: batch-independent
+    _, lp = sample(logits[:1].clone(), inputs([SamplingParams(temperature=1.0, top_k=1, logprobs_of="sampling")]))
     assert math.isclose(lp.item(), 0.0, abs_tol=1e-6)  # top-1 distribution: probability 1
+    unfiltered = SamplingParams(temperature=1.0, logprobs_of="sampling")  # samples the raw distribution
+    tok, lp = sample(logits[:1].clone(), inputs([unfiltered], [4], [9]))
+    assert tok.item() == reference_token(logits[0], unfiltered, 4, 9)
+    assert lp.item() == pytest.approx(torch.log_softmax(logits[0], -1)[tok].item(), abs=1e-6)
 
 
 def test_seeded_draws_are_a_per_row_inverse_cdf_of_one_uniform():
-    """Each sampled row's token is what a plain inverse CDF of its filtered distribution gives at the one
-    uniform its generator draws; greedy rows between them take no draw."""
+    """Each sampled row's token is what a plain inverse CDF of its filtered distribution gives at the uniform of
+    its key and counter, whatever rows share its batch (greedy ones, other filters, a k at or above the
+    vocabulary, which filters nothing)."""
     torch.manual_seed(3)
     kinds = [dict(temperature=1.0), dict(temperature=0.6, top_k=8), dict(temperature=1.4, top_p=0.7),
              dict(temperature=0.8, top_k=16, top_p=0.9), dict(), dict(temperature=0.7, logprobs_of="sampling"),
-             dict(temperature=1.0, logprobs_of="raw")]
+             dict(temperature=1.0, logprobs_of="raw"), dict(temperature=0.9, top_k=10**6)]
+    keys, counters = [mixed_seed(row) for row in range(48)], [row * 37 for row in range(48)]
     for vocab in (64, 4 * CDF_CHUNK):  # one level, and chunks
-        logits = torch.randn(42, vocab) * 2
-        params = [SamplingParams(seed=row, **kinds[row % len(kinds)]) for row in range(42)]
-        for chosen in (range(42), range(0, 42, 7)):  # mixed rows, and only temperature-1 rows
-            generators = [make_generator(row) for row in chosen]
-            tokens, _ = sample(logits[list(chosen)], [params[row] for row in chosen], generators)
+        logits = torch.randn(48, vocab) * 2
+        params = [SamplingParams(seed=row, **kinds[row % len(kinds)]) for row in range(48)]
+        for chosen in (range(48), range(0, 48, 8), range(3, 48, 8)):  # mixed rows; only T 1 rows; only greedy
+            chosen = list(chosen)
+            tokens, _ = sample(logits[chosen], inputs([params[row] for row in chosen], [keys[row] for row in chosen],
+                                                      [counters[row] for row in chosen]))
             for j, row in enumerate(chosen):
                 p = params[row]
-                expected = logits[row].argmax().item() if p.greedy else reference_token(logits[row], p, row)
+                expected = (logits[row].argmax().item() if p.greedy
+                            else reference_token(logits[row], p, keys[row], counters[row]))
                 assert tokens[j].item() == expected, (vocab, row, p)
-                fresh = make_generator(row)
-                if not p.greedy:
-                    torch.rand((), dtype=torch.float64, generator=fresh)
-                assert torch.equal(generators[j].get_state(), fresh.get_state())  # exactly one draw, or none
+
+
+def test_the_plan_names_the_passes_a_batch_needs():
+    """Top-k's width is a power of two (few plans, few recorded graphs); greedy rows' filters count for nothing."""
+    plain, greedy = SamplingParams(temperature=1.0), SamplingParams(top_k=5, top_p=0.5, logprobs_of="sampling")
+    assert SamplePlan.of([plain, plain]) == SamplePlan(greedy=False, sampled=True, filtered=False, top_k=0,
+                                                        top_p=False, within=False, tempered=False)
+    assert SamplePlan.of([greedy]) == SamplePlan(greedy=True, sampled=False, filtered=False, top_k=0, top_p=False,
+                                                 within=False, tempered=False)
+    mixed = SamplePlan.of([plain, greedy, SamplingParams(temperature=0.5, top_k=33, logprobs_of="sampling"),
+                           SamplingParams(temperature=2.0, top_k=3, top_p=0.9)])
+    assert (mixed.greedy, mixed.filtered, mixed.top_k, mixed.top_p, mixed.within, mixed.tempered) == (
+        True, True, 64, True, True, True)
 
 
 def test_inverse_cdf_float_edges_never_pick_a_zero_probability_token():
@@ -156,8 +212,9 @@ def test_token_frequencies_match_the_filtered_distribution():
                 SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.9, top_k=6, top_p=0.9)]
     draws = 20_000
     params = [p for p in settings for _ in range(draws)]
-    tokens, _ = sample(row.expand(len(params), 16), params, [make_generator(mixed_seed(7, i)) for i in
-                                                             range(len(params))])
+    # as the engine draws: 800 samples (keys) of 100 tokens (counters) per setting
+    keys, counters = [mixed_seed(7, i // 100) for i in range(len(params))], [i % 100 for i in range(len(params))]
+    tokens, _ = sample(row.expand(len(params), 16), inputs(params, keys, counters))
     for k, p in enumerate(settings):
         counts = torch.bincount(tokens[k * draws:(k + 1) * draws], minlength=16).double()
         probs = reference_probs(row, p)
@@ -178,10 +235,11 @@ def test_logprob_modes_tempered_raw_and_sampling():
     kw = dict(temperature=0.7, top_k=10, top_p=0.9, seed=3)
     modes = ("tempered", "raw", "sampling")
     params = [SamplingParams(logprobs_of=m, **kw) for m in modes] + [SamplingParams(logprobs_of="tempered")]
-    tokens, lps = sample(logits, params, [make_generator(3) for _ in range(4)])
-    assert len(set(tokens[:3].tolist())) == 1  # the same draw from the same logits and seed in each mode
+    tokens, lps = sample(logits, inputs(params, [3] * 4, [5] * 4))
+    assert len(set(tokens[:3].tolist())) == 1  # the same draw from the same logits, key and counter in each mode
     expected = [torch.log_softmax(logits[0] / 0.7, -1), torch.log_softmax(logits[1], -1),
-                torch.log_softmax(filter_logits(logits[2:3], params[2:3])[0], -1), torch.log_softmax(logits[3], -1)]
+                torch.log_softmax(filter_logits(logits[2:3], inputs(params[2:3]))[0], -1),
+                torch.log_softmax(logits[3], -1)]
     for row, logp in enumerate(expected):
         assert lps[row].item() == pytest.approx(logp[tokens[row]].item(), abs=1e-6), modes[row % 3]
     assert lps[2] > lps[0]  # renormalised over the kept tokens

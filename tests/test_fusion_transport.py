@@ -38,7 +38,7 @@ HEADER_BYTES = 8 + 8 * len(HEADER_FIELDS)  # the magic, then int64 fields
 
 @pytest.mark.parametrize("keep, named", [(40, (None, None)), (HEADER_BYTES + 2, (None, 1)), (-3, ("req-1", 1))])
 def test_a_cut_message_is_refused_naming_the_sample(keep, named):
-    data = encode_sequence(sample(1, with_kv=False))  # the header (160 bytes), then the 5-byte request id
+    data = encode_sequence(sample(1, with_kv=False))  # the header (152 bytes), then the 5-byte request id
     with pytest.raises(MigrationFormatError, match="truncated") as e:
         decode_sequence(data[:keep])
     assert (e.value.request_id, e.value.sample_index) == named
@@ -47,7 +47,7 @@ def test_a_cut_message_is_refused_naming_the_sample(keep, named):
 
 
 def test_another_version_or_no_magic_is_refused():
-    with pytest.raises(MigrationFormatError, match="is version 1; this build reads version 2") as e:
+    with pytest.raises(MigrationFormatError, match="is version 2; this build reads version 3") as e:
         decode_sequence(other_version(sample(2, with_kv=False)))
     assert e.value.sample_index == 2
     with pytest.raises(MigrationFormatError, match="not a migration message"):

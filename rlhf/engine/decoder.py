@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from rlhf.engine.attention import AttentionMeta, make_attention
 from rlhf.engine.native import cpu_kernels
+from rlhf.engine.sampler import SampleInputs, sample
 from rlhf.engine.static_decode import StaticDecode
 from rlhf.models.config import ModelConfig
 from rlhf.models.naming import named_global_parameters
@@ -73,8 +74,9 @@ class StepInputs:
     """One step's flat batch (all tensors on the model's device).
 
     input_ids / positions / slots: [T]; logits_rows: [S] flat indices of the
-    tokens whose next-token logits are needed; copies: (src, dst) KV blocks to
-    copy before the step (copy on write).
+    tokens whose next-token logits are needed (one per sampling sequence: the
+    samples forked off a prompt repeat its last token's); copies: (src, dst) KV
+    blocks to copy before the step (copy on write).
     """
 
     input_ids: torch.Tensor
@@ -279,13 +281,21 @@ class TPDecoder:
     @torch.no_grad()
     def forward(self, inp: StepInputs) -> torch.Tensor:
         """Full-vocabulary logits [S, V] (float32; V padded, padded ids -inf) for ``inp.logits_rows``;
-        fills the KV cache (copy-on-write copies first). A decode step runs at its bucket's static shapes
-        when the decoder was made with ``static_decode`` (rlhf/engine/static_decode.py; never for MoE).
-        With ``record_routing``, ``last_routing`` holds the step's expert choices (module doc)."""
+        fills the KV cache (copy-on-write copies first). With ``record_routing``, ``last_routing`` holds the
+        step's expert choices (module doc)."""
         self.copy_blocks(inp.copies)
-        if self.static is not None and StaticDecode.applies(inp):
-            return self.static.run(inp)
         return self.logits(inp)
+
+    @torch.no_grad()
+    def forward_and_sample(self, inp: StepInputs, sampling: SampleInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens [S], log-probs [S]) drawn from the logits rows of `forward` by `rlhf.engine.sampler.sample`
+        (``sampling``: one row per logits row). A decode step runs at its bucket's static shapes, forward and
+        sampling in one function that a GPU records as one graph, when the decoder was made with
+        ``static_decode`` (rlhf/engine/static_decode.py; never for MoE)."""
+        if self.static is None or not StaticDecode.applies(inp):
+            return sample(self.forward(inp), sampling)
+        self.copy_blocks(inp.copies)
+        return self.static.run(inp, sampling)
 
     @torch.no_grad()
     def logits(self, inp: StepInputs) -> torch.Tensor:

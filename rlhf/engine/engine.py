@@ -4,9 +4,10 @@ Ties the layers together, top to bottom: `Scheduler` (policy, budget,
 preemption) -> `KVManager` (block tables) -> `BlockPool` (ref counts, free
 queue, prefix map) -> `TPDecoder` (tensors only). One `step()`:
 
-    schedule -> build flat step inputs -> decoder forward (logits of rows that sample)
-    -> advance num_computed, register full blocks -> fork the n samples of a
-       prompt whose prefill just ended -> sample -> finish / keep running
+    schedule -> build flat step inputs -> advance num_computed, register full blocks
+    -> fork the n samples of a prompt whose prefill just ended
+    -> decoder forward and sampling (tokens and log-probs of the rows that sample; a decode step
+       in one recorded CUDA graph with ``cuda_graphs``) -> finish / keep running
 
 Every TP rank of the generation mesh runs the same engine on the same
 requests; decisions depend only on tokens, so the ranks stay in lockstep.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -24,9 +25,9 @@ from rlhf.engine.attention import AttentionMeta
 from rlhf.engine.decoder import StepInputs, TPDecoder
 from rlhf.engine.kv_manager import KVManager, blocks_for
 from rlhf.engine.migration import MigratedSequence
-from rlhf.engine.sampler import mixed_seed, sample
+from rlhf.engine.sampler import SampleInputs, mixed_seed
 from rlhf.engine.scheduler import Scheduler, SchedulerOutput
-from rlhf.engine.sequence import Sequence, Status, make_generator
+from rlhf.engine.sequence import Sequence, Status
 from rlhf.engine.types import (EngineConfig, EngineConfigError, NeverFitsError, OutOfBlocksError, Request,
                                SampleResult, SamplingParams)
 from rlhf.models.config import ModelConfig
@@ -115,7 +116,7 @@ class Engine:
             state = "running" if key in self._seqs else "held for a next turn"
             raise ValueError(f"sample {index} of request {request_id!r} is already {state} in this engine")
         seq = Sequence(next(self._ids), request_id, index, len(prompt), list(prompt), params,
-                       make_generator(mixed_seed(params.seed, index)))
+                       mixed_seed(params.seed, index))
         self._seqs[key] = seq
         return seq
 
@@ -171,7 +172,7 @@ class Engine:
     # ---- one step -----------------------------------------------------------------
 
     def step(self) -> list[SampleResult]:
-        """Schedule, run the decoder once, sample; returns the samples that finished."""
+        """Schedule, run the decoder once and sample; returns the samples that finished."""
         if self._t0 is None:
             self._t0 = time.perf_counter()
         out = self.scheduler.schedule()
@@ -181,13 +182,14 @@ class Engine:
         if not out.scheduled:
             return []
         inputs, samplers = self._prepare(out)
-        logits = self.decoder.forward(inputs)
         for seq, n in out.scheduled:
             seq.num_computed += n
             if self.config.prefix_sharing:
                 self.kv.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
         rows = self._fork(samplers)
-        finished = self._sample(logits, samplers, rows)
+        if len(rows) > len(inputs.logits_rows):  # forked samples draw from their parent's logits row
+            inputs = replace(inputs, logits_rows=inputs.logits_rows[torch.tensor(rows, device=self.decoder.device)])
+        finished = self._sample(inputs, samplers)
         self._record(out)
         return finished
 
@@ -232,12 +234,15 @@ class Engine:
             parent.pending_forks = []
         return rows
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[SampleResult]:
-        if not seqs:
+    def _sample(self, inputs: StepInputs, seqs: list[Sequence]) -> list[SampleResult]:
+        """Run the step's forward and sample a token for each of ``seqs`` (one per logits row); the ones that
+        finished."""
+        if not seqs:  # prefill chunks only: their K/V
+            self.decoder.forward(inputs)
             return []
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens, logps = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        sampling = SampleInputs.of([s.params for s in seqs], [s.seed for s in seqs], [s.counter for s in seqs],
+                                   self.decoder.device)
+        tokens, logps = self.decoder.forward_and_sample(inputs, sampling)
         # .tolist(): the scheduler needs the new ids on the host (stop checks, next inputs); the
         # log-probs ride along in the same step (SampleResult holds python floats)
         finished = []
@@ -311,7 +316,7 @@ class Engine:
         del self._held[key]
         seq.tokens, seq.prompt_len, seq.params, seq.hold = tokens, len(tokens), params, hold
         seq.logprobs, seq.policy_versions, seq.finish_reason = [], [], None
-        seq.generator = make_generator(mixed_seed(params.seed, sample_index))
+        seq.seed = mixed_seed(params.seed, sample_index)
         self._seqs[key] = seq
         if self.kv.tables.get(seq.seq_id):
             self.scheduler.add_running(seq)
@@ -362,8 +367,8 @@ class Engine:
             kv = self.decoder.read_blocks(self.kv.tables[seq.seq_id], seq.num_computed)
             routing = self._routing(seq, seq.num_computed) if self.config.record_routing else None
         state = MigratedSequence(request_id, sample_index, seq.prompt_len, list(seq.tokens), list(seq.logprobs),
-                                 seq.params, seq.generator.get_state(), seq.num_computed if kv is not None else 0,
-                                 kv, list(seq.policy_versions), routing)
+                                 seq.params, seq.num_computed if kv is not None else 0, kv, list(seq.policy_versions),
+                                 routing)
         self.scheduler.finish(seq)
         del self._seqs[seq.key]
         return state
@@ -376,7 +381,6 @@ class Engine:
         seq = self._new_sequence(state.request_id, state.sample_index, prompt, state.params)
         seq.tokens, seq.logprobs = list(state.tokens), list(state.logprobs)
         seq.policy_versions = list(state.policy_versions)
-        seq.generator.set_state(state.generator_state)
         if state.kv is None or (self.config.record_routing and state.routing is None):
             self.scheduler.add(seq)
             return

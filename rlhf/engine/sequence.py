@@ -1,9 +1,10 @@
-"""One sample being generated: its tokens, progress, sampling state and status.
+"""One sample being generated: its tokens, progress, sampling seed and status.
 
 ``tokens`` holds the prompt followed by the generated ids. ``num_computed``
 counts the leading tokens whose K/V are in the cache; a step computes the next
 ``tokens[num_computed:]`` (a prefill chunk, or one token when decoding) and,
-once every token is computed, samples the next one::
+once every token is computed, samples the next one from the uniform of its
+``seed`` and ``counter`` (`rlhf.engine.sampler.uniforms`)::
 
     tokens:   p0 p1 p2 p3 | g0 g1
     computed: ######################..   num_computed = 5, one token (g1) to decode
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
 
 from rlhf.engine.types import SamplingParams
 
@@ -36,7 +35,7 @@ class Sequence:
     prompt_len: int
     tokens: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # the key of its draws: mixed_seed(params.seed, sample_index)
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)  # per sampled token, if the engine keeps them
     num_computed: int = 0
@@ -56,12 +55,11 @@ class Sequence:
         return self.tokens[self.prompt_len:]
 
     @property
+    def counter(self) -> int:
+        """The counter of its next draw: the tokens it has generated (this turn)."""
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def key(self) -> tuple[str, int]:
         return (self.request_id, self.sample_index)
 
-
-def make_generator(seed: int) -> torch.Generator:
-    """The per-sample CPU generator (sampling runs on CPU-resident probabilities)."""
-    g = torch.Generator()
-    g.manual_seed(seed)
-    return g

@@ -103,10 +103,10 @@ class SamplingParams:
     """How to sample one request's continuations.
 
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable
-    those filters. ``seed`` (an int in [0, 2**64)) seeds a per-sample
-    ``torch.Generator`` (sample i of a request uses
-    ``rlhf.engine.sampler.mixed_seed(seed, i)``), so results do not depend on
-    batching. ``stop_token_ids``: generation stops after any of them, which
+    those filters. ``seed`` (an int in [0, 2**64)) keys each sample's draws
+    (sample i of a request draws its token c with the uniform of
+    ``rlhf.engine.sampler.mixed_seed(seed, i)`` and c), so results do not
+    depend on batching. ``stop_token_ids``: generation stops after any of them, which
     stays the sample's last token. ``logprobs_of`` says what each token's
     log-prob is (greedy samples report raw log-probs in every mode):
     ``"tempered"`` (default) log_softmax(logits / temperature), top-k/top-p

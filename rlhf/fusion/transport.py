@@ -5,11 +5,10 @@ message from another build, or a cut one, is refused with an error naming
 the sample instead of failing somewhere later. Layout (little-endian)::
 
     "RLHFMIG1"                         8-byte magic
-    int64 x 19 header                  HEADER_FIELDS, in order
+    int64 x 18 header                  HEADER_FIELDS, in order
     request_id                         UTF-8, request_id_bytes
     tokens                             int64 x num_tokens (prompt + generated)
     logprobs                           float64 x num_logprobs
-    generator_state                    uint8 x generator_state_bytes
     params                             UTF-8 JSON of SamplingParams, params_bytes
 
 On the wire (torch.distributed p2p, tensors on `platform.device()`)::
@@ -41,9 +40,9 @@ from rlhf.engine.migration import MigratedSequence
 from rlhf.engine.types import SamplingParams
 
 MAGIC = b"RLHFMIG1"
-VERSION = 2  # 2: the routing record beside the K/V
+VERSION = 3  # 2: the routing record beside the K/V; 3: no generator state (the draws need none, rlhf.engine.sampler)
 HEADER_FIELDS = ("version", "sample_index", "prompt_len", "num_tokens", "num_logprobs", "num_computed",
-                 "generator_state_bytes", "request_id_bytes", "params_bytes", "kv_dtype",
+                 "request_id_bytes", "params_bytes", "kv_dtype",
                  "kv_layers", "kv_two", "kv_positions", "kv_heads", "kv_head_dim",
                  "routing_dtype", "routing_positions", "routing_layers", "routing_k")
 _HEADER = struct.Struct(f"<8s{len(HEADER_FIELDS)}q")
@@ -71,7 +70,6 @@ def encode_sequence(state: MigratedSequence) -> bytes:
     """The metadata of ``state`` (everything but the K/V and routing tensors) in the versioned layout."""
     rid = state.request_id.encode()
     params = json.dumps(dataclasses.asdict(state.params), sort_keys=True).encode()
-    gen = state.generator_state.cpu().numpy().tobytes()
     kv = state.kv
     if kv is not None and (kv.dim() != 5 or kv.dtype not in KV_DTYPES):
         raise ValueError(f"K/V of sample {state.sample_index} of {state.request_id!r} is {kv.dtype} "
@@ -85,10 +83,10 @@ def encode_sequence(state: MigratedSequence) -> bytes:
     kv_fields = (-1, 0, 0, 0, 0, 0) if kv is None else (KV_DTYPES.index(kv.dtype), *kv.shape)
     routing_fields = (-1, 0, 0, 0) if routing is None else (ROUTING_DTYPES.index(routing.dtype), *routing.shape)
     header = _HEADER.pack(MAGIC, VERSION, state.sample_index, state.prompt_len, len(state.tokens),
-                          len(state.logprobs), state.num_computed, len(gen), len(rid), len(params), *kv_fields,
+                          len(state.logprobs), state.num_computed, len(rid), len(params), *kv_fields,
                           *routing_fields)
     return b"".join((header, rid, struct.pack(f"<{len(state.tokens)}q", *state.tokens),
-                     struct.pack(f"<{len(state.logprobs)}d", *state.logprobs), gen, params))
+                     struct.pack(f"<{len(state.logprobs)}d", *state.logprobs), params))
 
 
 def decode_sequence(data: bytes) -> tuple[MigratedSequence, TensorSpec | None, TensorSpec | None]:
@@ -111,8 +109,7 @@ def decode_sequence(data: bytes) -> tuple[MigratedSequence, TensorSpec | None, T
         raise MigrationFormatError(f"migration message for {where} is version {h['version']}; this build reads "
                                    f"version {VERSION} only (run the same build on every rank)", rid,
                                    h["sample_index"])
-    sizes = (h["request_id_bytes"], 8 * h["num_tokens"], 8 * h["num_logprobs"], h["generator_state_bytes"],
-             h["params_bytes"])
+    sizes = (h["request_id_bytes"], 8 * h["num_tokens"], 8 * h["num_logprobs"], h["params_bytes"])
     if min(sizes) < 0 or _HEADER.size + sum(sizes) != len(data):
         raise MigrationFormatError(f"truncated or corrupt migration message for {where}: {len(data)} bytes, its "
                                    f"header describes {_HEADER.size + sum(sizes)}", rid, h["sample_index"])
@@ -121,14 +118,12 @@ def decode_sequence(data: bytes) -> tuple[MigratedSequence, TensorSpec | None, T
     at += sizes[1]
     logprobs = list(struct.unpack_from(f"<{h['num_logprobs']}d", data, at))
     at += sizes[2]
-    gen = torch.frombuffer(bytearray(data[at:at + sizes[3]]), dtype=torch.uint8)
     try:
-        params = SamplingParams(**json.loads(data[at + sizes[3]:].decode()))
+        params = SamplingParams(**json.loads(data[at:].decode()))
     except (ValueError, TypeError) as e:  # bad JSON, unknown field, invalid value
         raise MigrationFormatError(f"migration message for {where} has unreadable sampling params: {e}", rid,
                                    h["sample_index"]) from e
-    state = MigratedSequence(rid, h["sample_index"], h["prompt_len"], tokens, logprobs, params, gen,
-                             h["num_computed"])
+    state = MigratedSequence(rid, h["sample_index"], h["prompt_len"], tokens, logprobs, params, h["num_computed"])
     try:
         kv = _spec(h, "kv", KV_DTYPES, ("layers", "two", "positions", "heads", "head_dim"))
         routing = _spec(h, "routing", ROUTING_DTYPES, ("positions", "layers", "k"))
