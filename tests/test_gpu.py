@@ -104,12 +104,3 @@ def test_offloaded_and_released_weights_leave_the_gpu_between_uses(runs):
     for key in ("policy_loss", "value_loss", "kl_mean", "reward_mean"):
         assert lean[key] == pytest.approx(kept[key], rel=1e-5, abs=1e-6), key
 
-
-def test_micro_batches_make_no_host_sync_on_the_gpu():
-    """tests/scenario_host_syncs.py on the GPU: a training and an inference micro-batch (padded and packed)
-    under ``torch.cuda.set_sync_debug_mode("error")``, so any synchronising call, blocking host-to-device
-    copies included, fails the launch."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(platform.DEVICE_ENV, "auto")
-        (counts,) = launch(1, "scenario_host_syncs:run")
-    assert all(events == [] for layout in counts.values() for events in layout.values()), counts

@@ -1,9 +1,13 @@
-"""rlhf/testing/host_syncs.py: the would-be synchronisations it counts on the CPU, and those it does not."""
+"""rlhf/testing/host_syncs.py: the would-be synchronisations it counts on the CPU, and those it does not; and
+that one training and one inference micro-batch make none (tests/scenario_host_syncs.py, on the CPU and on a GPU)."""
 
 import inspect
 
+import pytest
 import torch
 
+from rlhf import platform
+from rlhf.testing.distributed import launch
 from rlhf.testing.host_syncs import HostSyncCounter
 
 
@@ -50,11 +54,19 @@ def test_a_training_and_an_inference_micro_batch_make_no_host_sync():
     """tests/scenario_host_syncs.py: the compute of one micro-batch, padded and packed (the actor's log-probs
     and the critic's values; the actor's full loss and the critic's, with backward) makes none, so on a GPU
     the host can queue micro-batch after micro-batch without waiting for the device."""
-    from rlhf.testing.distributed import launch
-
     (counts,) = launch(1, "scenario_host_syncs:run")
     for layout in ("padded", "packed"):
         assert set(counts[layout]) == {"inference/actor_train", "inference/critic_inf", "training/actor_train",
                                        "training/critic_train"}
         for part, events in counts[layout].items():
             assert events == [], (layout, part, events)
+
+
+@pytest.mark.gpu
+def test_micro_batches_make_no_host_sync_on_the_gpu():
+    """The same scenario on the GPU, under ``torch.cuda.set_sync_debug_mode("error")`` (rlhf.platform.syncs_raise),
+    so any synchronising call, blocking host-to-device copies included, fails the launch."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(platform.DEVICE_ENV, "auto")
+        (counts,) = launch(1, "scenario_host_syncs:run")
+    assert all(events == [] for layout in counts.values() for events in layout.values()), counts
