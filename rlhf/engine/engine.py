@@ -7,7 +7,12 @@ queue, prefix map) -> `TPDecoder` (tensors only). One `step()`:
     schedule -> build flat step inputs -> advance num_computed, register full blocks
     -> fork the n samples of a prompt whose prefill just ended
     -> decoder forward and sampling (tokens and log-probs of the rows that sample; a decode step
-       in one recorded CUDA graph with ``cuda_graphs``) -> finish / keep running
+       in one recorded CUDA graph with ``cuda_graphs``) -> the sampled tokens stay pending on the device
+
+and reads the previous step's tokens on the host (finish / keep running) *after* launching its own when it
+can do without them: a pure decode step of the same sequences takes its input ids from the device
+(`_InFlight`), so on a GPU the host never waits for the step it just queued. Samples are then found
+finished a step late; the token computed for them meanwhile is dropped.
 
 Every TP rank of the generation mesh runs the same engine on the same
 requests; decisions depend only on tokens, so the ranks stay in lockstep.
@@ -53,6 +58,19 @@ class EngineStats:
         return self.generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
 
 
+@dataclass
+class _InFlight:
+    """A step's sampled tokens the host has not read yet: the sequence of each row, the tokens [S] on the
+    device (a next step's input ids), their copies and the log-probs' [S] on the way to the host, and the
+    event marking their arrival (None on the CPU, where the copies are the tensors themselves)."""
+
+    seqs: list[Sequence]
+    tokens: torch.Tensor
+    host: tuple[torch.Tensor, torch.Tensor]
+    arrived: torch.Event | None
+    read: bool = False
+
+
 class Engine:
     """Paged-KV, continuously batched generation with the actor's TP-sharded weights.
 
@@ -79,6 +97,8 @@ class Engine:
         self._ids = itertools.count()
         self._seqs: dict[tuple[str, int], Sequence] = {}
         self._held: dict[tuple[str, int], Sequence] = {}  # finished turns keeping their K/V, oldest first
+        self._pending: _InFlight | None = None  # the last step's tokens, until read (see step)
+        self._done: list[SampleResult] = []  # found finished, returned by the next step
         self._t0: float | None = None
         self.policy_version: int | None = None
 
@@ -121,13 +141,17 @@ class Engine:
         return seq
 
     def has_unfinished(self) -> bool:
-        return bool(self._seqs)
+        """Whether `step` has samples still to return."""
+        return bool(self._seqs or self._done)
 
     def exportable(self) -> list[tuple[str, int, int]]:
         """(request_id, sample_index, tokens so far) of the unfinished samples `export_sequence` takes now,
-        sorted (a request still prefilling for its other samples is left out until its first token)."""
+        sorted (a request still prefilling for its other samples is left out until its first token). Reads
+        the pending tokens but changes nothing the next step does (a sample they finish is left out)."""
+        if self._pending is not None:
+            self._read(self._pending)
         return sorted((s.request_id, s.sample_index, len(s.tokens)) for s in self._seqs.values()
-                      if not s.pending_forks)
+                      if not s.pending_forks and s.finish_reason is None)
 
     def refresh_weights(self, version: int, keep_kv: bool = False) -> None:
         """The model's weights were just replaced (an asynchronous run's reshard; docs/async.md, "Partial
@@ -135,6 +159,7 @@ class Engine:
         their tokens and log-probs; their K/V, computed by the old weights, are computed again by prefill
         (or, ``keep_kv``, kept: cheaper, but the new tokens then attend to the old weights' K/V). No block
         computed before is shared by a prefix match again."""
+        self._flush()  # the pending tokens were sampled by the old weights
         self.policy_version = version
         self.kv.pool.forget_prefixes()
         if not keep_kv:
@@ -146,11 +171,13 @@ class Engine:
     def forget_graphs(self) -> None:
         """Drop the recorded decode-step graphs (`EngineConfig.cuda_graphs`), which hold the addresses of the
         weights and KV cache: for when their storage is freed (``memory.release_generation_memory``)."""
+        self._flush()  # the pending tokens may be a graph's output
         if self.decoder.static is not None:
             self.decoder.static.forget()
 
     def abort_all(self) -> None:
         """Drop every unfinished sample (its blocks freed); nothing is returned for them."""
+        self._pending, self._done = None, []
         for seq in self._seqs.values():
             self.scheduler.finish(seq)
         self._seqs.clear()
@@ -164,49 +191,87 @@ class Engine:
         done = {}
         while self.has_unfinished():
             steps = self.stats.steps
-            done.update(((res.request_id, res.sample_index), res) for res in self.step())
-            if self.stats.steps == steps:  # cannot happen: the oldest sequence always fits (check_fits)
+            finished = self.step()
+            done.update(((res.request_id, res.sample_index), res) for res in finished)
+            if self.stats.steps == steps and not finished:  # cannot happen: the oldest sequence always fits
                 raise RuntimeError(f"engine made no progress: {self.snapshot()}")
+        self._flush()  # tokens computed for samples found finished meanwhile: dropped
         return [done[(r.request_id, i)] for r in requests for i in range(r.params.n)]
 
     # ---- one step -----------------------------------------------------------------
 
     def step(self) -> list[SampleResult]:
-        """Schedule, run the decoder once and sample; returns the samples that finished."""
+        """Schedule, run the decoder once and sample; returns the samples found finished.
+
+        A step's sampled tokens stay on the device (`_InFlight`) until the host needs them. When every running
+        sequence sampled in the last step and the scheduler can give each its token in flight without a
+        decision (`Scheduler.schedule_in_flight`: nobody to admit, nobody to preempt), this step computes those
+        tokens straight from the device and reads them only after it is launched; otherwise the pending tokens
+        are read first and the scheduler decides on them. Tokens that end a sample by its length are read by
+        the step that sampled them (no later step could run ahead of them). A sample ended by a stop id is so
+        found finished up to a step late: the token computed for it meanwhile is dropped (never returned or
+        counted) and its blocks freed."""
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        out = self.scheduler.schedule()
-        while not out.scheduled and self.scheduler.waiting and self._evict_held():
-            out = self.scheduler.schedule()  # held turns' K/V gave way to work that could not start
-        self.stats.preemptions += len(out.preempted)
-        if not out.scheduled:
-            return []
+        ahead = self._pending
+        out = (self.scheduler.schedule_in_flight()
+               if ahead is not None and self.scheduler.running == ahead.seqs else None)
+        if out is not None:
+            self._launch(out, ahead)
+            self._read(ahead)  # on a GPU the step it launched has these tokens computed by now
+            self._retire(ahead)
+        else:
+            self._flush()
+            out = self.scheduler.schedule()
+            while not out.scheduled and self.scheduler.waiting and self._evict_held():
+                out = self.scheduler.schedule()  # held turns' K/V gave way to work that could not start
+            self.stats.preemptions += len(out.preempted)
+            if not out.scheduled:
+                return self._take_done()
+            self._launch(out)
+        if self._pending is not None and self._ends_by_length(self._pending):
+            self._flush()  # the next step is the scheduler's to decide: read now, the finish returned now
+        self._record(out)
+        return self._take_done()
+
+    def _ends_by_length(self, step: _InFlight) -> bool:
+        """Whether a token of ``step`` is its sample's last by length (known before the token is read)."""
+        return any(self._length_reason(s, s.num_computed + 1) for s in step.seqs if s.status is Status.RUNNING)
+
+    def _launch(self, out: SchedulerOutput, ahead: _InFlight | None = None) -> None:
+        """Queue the scheduled step (``ahead``: its input ids are these tokens in flight); its sampled tokens
+        become the pending ones."""
         inputs, samplers = self._prepare(out)
+        if ahead is not None:
+            inputs = replace(inputs, input_ids=ahead.tokens)
         for seq, n in out.scheduled:
             seq.num_computed += n
-            if self.config.prefix_sharing:
+            if self.config.prefix_sharing and ahead is None:  # else once the token in flight is read
                 self.kv.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
         rows = self._fork(samplers)
         if len(rows) > len(inputs.logits_rows):  # forked samples draw from their parent's logits row
             inputs = replace(inputs, logits_rows=inputs.logits_rows[torch.tensor(rows, device=self.decoder.device)])
-        finished = self._sample(inputs, samplers)
-        self._record(out)
-        return finished
+        self._pending = self._sample(inputs, samplers)
+
+    def _take_done(self) -> list[SampleResult]:
+        done, self._done = self._done, []
+        return done
 
     def _prepare(self, out: SchedulerOutput) -> tuple[StepInputs, list[Sequence]]:
-        """Flatten the scheduled token ranges into one batch (see attention.AttentionMeta)."""
+        """Flatten the scheduled token ranges into one batch (see attention.AttentionMeta). A token in flight
+        is not in its sequence's tokens yet: its id is left out (`_launch` gives the step the device's)."""
         ids, pos, slots, q_starts, q_lens, ctx_lens, tables, rows, samplers = ([] for _ in range(9))
         for seq, n in out.scheduled:
             start = seq.num_computed
-            q_starts.append(len(ids))
+            q_starts.append(len(pos))
             ids.extend(seq.tokens[start:start + n])
             pos.extend(range(start, start + n))
             slots.extend(self.kv.slots(seq.seq_id, start, start + n))
             q_lens.append(n)
             ctx_lens.append(start + n)
             tables.append(self.kv.tables[seq.seq_id])
-            if start + n == len(seq.tokens):  # every token computed: sample the next one
-                rows.append(len(ids) - 1)
+            if start + n >= len(seq.tokens):  # every token computed: sample the next one
+                rows.append(len(pos) - 1)
                 samplers.append(seq)
         dev = self.decoder.device
         width = max(len(t) for t in tables)
@@ -234,40 +299,74 @@ class Engine:
             parent.pending_forks = []
         return rows
 
-    def _sample(self, inputs: StepInputs, seqs: list[Sequence]) -> list[SampleResult]:
-        """Run the step's forward and sample a token for each of ``seqs`` (one per logits row); the ones that
-        finished."""
+    def _sample(self, inputs: StepInputs, seqs: list[Sequence]) -> _InFlight | None:
+        """Queue the step's forward and the sampling of a token for each of ``seqs`` (one per logits row), and
+        the copies of the tokens and log-probs to the host; None when nothing samples."""
         if not seqs:  # prefill chunks only: their K/V
             self.decoder.forward(inputs)
-            return []
+            return None
         sampling = SampleInputs.of([s.params for s in seqs], [s.seed for s in seqs], [s.counter for s in seqs],
                                    self.decoder.device)
         tokens, logps = self.decoder.forward_and_sample(inputs, sampling)
-        # .tolist(): the scheduler needs the new ids on the host (stop checks, next inputs); the
-        # log-probs ride along in the same step (SampleResult holds python floats)
-        finished = []
-        for seq, tok, lp in zip(seqs, tokens.tolist(), logps.tolist()):
+        host = tokens.to("cpu", non_blocking=True), logps.to("cpu", non_blocking=True)
+        arrived = None
+        if tokens.device.type != "cpu":
+            arrived = torch.Event(device=tokens.device)
+            arrived.record()
+        return _InFlight(seqs, tokens, host, arrived)
+
+    def _read(self, step: _InFlight) -> None:
+        """Append ``step``'s tokens and log-probs to its sequences and note which finished (`_retire` ends
+        them). A row of a sequence that finished at an earlier token was computed ahead: dropped."""
+        if step.read:
+            return
+        step.read = True
+        if step.arrived is not None:
+            step.arrived.synchronize()
+        # .tolist(): the scheduler needs the new ids on the host (stop checks, its decisions); the log-probs
+        # ride along (SampleResult holds python floats)
+        for seq, tok, lp in zip(step.seqs, step.host[0].tolist(), step.host[1].tolist()):
+            if seq.status is not Status.RUNNING or seq.finish_reason is not None:
+                continue
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             if self.policy_version is not None:
                 seq.policy_versions.append(self.policy_version)
             self.stats.generated_tokens += 1
-            reason = self._finish_reason(seq, tok)
-            if reason:
-                finished.append(self._finish(seq, reason))
-        return finished
+            seq.finish_reason = self._finish_reason(seq, tok)
+            if seq.finish_reason is None and self.config.prefix_sharing:  # blocks a step ahead has filled
+                self.kv.register_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
+
+    def _retire(self, step: _InFlight) -> None:
+        """End the sequences of the read ``step`` that finished; their results go out with the next `step`."""
+        for seq in step.seqs:
+            if seq.status is Status.RUNNING and seq.finish_reason is not None:
+                self._done.append(self._finish(seq, seq.finish_reason))
+
+    def _flush(self) -> None:
+        """Read and retire the pending tokens: every sequence's tokens are then on the host, none in flight."""
+        if self._pending is not None:
+            self._read(self._pending)
+            self._retire(self._pending)
+            self._pending = None
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.params.stop_token_ids:
             return "stop"
-        if len(seq.output) >= seq.params.max_new_tokens_of(seq.sample_index):
+        return self._length_reason(seq, len(seq.tokens))
+
+    def _length_reason(self, seq: Sequence, num_tokens: int) -> str | None:
+        """Why ``seq`` ends once it holds ``num_tokens`` tokens whatever they are: "length", "context" or None."""
+        if num_tokens - seq.prompt_len >= seq.params.max_new_tokens_of(seq.sample_index):
             return "length"
-        if len(seq.tokens) >= self.max_len:
+        if num_tokens >= self.max_len:
             return "context"
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> SampleResult:
-        # every token but the one just sampled is computed, and its blocks are still held
+        # every token but the one just sampled is computed (a step ahead's K/V of it are dropped), and its
+        # blocks are still held
+        seq.num_computed = len(seq.tokens) - 1
         routing = self._routing(seq, seq.num_computed).cpu() if self.config.record_routing else None
         if seq.hold:
             self.scheduler.set_aside(seq)
@@ -304,6 +403,7 @@ class Engine:
         ``params`` (``params.seed`` mixed with the sample index seeds the turn). Its K/V stay where they
         are: only the last sampled token and the observation are computed (all of it again if the K/V gave
         way under memory pressure). ``hold``: keep it again when this turn finishes."""
+        self._flush()
         key = (request_id, sample_index)
         seq = self._held.get(key)
         if seq is None:
@@ -325,6 +425,7 @@ class Engine:
 
     def release(self, request_id: str, sample_index: int) -> None:
         """End a held sample: its K/V blocks return to the pool."""
+        self._flush()
         seq = self._held.pop((request_id, sample_index), None)
         if seq is None:
             raise KeyError(f"sample {sample_index} of request {request_id!r} is not held in this engine")
@@ -345,7 +446,9 @@ class Engine:
     # ---- instrumentation ------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """Current running/waiting counts, KV blocks used/free and throughput."""
+        """Current running/waiting counts, KV blocks used/free and throughput (the pending tokens read and
+        their finished samples ended first)."""
+        self._flush()
         pool = self.kv.pool
         return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "blocks_used": pool.num_used, "blocks_free": pool.num_free,
@@ -355,7 +458,8 @@ class Engine:
     # ---- migration ------------------------------------------------------------------
 
     def export_sequence(self, request_id: str, sample_index: int, with_kv: bool = True) -> MigratedSequence:
-        """Remove an unfinished sample from this engine and return its state."""
+        """Remove an unfinished sample from this engine and return its state (no token of it in flight)."""
+        self._flush()
         seq = self._seqs.get((request_id, sample_index))
         if seq is None:
             raise KeyError(f"no unfinished sample {sample_index} of request {request_id!r} in this engine")
@@ -376,6 +480,7 @@ class Engine:
     def import_sequence(self, state: MigratedSequence) -> None:
         """Continue a migrated sample here. Raises `OutOfBlocksError` (retry later) if its K/V do not fit now.
         An engine recording routing re-prefills a sample whose K/V came without routing (to record it)."""
+        self._flush()  # the blocks of samples found finished are free
         self._check_blocks(state.request_id, state.prompt_len, state.params.max_new_tokens)
         prompt = state.tokens[:state.prompt_len]
         seq = self._new_sequence(state.request_id, state.sample_index, prompt, state.params)

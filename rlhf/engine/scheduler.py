@@ -70,6 +70,25 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def schedule_in_flight(self) -> SchedulerOutput | None:
+        """The step after one in which every running sequence sampled a token the host has not read yet: each
+        computes that token, at its next position. None when the scheduler has to decide on the tokens: a
+        waiting sequence could join, the budget does not cover every sequence, or one might need a preemption
+        (a token more takes at most one fresh block, a new one or a copy of a shared partial one, so as many
+        free blocks as sequences always do).
+
+        Equal to what `schedule` does once the tokens are read if none of them finished; a sequence they
+        finish has this step's token computed for nothing (the engine drops it)."""
+        n = len(self.running)
+        joins = self.continuous_batching and self.waiting and n < min(self.max_num_seqs, self.max_tokens_per_step)
+        if joins or n > self.max_tokens_per_step or self.kv.pool.num_free < n:
+            return None
+        out = SchedulerOutput()
+        for seq in self.running:
+            out.scheduled.append((seq, 1))
+            out.copies.extend(self.kv.allocate_slots(seq.seq_id, seq.num_computed, 1))
+        return out
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:

@@ -56,8 +56,9 @@ class Sequence:
 
     @property
     def counter(self) -> int:
-        """The counter of its next draw: the tokens it has generated (this turn)."""
-        return len(self.tokens) - self.prompt_len
+        """The counter of the draw of a step that computed its tokens up to ``num_computed``: the tokens
+        generated before the one drawn (this turn), a token still in flight (`Engine.step`) included."""
+        return self.num_computed - self.prompt_len
 
     @property
     def key(self) -> tuple[str, int]:
