@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from rlhf.engine.attention import AttentionMeta, CpuPagedAttention, TorchPagedAttention, make_attention
+from rlhf.engine.attention import AttentionMeta, CpuPagedAttention, TorchPagedAttention
+from rlhf.engine.attention_backend import make_attention
 
 BS, KVH, QPG, D = 4, 2, 3, 8
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from rlhf import platform
-from rlhf.engine.attention import AttentionMeta, TorchPagedAttention, make_attention
+from rlhf.engine.attention import AttentionMeta, TorchPagedAttention
+from rlhf.engine.attention_backend import make_attention
 from test_engine_attention import step_meta
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

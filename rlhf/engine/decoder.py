@@ -60,7 +60,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlhf.engine.attention import AttentionMeta, make_attention
+from rlhf.engine.attention import AttentionMeta
+from rlhf.engine.attention_backend import make_attention
 from rlhf.engine.native import cpu_kernels
 from rlhf.engine.sampler import SampleInputs, sample
 from rlhf.engine.static_decode import StaticDecode

@@ -67,7 +67,7 @@ class EngineConfig:
     max_model_len: int | None = None
     continuous_batching: bool = True
     prefix_sharing: bool = True
-    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" | "triton" (rlhf/engine/attention.py)
+    attention_backend: str = "auto"  # "auto" | "torch" | "cpu" | "flash" | "triton" (rlhf/engine/attention_backend.py)
     cuda_graphs: bool = False  # decode steps at static shapes, replayed as CUDA graphs on a GPU (static_decode.py)
     record_routing: bool = False  # SampleResult.routing: each computed position's experts (MoE only)
 
