@@ -22,7 +22,7 @@ from rlhf.checkpoint.hf import load_hf_weights, read_hf_config
 from rlhf.checkpoint.rlhf_state import ModelSlot, load_rlhf_state, save_rlhf_state
 from rlhf.engine import Engine, EngineConfig, Request, SamplingParams
 from rlhf.models.gpt import build_model, stage_forward
-from rlhf.models.logprobs import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf.models.logprobs import vocab_parallel_logprobs_entropy
 from rlhf.parallel import Placement
 from rlhf.parallel.groups import build_task_groups
 from rlhf.parallel.reshard import reshard
@@ -79,8 +79,9 @@ def _generate_and_score(model, groups, cfg, prompts: list, new_tokens: int) -> d
         ids = torch.tensor([list(r.prompt) + list(r.tokens)])
         logits = stage_forward(model, ids)[:, :-1]
         start = len(r.prompt) - 1
-        out["train_lp"].append(vocab_parallel_log_probs(logits, ids[:, 1:], groups.tp)[0, start:].tolist())
-        out["entropy"].append(vocab_parallel_entropy(logits, groups.tp)[0, start:].tolist())
+        logprobs, entropy = vocab_parallel_logprobs_entropy(logits, ids[:, 1:], groups.tp)
+        out["train_lp"].append(logprobs[0, start:].tolist())
+        out["entropy"].append(entropy[0, start:].tolist())
     return out
 
 

@@ -103,4 +103,3 @@ def test_offloaded_and_released_weights_leave_the_gpu_between_uses(runs):
     assert lean["memory_peak_bytes_max"] > 0
     for key in ("policy_loss", "value_loss", "kl_mean", "reward_mean"):
         assert lean[key] == pytest.approx(kept[key], rel=1e-5, abs=1e-6), key
-

@@ -62,3 +62,10 @@ def test_bf16_logits_are_cast_chunk_by_chunk_and_their_gradient_comes_back_in_bf
         torch.testing.assert_close(g, w, rtol=0, atol=2e-6)
     (weights[0] * got[0] + weights[1] * got[1]).sum().backward()
     assert ours.grad.dtype == torch.bfloat16 and ours.grad.isfinite().all()
+
+
+def test_log_probs_alone_skip_the_entropy_and_equal_those_computed_with_it():
+    logits, targets, _ = _case(torch.float32)
+    alone, none = lp.vocab_parallel_logprobs_entropy(logits, targets, None, 0.7, entropy=False)
+    assert none is None
+    assert torch.equal(alone, lp.vocab_parallel_logprobs_entropy(logits, targets, None, 0.7)[0])

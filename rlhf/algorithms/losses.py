@@ -2,7 +2,7 @@
 loss aggregation and its DP-exact numerator / denominator, the clipped policy
 and value losses, truncated importance sampling of the rollout policy), and
 the reward model's pairwise preference loss. The entropy bonus is
-vocabulary-parallel: rlhf.models.logprobs.vocab_parallel_entropy.
+vocabulary-parallel: rlhf.models.logprobs.vocab_parallel_logprobs_entropy.
 
 All inputs are [B, T] per-token tensors with a 0/1 ``mask`` of valid response
 tokens; every metric is returned as a 0-dim tensor (no host sync here).

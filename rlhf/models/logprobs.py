@@ -38,10 +38,11 @@ def _tp_all_reduce(t: torch.Tensor, op, tp_group) -> None:
 
 
 class _LogProbsEntropy(torch.autograd.Function):
-    """(log p(targets), entropy) per row of [N, V/tp] logits divided by a temperature; see the module."""
+    """(log p(targets), entropy) per row of [N, V/tp] logits divided by a temperature; see the module. Without
+    ``with_entropy`` its sum is skipped and the entropy output is meaningless (the caller drops it)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, tp_group):
+    def forward(ctx, logits, targets, temperature: float, tp_group, with_entropy: bool):
         rows, vocab_local = logits.shape
         step = max(1, CHUNK_ELEMENTS // vocab_local)
         start = (dist.get_rank(tp_group) if tp_group is not None else 0) * vocab_local
@@ -55,12 +56,13 @@ class _LogProbsEntropy(torch.autograd.Function):
 
         maxima = torch.cat([tempered(i).max(dim=-1).values for i in range(0, rows, step)])
         _tp_all_reduce(maxima, dist.ReduceOp.MAX, tp_group)
-        sums = logits.new_empty((3, rows), dtype=torch.float32)  # sum exp, sum exp * shifted, target's shifted
+        sums = logits.new_zeros((3, rows), dtype=torch.float32)  # sum exp, sum exp * shifted, target's shifted
         for i in range(0, rows, step):
             shifted = tempered(i) - maxima[i:i + step, None]
             exp = shifted.exp()
             sums[0, i:i + step] = exp.sum(dim=-1)
-            sums[1, i:i + step] = (exp * torch.where(exp > 0, shifted, 0.0)).sum(dim=-1)  # exp * -inf is NaN
+            if with_entropy:
+                sums[1, i:i + step] = (exp * torch.where(exp > 0, shifted, 0.0)).sum(dim=-1)  # exp * -inf is NaN
             picked = shifted.gather(-1, local[i:i + step, None]).squeeze(-1)
             sums[2, i:i + step] = torch.where(in_slice[i:i + step], picked, 0.0)
         _tp_all_reduce(sums, dist.ReduceOp.SUM, tp_group)
@@ -90,32 +92,27 @@ class _LogProbsEntropy(torch.autograd.Function):
                 term = p * (torch.where(p > 0, log_p, 0.0) + entropy[i:i + step, None])
                 g -= term * grad_entropy[i:i + step, None]
             grad[i:i + step] = g if temperature == 1.0 else g / temperature
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group,
-                                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, tp_group, temperature: float = 1.0,
+                                    entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p(targets), entropy in nats) of softmax(logits / ``temperature``) over the whole vocabulary, from
     this rank's vocab slice.
 
     logits: [..., V/tp] in the model's dtype (cast to fp32 a chunk at a time); targets: [...] int64 global
     token ids. Returns two [...] float32 tensors, both differentiable w.r.t. ``logits`` (the policy loss and
-    the entropy bonus); an output the loss does not use costs nothing in the backward.
+    the entropy bonus); an output the loss does not use costs nothing in the backward. ``entropy=False``
+    (inference: log-probs alone) skips the entropy's sum and returns None for it.
     """
     rows = logits.shape[:-1]
     flat = logits.reshape(-1, logits.shape[-1])
-    logprobs, entropy = _LogProbsEntropy.apply(flat, targets.reshape(-1), float(temperature), tp_group)
-    return logprobs.view(rows), entropy.view(rows)
+    logprobs, entropies = _LogProbsEntropy.apply(flat, targets.reshape(-1), float(temperature), tp_group, entropy)
+    return logprobs.view(rows), entropies.view(rows) if entropy else None
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, tp_group) -> torch.Tensor:
     """log p(targets) from this rank's vocab slice of the logits ([..., V/tp]; targets [...] global ids):
     [...] float32, differentiable."""
-    return vocab_parallel_logprobs_entropy(logits, targets, tp_group)[0]
+    return vocab_parallel_logprobs_entropy(logits, targets, tp_group, entropy=False)[0]
 
-
-def vocab_parallel_entropy(logits: torch.Tensor, tp_group) -> torch.Tensor:
-    """Entropy (nats) of softmax over the whole vocabulary from this rank's vocab slice of the logits
-    ([..., V/tp]): [...] float32, differentiable."""
-    return vocab_parallel_logprobs_entropy(logits, torch.zeros(logits.shape[:-1], dtype=torch.int64,
-                                                               device=logits.device), tp_group)[1]

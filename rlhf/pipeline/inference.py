@@ -26,15 +26,16 @@ from rlhf.tasks import INFERENCE_FIELDS, task_kind
 
 
 def response_logprobs(logits: torch.Tensor, mb: Batch, g, temperature: float = 1.0,
-                      packed: PackedLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[b, R] log-probs of the response tokens and [b, R] entropies of the distributions they were drawn from,
-    from a micro-batch's vocab-parallel logits ([b, T, V/tp] padded, [1, t, V/tp] packed) divided by
+                      packed: PackedLayout | None = None, entropy: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, R] log-probs of the response tokens and [b, R] entropies of the distributions they were drawn from
+    (None without ``entropy``: inference needs none), from a micro-batch's vocab-parallel logits ([b, T, V/tp] padded, [1, t, V/tp] packed) divided by
     ``temperature``: the distribution the engine sampled from, before top-k / top-p (as the peers). Both in
     one chunked pass over the vocabulary (rlhf.models.logprobs), differentiable; each position predicts the
     next token of its sample (a sample's last position predicts nothing a response field reads)."""
     targets = torch.roll(mb.tokens, -1, dims=1) if packed is None else packed.next_tokens(mb.tokens)
-    logprobs, entropy = vocab_parallel_logprobs_entropy(logits, targets, g.tp, temperature)
-    return tuple(mb.response_from_positions(unpacked(x, packed)) for x in (logprobs, entropy))
+    outputs = vocab_parallel_logprobs_entropy(logits, targets, g.tp, temperature, entropy)
+    return tuple(None if x is None else mb.response_from_positions(unpacked(x, packed)) for x in outputs)
 
 
 def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float = 1.0,
@@ -43,7 +44,7 @@ def task_output(task: str, out: torch.Tensor, mb: Batch, g, temperature: float =
     response log-probs at ``temperature`` (a language model), [b] scores (the reward model's value at each
     sample's last token, prompt + response) or [b, R] values (the critic's, per response token)."""
     if task_kind(task) == "lm":
-        return response_logprobs(out, mb, g, temperature, packed)[0]
+        return response_logprobs(out, mb, g, temperature, packed, entropy=False)[0]
     values = unpacked(out, packed)
     if INFERENCE_FIELDS[task] == "scores":
         return mb.last_token_values(values).float()

@@ -77,8 +77,6 @@ def engine_kv_bytes(config: JobConfig, placement, precision: Precision) -> float
     return engine.num_blocks * engine.block_size * per_token / tp
 
 
-
-
 def peak_bytes(config: JobConfig, placement) -> float:
     """The largest total the planner predicts for one rank (:func:`predicted_memory`)."""
     return max(sum(parts.values()) for parts in predicted_memory(config, placement).values())
